@@ -1,0 +1,37 @@
+# Two commands matter: `make test` and `make demo`. Everything else is a step of theirs.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# Reinstall the light environment whenever pyproject.toml changes.
+STAMP := $(VENV)/.installed-$(shell sha256sum pyproject.toml | cut -c1-16)
+
+.PHONY: test demo venv cluster-build cluster-up cluster-down crds
+
+test: venv cluster-build
+	$(BIN)/python -m pytest
+
+demo: venv cluster-build
+	$(BIN)/disagg demo
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	rm -rf $(VENV)
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[test]'
+	touch $@
+
+# Kubernetes, etcd, kwok, kubectl and helm, built from their Go modules into a
+# cache outside the repository (reused when present).
+cluster-build:
+	bash e2e/localcluster/build.sh >/dev/null
+
+cluster-up: venv cluster-build
+	$(BIN)/disagg cluster up
+
+cluster-down: venv
+	$(BIN)/disagg cluster down
+
+crds: venv
+	$(BIN)/disagg crds

@@ -1,0 +1,45 @@
+"""Names and label keys of everything derived from a DisaggDeployment.
+
+One home for them: the operator, the router's discovery, the planner and the
+tests all import these instead of formatting names themselves.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+GROUP = "serving.disagg.dev"
+
+# A DisaggDeployment's name is a DNS-1035 label of at most this many characters.
+# Children are "<name>-<suffix>" with suffixes up to MAX_SUFFIX_LENGTH long, so
+# every child name and every label value that carries the name stays within the
+# 63-character label limit without shortening. child_name() still shortens
+# (stably, with a hash) should a longer name ever reach it.
+MAX_NAME_LENGTH = 48
+MAX_SUFFIX_LENGTH = 14
+DNS1035_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+_LABEL_LIMIT = 63
+
+# Label keys put on every child object and pod.
+LABEL_DEPLOYMENT = f"{GROUP}/deployment"
+LABEL_ROLE = f"{GROUP}/role"
+LABEL_GANG = f"{GROUP}/gang"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+MANAGED_BY = "disagg-operator"
+
+ROLE_PREFILL = "prefill"
+ROLE_DECODE = "decode"
+ROLE_ROUTER = "router"
+ROLES = (ROLE_PREFILL, ROLE_DECODE, ROLE_ROUTER)
+
+
+def child_name(name: str, suffix: str) -> str:
+    """``<name>-<suffix>``, shortened with a stable hash when it would exceed 63."""
+    if len(suffix) > MAX_SUFFIX_LENGTH:
+        raise ValueError(f"suffix {suffix!r} is longer than {MAX_SUFFIX_LENGTH} characters")
+    full = f"{name}-{suffix}"
+    if len(full) <= _LABEL_LIMIT:
+        return full
+    digest = hashlib.sha256(name.encode()).hexdigest()[:8]
+    keep = _LABEL_LIMIT - len(suffix) - len(digest) - 2
+    return f"{name[:keep].rstrip('-')}-{digest}-{suffix}"

@@ -1,0 +1,468 @@
+"""The DisaggDeployment API, serving.disagg.dev/v1alpha1: the single source of truth.
+
+The CRD in ``crds/`` is generated from these models (``disagg crds``), including
+the CEL rules declared here with :func:`cel`. Each cross-field rule is declared
+once as CEL for admission and once as a pydantic validator for Python callers
+(the configurator, the operator reading objects); ``tests/test_api.py`` checks
+both refuse the same specs.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.alias_generators import to_camel
+
+from .names import DNS1035_LABEL, GROUP, MAX_NAME_LENGTH
+
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "DisaggDeployment"
+PLURAL = "disaggdeployments"
+SINGULAR = "disaggdeployment"
+SHORT_NAMES = ["dd"]
+GPU_RESOURCE = "nvidia.com/gpu"
+
+
+def cel(rule: str, message: str, field_path: str | None = None, reason: str = "FieldValueInvalid",
+        message_expression: str | None = None) -> dict[str, Any]:
+    """One ``x-kubernetes-validations`` entry."""
+    entry: dict[str, Any] = {"rule": rule, "message": message, "reason": reason}
+    if message_expression:
+        entry["messageExpression"] = message_expression
+    if field_path:
+        entry["fieldPath"] = field_path
+    return entry
+
+
+def _validations(*rules: dict[str, Any]) -> dict[str, Any]:
+    return {"x-kubernetes-validations": list(rules)}
+
+
+class _Model(BaseModel):
+    """camelCase on the wire, snake_case in Python; unknown fields refused."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid",
+                              use_enum_values=True)
+
+
+# A Kubernetes resource quantity ("8", 8, "500m", "64Gi").
+Quantity = Annotated[
+    int | str,
+    Field(json_schema_extra={"x-kubernetes-int-or-string": True}),
+]
+
+
+class GangBackend(StrEnum):
+    WORKLOAD_API = "workload-api"
+    COSCHEDULING = "coscheduling"
+    VOLCANO = "volcano"
+    NONE = "none"
+
+
+class TopologyMode(StrEnum):
+    REQUIRED = "required"
+    PREFERRED = "preferred"
+
+
+class RoutingPolicy(StrEnum):
+    KV_AWARE = "kv-aware"
+    ROUND_ROBIN = "round-robin"
+    LEAST_LOADED = "least-loaded"
+
+
+class Disaggregation(StrEnum):
+    ALWAYS = "always"
+    CONDITIONAL = "conditional"
+    NEVER = "never"
+
+
+class Predictor(StrEnum):
+    LAST_VALUE = "last-value"
+    MOVING_AVERAGE = "moving-average"
+    HOLT_WINTERS = "holt-winters"
+
+
+class Phase(StrEnum):
+    PENDING = "Pending"
+    PROGRESSING = "Progressing"
+    READY = "Ready"
+    DEGRADED = "Degraded"
+    FAILED = "Failed"
+
+
+class ConditionType(StrEnum):
+    READY = "Ready"
+    GANG_SCHEDULED = "GangScheduled"
+    PROGRESSING = "Progressing"
+    DEGRADED = "Degraded"
+    SLO_MET = "SLOMet"
+
+
+# ---------------------------------------------------------------- spec
+
+class SecretRef(_Model):
+    name: str = Field(min_length=1, max_length=253,
+                      description="Name of a Secret in the deployment's namespace.")
+    key: str = Field("token", min_length=1, max_length=253,
+                     description="Key in the Secret holding the credential (for example a Hugging Face token).")
+
+
+class ModelSpec(_Model):
+    name: str = Field(min_length=1, max_length=253,
+                      description="Model name served on the OpenAI API (the `model` field clients send).")
+    source: str = Field(max_length=1024, pattern=r"^(hf://|pvc://|s3://|/).+",
+                        description="Where the weights come from: hf://<repo>, pvc://<claim>/<path>, "
+                                    "s3://<bucket>/<path>, or an absolute path inside the image.")
+    revision: str | None = Field(None, max_length=253, description="Revision (branch, tag or commit) of the source.")
+    tokenizer: str | None = Field(None, max_length=1024,
+                                  description="Tokenizer location when it differs from the model source.")
+    secret_ref: SecretRef | None = Field(None, description="Credentials for reading the model source.")
+
+
+class EnvVar(_Model):
+    name: str = Field(min_length=1, max_length=256, pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$",
+                      description="Environment variable name.")
+    value: str = Field("", max_length=32768, description="Value, passed literally (no shell expansion).")
+
+
+class EngineSpec(_Model):
+    image: str = Field("disagg/worker:0.1.0", min_length=1, max_length=512,
+                       description="Worker image: vLLM with NIXL and the disagg worker entrypoint.")
+    image_pull_policy: str = Field("IfNotPresent", json_schema_extra={"enum": ["Always", "IfNotPresent", "Never"]},
+                                   description="Image pull policy of the worker containers.")
+    args: list[Annotated[str, Field(max_length=4096)]] = Field(
+        default_factory=list, max_length=128,
+        description="Extra vLLM arguments for both roles, passed as an argument list (never through a shell).")
+    env: list[EnvVar] = Field(default_factory=list, max_length=64,
+                              json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+                              description="Extra environment variables for both roles.")
+
+
+class KVTransferSpec(_Model):
+    connector: str = Field("NixlConnector", json_schema_extra={"enum": ["NixlConnector"]},
+                           description="vLLM KV connector moving KV cache from prefill to decode.")
+    backends: list[Annotated[str, Field(json_schema_extra={"enum": ["UCX", "LIBFABRIC", "GDS", "POSIX"]})]] = Field(
+        default=["UCX"], min_length=1, max_length=4,
+        description="NIXL backends, in order of preference.")
+    buffer_device: str = Field("cuda", json_schema_extra={"enum": ["cuda", "cpu"]},
+                               description="Where KV blocks are staged for transfer: GPU memory or host memory.")
+
+
+class ResourceRequirements(_Model):
+    requests: dict[str, Quantity] = Field(default_factory=dict, max_length=16,
+                                          description="Minimum resources per replica (Kubernetes quantities).")
+    limits: dict[str, Quantity] = Field(default_factory=dict, max_length=16,
+                                        description="Maximum resources per replica (Kubernetes quantities). "
+                                                    f"{GPU_RESOURCE} here must equal tensorParallelSize; when "
+                                                    "absent, tensorParallelSize GPUs are requested.")
+
+
+class Toleration(_Model):
+    key: str | None = Field(None, max_length=316, description="Taint key the toleration applies to.")
+    operator: str = Field("Equal", json_schema_extra={"enum": ["Equal", "Exists"]},
+                          description="Equal matches key and value; Exists matches any value.")
+    value: str | None = Field(None, max_length=63, description="Taint value to match with Equal.")
+    effect: str | None = Field(None, json_schema_extra={"enum": ["NoSchedule", "PreferNoSchedule", "NoExecute"]},
+                               description="Taint effect to match; empty matches all effects.")
+    toleration_seconds: int | None = Field(None, ge=0, description="How long a NoExecute taint is tolerated.")
+
+
+def _gpu_rule(section: str) -> dict[str, Any]:
+    value = f"self.resources.{section}['{GPU_RESOURCE}']"
+    return cel(
+        f"!has(self.resources) || !has(self.resources.{section}) || !('{GPU_RESOURCE}' in self.resources.{section})"
+        f" || quantity(string({value})).compareTo(quantity(string(self.tensorParallelSize))) == 0",
+        message=f"tensorParallelSize must equal the {GPU_RESOURCE} each replica requests",
+        message_expression=f"'tensorParallelSize (' + string(self.tensorParallelSize) + ') must equal the "
+                           f"{GPU_RESOURCE} each replica requests in resources.{section} (' + string({value}) + ')'",
+        field_path=".tensorParallelSize",
+    )
+
+
+class RoleSpec(_Model):
+    model_config = ConfigDict(json_schema_extra=_validations(
+        cel("!has(self.minReplicas) || self.minReplicas <= self.replicas",
+            "minReplicas must not exceed replicas",
+            message_expression="'minReplicas (' + string(self.minReplicas) + ') must not exceed replicas ('"
+                               " + string(self.replicas) + ')'",
+            field_path=".minReplicas"),
+        cel("!has(self.maxReplicas) || self.replicas <= self.maxReplicas",
+            "replicas must not exceed maxReplicas",
+            message_expression="'replicas (' + string(self.replicas) + ') must not exceed maxReplicas ('"
+                               " + string(self.maxReplicas) + ')'",
+            field_path=".replicas"),
+        cel("!has(self.minReplicas) || !has(self.maxReplicas) || self.minReplicas <= self.maxReplicas",
+            "minReplicas must not exceed maxReplicas", field_path=".minReplicas"),
+        _gpu_rule("limits"),
+        _gpu_rule("requests"),
+    ))
+
+    replicas: int = Field(1, ge=0, le=1024,
+                          description="Desired replicas. Owned by the planner's field manager when "
+                                      "spec.planner.enabled is true.")
+    min_replicas: int | None = Field(None, ge=0, le=1024,
+                                     description="Lowest replica count the planner may choose.")
+    max_replicas: int | None = Field(None, ge=1, le=1024,
+                                     description="Highest replica count the planner may choose.")
+    tensor_parallel_size: int = Field(1, ge=1, le=64,
+                                      description="GPUs one replica shards the model over (vLLM "
+                                                  "--tensor-parallel-size); equals its GPU request.")
+    resources: ResourceRequirements = Field(default_factory=ResourceRequirements,
+                                            description="Resources of one replica's worker container.")
+    node_selector: dict[str, Annotated[str, Field(max_length=63)]] = Field(
+        default_factory=dict, max_length=32, description="Node labels a replica's node must carry.")
+    tolerations: list[Toleration] = Field(default_factory=list, max_length=32,
+                                          description="Taints a replica tolerates.")
+    extra_args: list[Annotated[str, Field(max_length=4096)]] = Field(
+        default_factory=list, max_length=128,
+        description="vLLM arguments for this role only, after engine.args, as an argument list.")
+
+    def gpus(self) -> int:
+        """GPUs one replica requests (tensorParallelSize unless resources say otherwise)."""
+        for section in (self.resources.limits, self.resources.requests):
+            if GPU_RESOURCE in section:
+                return int(str(section[GPU_RESOURCE]))
+        return self.tensor_parallel_size
+
+    @model_validator(mode="after")
+    def _check(self) -> RoleSpec:
+        if self.min_replicas is not None and self.min_replicas > self.replicas:
+            raise ValueError(f"minReplicas ({self.min_replicas}) must not exceed replicas ({self.replicas})")
+        if self.max_replicas is not None and self.replicas > self.max_replicas:
+            raise ValueError(f"replicas ({self.replicas}) must not exceed maxReplicas ({self.max_replicas})")
+        if self.min_replicas is not None and self.max_replicas is not None and self.min_replicas > self.max_replicas:
+            raise ValueError("minReplicas must not exceed maxReplicas")
+        for name, section in (("limits", self.resources.limits), ("requests", self.resources.requests)):
+            if GPU_RESOURCE in section and str(section[GPU_RESOURCE]) != str(self.tensor_parallel_size):
+                raise ValueError(f"tensorParallelSize ({self.tensor_parallel_size}) must equal the {GPU_RESOURCE} "
+                                 f"each replica requests in resources.{name} ({section[GPU_RESOURCE]})")
+        return self
+
+
+class RouterSpec(_Model):
+    replicas: int = Field(1, ge=1, le=64, description="Router replicas behind the deployment's Service.")
+    policy: RoutingPolicy = Field(RoutingPolicy.KV_AWARE,
+                                  description="How a worker is picked: by cached prefix and load (kv-aware), "
+                                              "by load alone (least-loaded), or in turn (round-robin).")
+    overlap_weight: float = Field(1.0, ge=0, le=100,
+                                  description="kv-aware cost = overlapWeight x uncached prefill blocks + load.")
+    max_load_skew: float = Field(2.0, ge=1, le=100,
+                                 description="A worker more loaded than maxLoadSkew x the least-loaded one (+1) is "
+                                             "not picked for prefix affinity, so a shared prompt cannot pile "
+                                             "every request onto one worker.")
+    disaggregation: Disaggregation = Field(Disaggregation.CONDITIONAL,
+                                           description="always: every request prefills on a prefill worker; "
+                                                       "never: decode workers prefill locally; conditional: "
+                                                       "remote prefill only for long uncached prompts while "
+                                                       "prefill is not saturated.")
+    local_prefill_threshold_tokens: int = Field(
+        256, ge=0, le=1_000_000,
+        description="With conditional disaggregation, prompts with fewer uncached tokens prefill on decode.")
+    resources: ResourceRequirements = Field(default_factory=ResourceRequirements,
+                                            description="Resources of one router replica.")
+
+
+class GangSpec(_Model):
+    backend: GangBackend = Field(GangBackend.WORKLOAD_API,
+                                 description="Who places the gang: the Kubernetes Workload/PodGroup API "
+                                             "(workload-api), scheduler-plugins coscheduling, Volcano, or nobody.")
+    min_prefill: int = Field(1, ge=0, le=1024,
+                             description="Prefill replicas that must be placed together with minDecode decode "
+                                         "replicas, all or none.")
+    min_decode: int = Field(1, ge=0, le=1024, description="Decode replicas in the gang's minimum set.")
+    timeout_seconds: int = Field(600, ge=0, le=86400,
+                                 description="How long the gang may wait for placement before the deployment "
+                                             "reports GangScheduled=False with reason GangTimeout.")
+
+
+class TopologySpec(_Model):
+    key: str = Field(min_length=1, max_length=316,
+                     description="Node label whose value names one fast-interconnect domain, for example "
+                                 "nvidia.com/gpu.clique, a rack label or topology.kubernetes.io/zone.")
+    mode: TopologyMode = Field(TopologyMode.REQUIRED,
+                               description="required: the gang is placed in one domain or not at all; "
+                                           "preferred: packed when possible, spread otherwise.")
+
+
+class SchedulingSpec(_Model):
+    gang: GangSpec = Field(default_factory=GangSpec, description="Gang scheduling of the minimum set.")
+    topology: TopologySpec | None = Field(None, description="Pack one gang's pods into one topology domain.")
+    priority_class_name: str | None = Field(None, max_length=253,
+                                            description="PriorityClass of the workers.")
+
+
+class SLOSpec(_Model):
+    ttft_ms: float = Field(gt=0, le=3_600_000, description="Time-to-first-token target, milliseconds.")
+    itl_ms: float = Field(gt=0, le=600_000, description="Inter-token latency target, milliseconds.")
+    percentile: float = Field(90, gt=0, lt=100,
+                              description="Percentile at which both targets must hold, for example 90 or 99.")
+
+
+class ProfileRef(_Model):
+    name: str = Field(min_length=1, max_length=253,
+                      description="ConfigMap holding a measured performance profile (from `disagg profile`).")
+
+
+class PlannerSpec(_Model):
+    enabled: bool = Field(False, description="Let the planner own prefill/decode replicas.")
+    interval_seconds: int = Field(30, ge=5, le=3600, description="Seconds between planning decisions.")
+    gpu_budget: int | None = Field(None, ge=1, le=100_000,
+                                   description="Most GPUs prefill and decode may use together.")
+    prometheus_url: str | None = Field(None, max_length=2048, pattern=r"^https?://.+",
+                                       description="Prometheus the planner reads; the operator's default when unset.")
+    predictor: Predictor = Field(Predictor.MOVING_AVERAGE, description="Load predictor for the next interval.")
+    scale_down_cooldown_seconds: int = Field(300, ge=0, le=86400,
+                                             description="Seconds after a scale-up before any scale-down.")
+    profile_ref: ProfileRef | None = Field(None, description="Measured performance profile to plan with.")
+
+
+class OffloadSpec(_Model):
+    cpu_gib: int = Field(0, alias="cpuGiB", ge=0, le=65536,
+                         description="Host-memory KV cache tier per replica, GiB (0: off).")
+    disk_gib: int = Field(0, alias="diskGiB", ge=0, le=1_048_576,
+                          description="Local-disk KV cache tier per replica, GiB (0: off).")
+
+
+class KVCacheSpec(_Model):
+    offload: OffloadSpec = Field(default_factory=OffloadSpec, description="KV cache offload tiers.")
+
+
+class DisaggDeploymentSpec(_Model):
+    model_config = ConfigDict(json_schema_extra=_validations(
+        cel("self.scheduling.gang.minPrefill <= self.prefill.replicas",
+            "scheduling.gang.minPrefill must not exceed prefill.replicas",
+            message_expression="'scheduling.gang.minPrefill (' + string(self.scheduling.gang.minPrefill) + ') must "
+                               "not exceed prefill.replicas (' + string(self.prefill.replicas) + ')'",
+            field_path=".scheduling.gang.minPrefill"),
+        cel("self.scheduling.gang.minDecode <= self.decode.replicas",
+            "scheduling.gang.minDecode must not exceed decode.replicas",
+            message_expression="'scheduling.gang.minDecode (' + string(self.scheduling.gang.minDecode) + ') must "
+                               "not exceed decode.replicas (' + string(self.decode.replicas) + ')'",
+            field_path=".scheduling.gang.minDecode"),
+        cel("!self.planner.enabled || has(self.slo)", "planner.enabled needs slo targets (spec.slo)",
+            field_path=".planner.enabled", reason="FieldValueRequired"),
+        cel("!has(self.planner.gpuBudget) || self.planner.gpuBudget >= "
+            "self.scheduling.gang.minPrefill * self.prefill.tensorParallelSize + "
+            "self.scheduling.gang.minDecode * self.decode.tensorParallelSize",
+            "planner.gpuBudget is below the GPUs the gang minimum needs", field_path=".planner.gpuBudget"),
+    ))
+
+    model: ModelSpec = Field(description="The model to serve.")
+    engine: EngineSpec = Field(default_factory=EngineSpec, description="The vLLM engine both roles run.")
+    kv_transfer: KVTransferSpec = Field(default_factory=KVTransferSpec,
+                                        description="KV cache transfer from prefill to decode.")
+    prefill: RoleSpec = Field(default_factory=RoleSpec, description="Prefill workers.")
+    decode: RoleSpec = Field(default_factory=RoleSpec, description="Decode workers.")
+    router: RouterSpec = Field(default_factory=RouterSpec, description="The OpenAI-compatible router.")
+    scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec, description="Gang and topology placement.")
+    slo: SLOSpec | None = Field(None, description="Latency targets the planner holds.")
+    planner: PlannerSpec = Field(default_factory=PlannerSpec, description="The SLO planner.")
+    kv_cache: KVCacheSpec = Field(default_factory=KVCacheSpec, description="KV cache tiers.")
+
+    @model_validator(mode="after")
+    def _check(self) -> DisaggDeploymentSpec:
+        gang = self.scheduling.gang
+        if gang.min_prefill > self.prefill.replicas:
+            raise ValueError(f"scheduling.gang.minPrefill ({gang.min_prefill}) must not exceed prefill.replicas "
+                             f"({self.prefill.replicas})")
+        if gang.min_decode > self.decode.replicas:
+            raise ValueError(f"scheduling.gang.minDecode ({gang.min_decode}) must not exceed decode.replicas "
+                             f"({self.decode.replicas})")
+        if self.planner.enabled and self.slo is None:
+            raise ValueError("planner.enabled needs slo targets (spec.slo)")
+        if self.planner.gpu_budget is not None and self.planner.gpu_budget < self.gang_min_gpus():
+            raise ValueError("planner.gpuBudget is below the GPUs the gang minimum needs")
+        return self
+
+    def gang_min_gpus(self) -> int:
+        gang = self.scheduling.gang
+        return (gang.min_prefill * self.prefill.tensor_parallel_size
+                + gang.min_decode * self.decode.tensor_parallel_size)
+
+
+# ---------------------------------------------------------------- status
+
+class Condition(_Model):
+    type: str = Field(max_length=316, description="Ready, GangScheduled, Progressing, Degraded or SLOMet.")
+    status: str = Field(json_schema_extra={"enum": ["True", "False", "Unknown"]}, description="True, False or Unknown.")
+    reason: str = Field(max_length=1024, description="CamelCase reason for the last transition.")
+    message: str = Field("", max_length=32768, description="Human-readable details, with the numbers involved.")
+    last_transition_time: str = Field(json_schema_extra={"format": "date-time"},
+                                      description="When the status last changed.")
+    observed_generation: int | None = Field(None, ge=0, description="Generation the condition was computed for.")
+
+
+class RoleStatus(_Model):
+    desired: int = Field(0, ge=0, description="Replicas wanted now.")
+    scheduled: int = Field(0, ge=0, description="Pods bound to a node.")
+    ready: int = Field(0, ge=0, description="Pods ready to serve.")
+    updated: int = Field(0, ge=0, description="Pods running the current template.")
+    summary: str = Field("0/0", max_length=32, description="ready/desired, for kubectl's columns.")
+
+
+class LatencyStatus(_Model):
+    ttft_ms: float | None = Field(None, ge=0, description="Observed time to first token at the SLO percentile, ms.")
+    itl_ms: float | None = Field(None, ge=0, description="Observed inter-token latency at the SLO percentile, ms.")
+    percentile: float | None = Field(None, description="Percentile the figures are taken at.")
+
+
+class PlannerStatus(_Model):
+    replicas_managed_by: str = Field("", max_length=128,
+                                     description="Field manager that owns prefill/decode replicas.")
+    last_decision_time: str | None = Field(None, json_schema_extra={"format": "date-time"},
+                                           description="When the planner last decided.")
+    prefill_replicas: int | None = Field(None, ge=0, description="Prefill replicas the planner chose.")
+    decode_replicas: int | None = Field(None, ge=0, description="Decode replicas the planner chose.")
+    reason: str = Field("", max_length=1024, description="CamelCase reason for the last decision.")
+    message: str = Field("", max_length=32768, description="Why, with the numbers involved.")
+    inputs: dict[str, float] = Field(default_factory=dict, max_length=64,
+                                     description="Observed metrics the decision used.")
+    prediction: dict[str, float] = Field(default_factory=dict, max_length=64,
+                                         description="Predicted load for the next interval.")
+
+
+class DisaggDeploymentStatus(_Model):
+    observed_generation: int | None = Field(None, ge=0, description="Generation this status describes.")
+    phase: Phase = Field(Phase.PENDING, description="Summary of the conditions.")
+    conditions: list[Condition] = Field(default_factory=list, max_length=16,
+                                        json_schema_extra={"x-kubernetes-list-type": "map",
+                                                           "x-kubernetes-list-map-keys": ["type"]},
+                                        description="Ready, GangScheduled, Progressing, Degraded, SLOMet.")
+    prefill: RoleStatus = Field(default_factory=RoleStatus, description="Prefill replicas.")
+    decode: RoleStatus = Field(default_factory=RoleStatus, description="Decode replicas.")
+    router: RoleStatus = Field(default_factory=RoleStatus, description="Router replicas.")
+    endpoint: str = Field("", max_length=2048, description="OpenAI-compatible base URL inside the cluster.")
+    latency: LatencyStatus = Field(default_factory=LatencyStatus, description="Observed latency.")
+    planner: PlannerStatus | None = Field(None, description="The planner's last decision.")
+
+
+# ---------------------------------------------------------------- the object
+
+class ObjectMeta(_Model):
+    """The parts of metadata the project reads; the rest is kept as it is."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(min_length=1, max_length=MAX_NAME_LENGTH, pattern=DNS1035_LABEL)
+    namespace: str | None = None
+
+
+class DisaggDeployment(_Model):
+    api_version: str = Field(API_VERSION, alias="apiVersion")
+    kind: str = Field(KIND)
+    metadata: ObjectMeta
+    spec: DisaggDeploymentSpec
+    status: DisaggDeploymentStatus | None = None
+
+    def to_manifest(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+# Root-level CEL rule: names of derived objects must stay valid.
+NAME_RULE = cel(
+    f"size(self.metadata.name) <= {MAX_NAME_LENGTH} && self.metadata.name.matches('{DNS1035_LABEL}')",
+    f"metadata.name must be a DNS-1035 label of at most {MAX_NAME_LENGTH} characters, so the names derived "
+    "from it (<name>-prefill, <name>-decode, <name>-router, ...) stay valid",
+)

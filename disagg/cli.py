@@ -1,0 +1,76 @@
+"""The ``disagg`` command. Subcommands grow with the components."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _crds(args: argparse.Namespace) -> int:
+    from disagg.api import crd
+
+    directory = Path(args.dir)
+    if args.check:
+        stale = [name for name, content in crd.render().items()
+                 if not (directory / name).exists() or (directory / name).read_text() != content]
+        if stale:
+            print(f"{directory}: out of date with disagg/api: {', '.join(stale)}; run `make crds`", file=sys.stderr)
+            return 1
+        return 0
+    for path in crd.write(directory):
+        print(f"wrote {path}")
+    return 0
+
+
+def _cluster(args: argparse.Namespace) -> int:
+    from disagg.e2e.localcluster import LocalCluster
+
+    cluster = LocalCluster(args.name)
+    if args.action == "up":
+        cluster.up(nodes_file=Path(args.nodes) if args.nodes else None)
+        print(f"cluster {args.name!r} is up; use it with:\n  export KUBECONFIG={cluster.kubeconfig}")
+    elif args.action == "down":
+        cluster.down()
+        print(f"cluster {args.name!r} is down")
+    elif args.action == "status":
+        running = cluster.running()
+        print(f"cluster {args.name!r}: {'running' if running else 'not running'}"
+              + (f"\n  export KUBECONFIG={cluster.kubeconfig}" if running else ""))
+        return 0 if running else 1
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from disagg.e2e.demo import run
+
+    return run(cluster_name=args.cluster)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="disagg", description="Disaggregated LLM serving on Kubernetes.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("crds", help="write crds/ from the API models (or --check for drift)")
+    p.add_argument("--dir", default=str(REPO / "crds"))
+    p.add_argument("--check", action="store_true", help="exit 1 if crds/ differs from the models")
+    p.set_defaults(func=_crds)
+
+    p = sub.add_parser("cluster", help="the local control plane with simulated GPU node pools")
+    p.add_argument("action", choices=["up", "down", "status"])
+    p.add_argument("--name", default="default", help="cluster name (one state directory each)")
+    p.add_argument("--nodes", help="node pool file (default: e2e/clusters/default.yaml)")
+    p.set_defaults(func=_cluster)
+
+    p = sub.add_parser("demo", help="bring up the local cluster and show the API at work")
+    p.add_argument("--cluster", default="default")
+    p.set_defaults(func=_demo)
+
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
