@@ -61,6 +61,11 @@ def _structural(node: Any) -> Any:
     if node.get("x-kubernetes-int-or-string"):
         node.pop("anyOf", None)
         node.pop("type", None)
+    for bound in ("Minimum", "Maximum"):  # JSON Schema's numeric form -> OpenAPI v3.0's boolean form
+        value = node.get(f"exclusive{bound}")
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            node[bound.lower()] = value
+            node[f"exclusive{bound}"] = True
     if "enum" in node and "type" not in node:
         node["type"] = "string"
     if node.get("type") == "object" and "properties" in node:

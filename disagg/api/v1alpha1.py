@@ -26,12 +26,10 @@ SHORT_NAMES = ["dd"]
 GPU_RESOURCE = "nvidia.com/gpu"
 
 
-def cel(rule: str, message: str, field_path: str | None = None, reason: str = "FieldValueInvalid",
-        message_expression: str | None = None) -> dict[str, Any]:
-    """One ``x-kubernetes-validations`` entry."""
+def cel(rule: str, message: str, field_path: str | None = None, reason: str = "FieldValueInvalid") -> dict[str, Any]:
+    """One ``x-kubernetes-validations`` entry. Messages are static: the API server's
+    cost estimator treats string(int) in a messageExpression as unbounded."""
     entry: dict[str, Any] = {"rule": rule, "message": message, "reason": reason}
-    if message_expression:
-        entry["messageExpression"] = message_expression
     if field_path:
         entry["fieldPath"] = field_path
     return entry
@@ -51,7 +49,7 @@ class _Model(BaseModel):
 # A Kubernetes resource quantity ("8", 8, "500m", "64Gi").
 Quantity = Annotated[
     int | str,
-    Field(json_schema_extra={"x-kubernetes-int-or-string": True}),
+    Field(json_schema_extra={"x-kubernetes-int-or-string": True, "maxLength": 64}),
 ]
 
 
@@ -171,13 +169,14 @@ class Toleration(_Model):
 
 
 def _gpu_rule(section: str) -> dict[str, Any]:
-    value = f"self.resources.{section}['{GPU_RESOURCE}']"
+    # Static messages only: string(int) in a messageExpression (or rule) is
+    # estimated as unbounded by the API server's CEL cost check.
+    v = f"self.resources.{section}['{GPU_RESOURCE}']"
     return cel(
         f"!has(self.resources) || !has(self.resources.{section}) || !('{GPU_RESOURCE}' in self.resources.{section})"
-        f" || quantity(string({value})).compareTo(quantity(string(self.tensorParallelSize))) == 0",
-        message=f"tensorParallelSize must equal the {GPU_RESOURCE} each replica requests",
-        message_expression=f"'tensorParallelSize (' + string(self.tensorParallelSize) + ') must equal the "
-                           f"{GPU_RESOURCE} each replica requests in resources.{section} (' + string({value}) + ')'",
+        f" || (type({v}) == int ? {v} == self.tensorParallelSize : (isQuantity({v}) && quantity({v}).isInteger()"
+        f" && quantity({v}).asInteger() == self.tensorParallelSize))",
+        message=f"tensorParallelSize must equal the {GPU_RESOURCE} each replica requests in resources.{section}",
         field_path=".tensorParallelSize",
     )
 
@@ -186,13 +185,9 @@ class RoleSpec(_Model):
     model_config = ConfigDict(json_schema_extra=_validations(
         cel("!has(self.minReplicas) || self.minReplicas <= self.replicas",
             "minReplicas must not exceed replicas",
-            message_expression="'minReplicas (' + string(self.minReplicas) + ') must not exceed replicas ('"
-                               " + string(self.replicas) + ')'",
             field_path=".minReplicas"),
         cel("!has(self.maxReplicas) || self.replicas <= self.maxReplicas",
             "replicas must not exceed maxReplicas",
-            message_expression="'replicas (' + string(self.replicas) + ') must not exceed maxReplicas ('"
-                               " + string(self.maxReplicas) + ')'",
             field_path=".replicas"),
         cel("!has(self.minReplicas) || !has(self.maxReplicas) || self.minReplicas <= self.maxReplicas",
             "minReplicas must not exceed maxReplicas", field_path=".minReplicas"),
@@ -334,13 +329,9 @@ class DisaggDeploymentSpec(_Model):
     model_config = ConfigDict(json_schema_extra=_validations(
         cel("self.scheduling.gang.minPrefill <= self.prefill.replicas",
             "scheduling.gang.minPrefill must not exceed prefill.replicas",
-            message_expression="'scheduling.gang.minPrefill (' + string(self.scheduling.gang.minPrefill) + ') must "
-                               "not exceed prefill.replicas (' + string(self.prefill.replicas) + ')'",
             field_path=".scheduling.gang.minPrefill"),
         cel("self.scheduling.gang.minDecode <= self.decode.replicas",
             "scheduling.gang.minDecode must not exceed decode.replicas",
-            message_expression="'scheduling.gang.minDecode (' + string(self.scheduling.gang.minDecode) + ') must "
-                               "not exceed decode.replicas (' + string(self.decode.replicas) + ')'",
             field_path=".scheduling.gang.minDecode"),
         cel("!self.planner.enabled || has(self.slo)", "planner.enabled needs slo targets (spec.slo)",
             field_path=".planner.enabled", reason="FieldValueRequired"),
@@ -453,8 +444,10 @@ class DisaggDeployment(_Model):
     api_version: str = Field(API_VERSION, alias="apiVersion")
     kind: str = Field(KIND)
     metadata: ObjectMeta
-    spec: DisaggDeploymentSpec
-    status: DisaggDeploymentStatus | None = None
+    spec: DisaggDeploymentSpec = Field(description="What to serve and how: model, engine, the prefill and decode "
+                                                   "roles, router, placement, SLOs and planner.")
+    status: DisaggDeploymentStatus | None = Field(None, description="What the operator and planner observe; "
+                                                                    "written by them only.")
 
     def to_manifest(self) -> dict[str, Any]:
         return self.model_dump(by_alias=True, exclude_none=True, mode="json")

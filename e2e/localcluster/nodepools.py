@@ -258,7 +258,9 @@ def write_kwok_config(path: Path) -> Path:
     fault_key = f'.metadata.annotations["{FAULT_ANNOTATION}"]'
     docs = [
         {"apiVersion": "config.kwok.x-k8s.io/v1alpha1", "kind": "KwokConfiguration",
-         "options": {"nodeLeaseDurationSeconds": 40}},
+         # kwok applies no defaults to a configuration file's options: set them all.
+         "options": {"nodeLeaseDurationSeconds": 40, "nodeLeaseParallelism": 8, "podPlayStageParallelism": 8,
+                     "nodePlayStageParallelism": 8, "podsOnNodeSyncParallelism": 4}},
         _stage("node-initialize", "Node", [not_ready], _NODE_READY),
         _stage("node-heartbeat", "Node", [ready, {"key": ".status.phase", "operator": "In", "values": ["Running"]}],
                _NODE_READY, delay_ms=300_000),

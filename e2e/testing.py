@@ -1,0 +1,36 @@
+"""Helpers shared by the test suites: waiting on conditions and building objects."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, TypeVar
+
+T = TypeVar("T")
+
+
+def wait_for(check: Callable[[], T], timeout: float = 60, what: str = "condition", interval: float = 0.25) -> T:
+    """Poll ``check`` until it returns something truthy; fail naming ``what`` and the last value."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while True:
+        last = check()
+        if last:
+            return last
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r})")
+        time.sleep(interval)
+
+
+def pod(name: str, gpus: int = 0, labels: dict[str, str] | None = None, node_selector: dict[str, str] | None = None,
+        pod_group: str | None = None, annotations: dict[str, str] | None = None) -> dict[str, Any]:
+    """A plain pod manifest (the image is never pulled: kwok runs the pod)."""
+    container: dict[str, Any] = {"name": "main", "image": "registry.k8s.io/pause:3.10"}
+    if gpus:
+        container["resources"] = {"limits": {"nvidia.com/gpu": str(gpus)}}
+    spec: dict[str, Any] = {"containers": [container], "terminationGracePeriodSeconds": 0}
+    if node_selector:
+        spec["nodeSelector"] = node_selector
+    if pod_group:
+        spec["schedulingGroup"] = {"podGroupName": pod_group}
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "labels": labels or {}, "annotations": annotations or {}}, "spec": spec}
