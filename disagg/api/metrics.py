@@ -1,0 +1,40 @@
+"""Every Prometheus metric name the project exposes or reads, in one place.
+
+The router and workers expose them, the planner reads them, the dashboards and
+alert rules query them: all import these names instead of spelling them out.
+Units are base units (seconds, tokens); latencies are histograms.
+Add new names here, next to their kin, with the labels they carry.
+"""
+
+PREFIX = "disagg_"
+
+# ---- router (labels: deployment, namespace where known)
+ROUTER_TTFT_SECONDS = "disagg_router_ttft_seconds"                  # histogram
+ROUTER_ITL_SECONDS = "disagg_router_itl_seconds"                    # histogram
+ROUTER_E2E_SECONDS = "disagg_router_request_duration_seconds"       # histogram
+ROUTER_INPUT_TOKENS = "disagg_router_input_tokens"                  # histogram
+ROUTER_OUTPUT_TOKENS = "disagg_router_output_tokens"                # histogram
+ROUTER_REQUESTS = "disagg_router_requests_total"                    # counter; labels: outcome, path
+ROUTER_FALLBACKS = "disagg_router_fallbacks_total"                  # counter; labels: reason
+ROUTER_ROUTING_DECISIONS = "disagg_router_routing_decisions_total"  # counter; labels: policy, role, worker
+ROUTER_PROMPT_TOKENS = "disagg_router_prompt_tokens_total"          # counter
+ROUTER_CACHED_PROMPT_TOKENS = "disagg_router_cached_prompt_tokens_total"  # counter (prefix hit ratio = cached/prompt)
+ROUTER_ACTIVE_REQUESTS = "disagg_router_active_requests"            # gauge; labels: role, worker
+ROUTER_WORKERS = "disagg_router_workers"                            # gauge; labels: role, state
+
+# request paths (label values of ROUTER_REQUESTS{path=...})
+PATH_REMOTE_PREFILL = "remote_prefill"
+PATH_LOCAL_PREFILL = "local_prefill"
+PATH_FALLBACK = "fallback"
+
+# ---- planner (labels: deployment, namespace)
+PLANNER_DECISIONS = "disagg_planner_decisions_total"                # counter; labels: role, direction, reason
+PLANNER_DESIRED_REPLICAS = "disagg_planner_desired_replicas"        # gauge; labels: role
+PLANNER_PREDICTED_REQUEST_RATE = "disagg_planner_predicted_request_rate"  # gauge, requests/s
+PLANNER_OBSERVED_TTFT_SECONDS = "disagg_planner_observed_ttft_seconds"    # gauge
+PLANNER_OBSERVED_ITL_SECONDS = "disagg_planner_observed_itl_seconds"      # gauge
+PLANNER_METRICS_AVAILABLE = "disagg_planner_metrics_available"      # gauge 0/1
+
+# ---- operator
+OPERATOR_RECONCILES = "disagg_operator_reconciles_total"            # counter; labels: result
+OPERATOR_GANG_WAIT_SECONDS = "disagg_operator_gang_wait_seconds"    # histogram
