@@ -6,9 +6,9 @@ BIN := $(VENV)/bin
 # Reinstall the light environment whenever pyproject.toml changes.
 STAMP := $(VENV)/.installed-$(shell sha256sum pyproject.toml | cut -c1-16)
 
-.PHONY: test demo venv cluster-build cluster-up cluster-down crds
+.PHONY: test demo venv cluster-build cluster-up cluster-down crds prometheus
 
-test: venv cluster-build
+test: venv cluster-build prometheus
 	$(BIN)/python -m pytest
 
 demo: venv cluster-build
@@ -32,6 +32,10 @@ cluster-up: venv cluster-build
 
 cluster-down: venv
 	$(BIN)/disagg cluster down
+
+# A real Prometheus for the planner's tests (Debian's package), installed only when missing.
+prometheus:
+	@command -v prometheus >/dev/null || { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y prometheus; }
 
 crds: venv
 	$(BIN)/disagg crds
