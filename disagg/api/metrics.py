@@ -21,11 +21,32 @@ ROUTER_PROMPT_TOKENS = "disagg_router_prompt_tokens_total"          # counter
 ROUTER_CACHED_PROMPT_TOKENS = "disagg_router_cached_prompt_tokens_total"  # counter (prefix hit ratio = cached/prompt)
 ROUTER_ACTIVE_REQUESTS = "disagg_router_active_requests"            # gauge; labels: role, worker
 ROUTER_WORKERS = "disagg_router_workers"                            # gauge; labels: role, state
+ROUTER_ROUTING_SECONDS = "disagg_router_routing_decision_seconds"   # histogram; labels: policy, role
+ROUTER_INDEXED_BLOCKS = "disagg_router_indexed_blocks"              # gauge; labels: role
+ROUTER_KV_EVENT_BATCHES = "disagg_router_kv_event_batches_total"    # counter
 
 # request paths (label values of ROUTER_REQUESTS{path=...})
 PATH_REMOTE_PREFILL = "remote_prefill"
 PATH_LOCAL_PREFILL = "local_prefill"
 PATH_FALLBACK = "fallback"
+# outcomes (ROUTER_REQUESTS{outcome=...}) and fallback reasons (ROUTER_FALLBACKS{reason=...})
+OUTCOME_SUCCESS = "success"
+OUTCOME_CLIENT_ERROR = "client_error"
+OUTCOME_UPSTREAM_ERROR = "upstream_error"
+OUTCOME_NO_WORKERS = "no_workers"
+FALLBACK_PREFILL_ERROR = "prefill_error"
+FALLBACK_PREFILL_TIMEOUT = "prefill_timeout"
+FALLBACK_DECODE_RETRY = "decode_retry"
+
+# ---- vLLM's own metrics, as the router, tests and planner read them from workers' /metrics
+VLLM_NIXL_BYTES_TRANSFERRED = "vllm:nixl_bytes_transferred"        # histogram (bytes per transfer)
+VLLM_NIXL_FAILED_TRANSFERS = "vllm:nixl_num_failed_transfers"      # counter
+VLLM_PREFIX_CACHE_QUERIES = "vllm:prefix_cache_queries"            # counter, tokens
+VLLM_PREFIX_CACHE_HITS = "vllm:prefix_cache_hits"                  # counter, tokens
+VLLM_PROMPT_TOKENS = "vllm:prompt_tokens"                          # counter
+VLLM_NUM_REQUESTS_RUNNING = "vllm:num_requests_running"            # gauge
+VLLM_NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"            # gauge
+VLLM_KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"                   # gauge, 0..1
 
 # ---- planner (labels: deployment, namespace)
 PLANNER_DECISIONS = "disagg_planner_decisions_total"                # counter; labels: role, direction, reason
