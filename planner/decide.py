@@ -1,0 +1,436 @@
+"""The planner's decisions: a pure function from an observed snapshot to a decision.
+
+``decide(observation, target, memory, model, now) -> (Decision, Memory)`` reads no
+clock, no cluster and no Prometheus: the loop, the simulator and the tests call it
+the same way. The executor (:mod:`disagg.planner.apply`) carries decisions out.
+
+Sizing (per role, from the performance model, corrected online):
+
+* prefill: each replica is a queue fed ``rate / n`` prompts a second, each taking the
+  model's prefill time for the uncached part of a typical prompt; ``n`` is the least
+  whose TTFT at the SLO percentile (service of a percentile-length prompt + KV
+  transfer + waiting time of an M/M/1 queue at that percentile) meets the target;
+* decode: the largest batch per replica whose ITL meets the target and whose KV cache
+  fits, and Little's law for the requests in flight (``rate x output tokens x ITL``)
+  plus a percentile margin for their fluctuation.
+
+Then: up at once, down only after ``scaleDownCooldownSeconds`` since the last scale-up,
+with a hysteresis margin and at most a quarter of the role per interval; clamped to
+the role's min/max, the gang minimum (never zero) and the GPU budget. Not Ready or
+mid-rollout: hold unless saturated (then only up). Missing metrics: hold, say why.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from statistics import NormalDist
+from typing import Any
+
+from .perfmodel import OnlineCorrection, PerfModel
+from .predictors import get as get_predictor
+
+HISTORY = 288               # intervals kept for the predictors
+MAX_UTILIZATION = 0.9       # no queue is planned hotter than this
+SCALE_DOWN_MARGIN = 1.2     # size for 20% more load before shrinking (hysteresis)
+SCALE_DOWN_STEP = 0.25      # shrink at most a quarter of a role per interval (at least one replica)
+SATURATION = 2.0            # observed latency at this multiple of target counts as saturated
+MAX_REPLICAS = 1024
+
+# Reasons (CamelCase, in status.planner.reason and the event)
+SCALED = "Scaled"
+STEADY = "Steady"
+COOLDOWN = "ScaleDownCooldown"
+NOT_READY = "DeploymentNotReady"
+ROLLING_OUT = "RolloutInProgress"
+METRICS_UNAVAILABLE = "MetricsUnavailable"
+PROMETHEUS_UNREACHABLE = "PrometheusUnreachable"
+BUDGET_LIMITED = "GPUBudgetLimited"
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One snapshot of the deployment's traffic and latency over the last interval.
+
+    Latencies are in seconds at the SLO percentile; token counts per request.
+    ``error`` says the source could not be read at all; ``missing`` names required
+    series that were absent or NaN.
+    """
+
+    time: float
+    request_rate: float | None = None
+    ttft: float | None = None
+    itl: float | None = None
+    input_tokens_mean: float | None = None
+    input_tokens_p: float | None = None
+    output_tokens_mean: float | None = None
+    output_tokens_p: float | None = None
+    prefix_hit_ratio: float = 0.0
+    prefill_queue: float | None = None
+    decode_queue: float | None = None
+    decode_kv_usage: float | None = None
+    missing: tuple[str, ...] = ()
+    error: str | None = None
+
+    @classmethod
+    def unavailable(cls, time: float, error: str) -> Observation:
+        return cls(time=time, error=error)
+
+    def inputs(self) -> dict[str, float]:
+        out = {}
+        for key in ("request_rate", "ttft", "itl", "input_tokens_mean", "input_tokens_p", "output_tokens_mean",
+                    "output_tokens_p", "prefix_hit_ratio", "prefill_queue", "decode_queue", "decode_kv_usage"):
+            v = getattr(self, key)
+            if v is not None and math.isfinite(v):
+                out[_camel(key)] = round(float(v), 6)
+        return out
+
+
+def _camel(s: str) -> str:
+    head, *rest = s.split("_")
+    return head + "".join(w.capitalize() for w in rest)
+
+
+@dataclass(frozen=True)
+class Target:
+    """The deployment as the planner sees it: current size, bounds, SLO and planner settings."""
+
+    prefill: int
+    decode: int
+    ttft_target: float                 # seconds
+    itl_target: float                  # seconds
+    percentile: float = 90.0
+    prefill_tp: int = 1
+    decode_tp: int = 1
+    prefill_min: int = 1
+    decode_min: int = 1
+    prefill_max: int = MAX_REPLICAS
+    decode_max: int = MAX_REPLICAS
+    gpu_budget: int | None = None
+    interval: float = 30.0
+    cooldown: float = 300.0
+    predictor: str = "moving-average"
+    ready: bool = True
+    rolling: bool = False
+
+    @classmethod
+    def from_spec(cls, spec: Any, *, ready: bool = True, rolling: bool = False) -> Target:
+        """From a :class:`disagg.api.v1alpha1.DisaggDeploymentSpec`."""
+        gang = spec.scheduling.gang
+        slo = spec.slo
+        return cls(
+            prefill=spec.prefill.replicas, decode=spec.decode.replicas,
+            ttft_target=slo.ttft_ms / 1000.0, itl_target=slo.itl_ms / 1000.0, percentile=slo.percentile,
+            prefill_tp=spec.prefill.tensor_parallel_size, decode_tp=spec.decode.tensor_parallel_size,
+            prefill_min=max(1, gang.min_prefill, spec.prefill.min_replicas or 0),
+            decode_min=max(1, gang.min_decode, spec.decode.min_replicas or 0),
+            prefill_max=spec.prefill.max_replicas or MAX_REPLICAS,
+            decode_max=spec.decode.max_replicas or MAX_REPLICAS,
+            gpu_budget=spec.planner.gpu_budget, interval=spec.planner.interval_seconds,
+            cooldown=spec.planner.scale_down_cooldown_seconds, predictor=spec.planner.predictor,
+            ready=ready, rolling=rolling)
+
+    @property
+    def floor_prefill(self) -> int:
+        return max(1, self.prefill_min)
+
+    @property
+    def floor_decode(self) -> int:
+        return max(1, self.decode_min)
+
+    def gpus(self, prefill: int, decode: int) -> int:
+        return prefill * self.prefill_tp + decode * self.decode_tp
+
+
+@dataclass(frozen=True)
+class Load:
+    """Traffic to size for."""
+
+    rate: float                 # requests/s
+    input_mean: float           # prompt tokens
+    input_p: float              # prompt tokens at the SLO percentile
+    output_mean: float          # generated tokens
+    prefix_hit: float = 0.0     # fraction of prompt tokens already cached
+
+
+@dataclass(frozen=True)
+class Memory:
+    """What the planner carries from one interval to the next (per deployment)."""
+
+    rate: tuple[float, ...] = ()
+    input_mean: tuple[float, ...] = ()
+    input_p: tuple[float, ...] = ()
+    output_mean: tuple[float, ...] = ()
+    prefix_hit: tuple[float, ...] = ()
+    correction: OnlineCorrection = field(default_factory=OnlineCorrection)
+    last_scale_up_prefill: float | None = None
+    last_scale_up_decode: float | None = None
+    expected_ttft: float | None = None   # what the model predicted for the size it chose
+    expected_itl: float | None = None
+
+    def remember(self, obs: Observation) -> Memory:
+        def push(series: tuple[float, ...], value: float | None) -> tuple[float, ...]:
+            if value is None or not math.isfinite(value):
+                return series
+            return (series + (float(value),))[-HISTORY:]
+
+        return replace(self, rate=push(self.rate, obs.request_rate),
+                       input_mean=push(self.input_mean, obs.input_tokens_mean),
+                       input_p=push(self.input_p, obs.input_tokens_p),
+                       output_mean=push(self.output_mean, obs.output_tokens_mean),
+                       prefix_hit=push(self.prefix_hit, obs.prefix_hit_ratio))
+
+
+@dataclass(frozen=True)
+class RoleDecision:
+    replicas: int
+    needed: int            # what the model asked for before hysteresis and clamps
+    reason: str
+
+    def direction(self, current: int) -> str:
+        return "up" if self.replicas > current else "down" if self.replicas < current else "hold"
+
+
+@dataclass(frozen=True)
+class Decision:
+    prefill: RoleDecision
+    decode: RoleDecision
+    reason: str
+    message: str
+    metrics_ok: bool
+    inputs: dict[str, float] = field(default_factory=dict)
+    prediction: dict[str, float] = field(default_factory=dict)
+
+    def changes(self, target: Target) -> bool:
+        return self.prefill.replicas != target.prefill or self.decode.replicas != target.decode
+
+
+# ---------------------------------------------------------------- sizing (pure, monotone in load)
+
+def _z(percentile: float) -> float:
+    return NormalDist().inv_cdf(min(max(percentile / 100.0, 0.5), 0.9999))
+
+
+def prefill_latency(model: PerfModel, load: Load, replicas: int, percentile: float) -> float:
+    """Predicted TTFT at ``percentile`` with ``replicas`` prefill replicas (inf when overloaded)."""
+    hit = min(max(load.prefix_hit, 0.0), 0.99)
+    s_mean = model.ttft(load.input_mean, load.input_mean * hit)
+    s_p = model.ttft(load.input_p, load.input_p * hit)
+    transfer = model.kv_transfer_time_tokens(load.input_p)
+    if load.rate <= 0:
+        return s_p + transfer
+    lam = load.rate / replicas
+    rho = lam * s_mean
+    if rho >= 1.0:
+        return math.inf
+    # M/M/1 waiting time: P(W > t) = rho * exp(-(mu - lambda) t)
+    tail = 1.0 - percentile / 100.0
+    wait = max(0.0, math.log(rho / tail) / (1.0 / s_mean - lam)) if rho > tail else 0.0
+    return s_p + transfer + wait
+
+
+def size_prefill(model: PerfModel, load: Load, ttft_target: float, percentile: float,
+                 limit: int = MAX_REPLICAS) -> tuple[int, float]:
+    """Least prefill replicas meeting the TTFT target (``limit`` when none does), and the TTFT they give."""
+    hit = min(max(load.prefix_hit, 0.0), 0.99)
+    s_mean = model.ttft(load.input_mean, load.input_mean * hit)
+    lo = max(1, math.ceil(load.rate * s_mean / MAX_UTILIZATION)) if load.rate > 0 else 1
+    n = min(lo, limit)
+    while n < limit and prefill_latency(model, load, n, percentile) > ttft_target:
+        n += 1
+    return n, prefill_latency(model, load, n, percentile)
+
+
+def decode_latency(model: PerfModel, load: Load, replicas: int, itl_target: float) -> float:
+    """Predicted ITL with ``replicas`` decode replicas sharing the requests in flight."""
+    ctx = load.input_mean + load.output_mean / 2.0
+    batch = max(model.max_concurrency_for_itl(itl_target, ctx), 1)
+    in_flight = load.rate * load.output_mean * model.itl(batch, ctx)
+    per_replica = max(in_flight / replicas, 1.0)
+    if per_replica > max(model.max_concurrency(ctx), 1):
+        return math.inf
+    return model.itl(per_replica, ctx)
+
+
+def size_decode(model: PerfModel, load: Load, itl_target: float, percentile: float,
+                limit: int = MAX_REPLICAS) -> tuple[int, float]:
+    """Least decode replicas keeping the ITL target for the requests in flight, and the ITL they give."""
+    ctx = load.input_mean + load.output_mean / 2.0
+    batch = model.max_concurrency_for_itl(itl_target, ctx)
+    if batch < 1:  # even one request misses the target (or does not fit): spread as thin as possible
+        batch = 1
+    in_flight = load.rate * load.output_mean * model.itl(batch, ctx)
+    needed = in_flight + _z(percentile) * math.sqrt(in_flight)
+    n = min(max(1, math.ceil(needed / batch - 1e-9)), limit)
+    return n, decode_latency(model, load, n, itl_target)
+
+
+def fit_budget(prefill: int, decode: int, target: Target) -> tuple[int, int, bool]:
+    """Shrink (prefill, decode) to the GPU budget in proportion to what each asked above its floor."""
+    budget = target.gpu_budget
+    if budget is None or target.gpus(prefill, decode) <= budget:
+        return prefill, decode, False
+    fp, fd = min(target.floor_prefill, prefill), min(target.floor_decode, decode)
+    avail = max(budget - target.gpus(fp, fd), 0)
+    extra_p, extra_d = (prefill - fp) * target.prefill_tp, (decode - fd) * target.decode_tp
+    if extra_p + extra_d == 0:
+        return fp, fd, True
+    f = avail / (extra_p + extra_d)
+    p = fp + int(extra_p * f // target.prefill_tp)
+    d = fd + int(extra_d * f // target.decode_tp)
+    # hand out what rounding left, to the role furthest below its ask
+    while True:
+        options = []
+        if p < prefill and target.gpus(p + 1, d) <= budget:
+            options.append(((prefill - p) / prefill, 0))
+        if d < decode and target.gpus(p, d + 1) <= budget:
+            options.append(((decode - d) / decode, 1))
+        if not options:
+            break
+        if max(options)[1] == 0:
+            p += 1
+        else:
+            d += 1
+    return p, d, True
+
+
+# ---------------------------------------------------------------- the decision
+
+def _hold(target: Target, memory: Memory, reason: str, message: str, obs: Observation) -> tuple[Decision, Memory]:
+    p = max(target.prefill, target.floor_prefill)  # never zero, even when someone set it so
+    d = max(target.decode, target.floor_decode)
+    return Decision(RoleDecision(p, p, reason), RoleDecision(d, d, reason), reason, message, metrics_ok=False,
+                    inputs=obs.inputs()), memory
+
+
+def _predict(name: str, history: tuple[float, ...], season: int) -> float:
+    params = {"season": season} if name == "holt-winters" else {}
+    return get_predictor(name, **params).predict(history)
+
+
+def decide(obs: Observation, target: Target, memory: Memory, model: PerfModel, now: float,
+           season_intervals: int = 0) -> tuple[Decision, Memory]:
+    """Plan the next interval. Pure: same inputs, same decision."""
+    if obs.error:
+        return _hold(target, memory, PROMETHEUS_UNREACHABLE,
+                     f"holding at prefill={target.prefill} decode={target.decode}: {obs.error}", obs)
+    if obs.missing or obs.request_rate is None or not math.isfinite(obs.request_rate):
+        missing = ", ".join(obs.missing) or "request rate"
+        return _hold(target, memory, METRICS_UNAVAILABLE,
+                     f"holding at prefill={target.prefill} decode={target.decode}: no data for {missing}", obs)
+
+    first = memory.last_scale_up_prefill is None
+    if first:  # the planner's start counts as a scale-up: no shrinking on cold-start samples
+        memory = replace(memory, last_scale_up_prefill=now, last_scale_up_decode=now)
+    ttft_obs = obs.ttft if obs.ttft is not None and math.isfinite(obs.ttft) else None
+    itl_obs = obs.itl if obs.itl is not None and math.isfinite(obs.itl) else None
+    if obs.request_rate > 0 and memory.expected_ttft is not None:
+        memory = replace(memory, correction=memory.correction.observe(ttft_obs, memory.expected_ttft,
+                                                                      itl_obs, memory.expected_itl))
+    memory = memory.remember(obs)
+    corr = memory.correction
+    planning = model.corrected(corr.prefill, corr.decode)
+
+    # predicted load; never below what was just observed (scale up fast)
+    last_rate = obs.request_rate
+    rate = max(_predict(target.predictor, memory.rate, season_intervals), last_rate)
+    in_mean = max(memory.input_mean[-1] if memory.input_mean else 0.0, 1.0)
+    in_p = max(memory.input_p[-1] if memory.input_p else in_mean, in_mean)
+    out_mean = max(memory.output_mean[-1] if memory.output_mean else 0.0, 1.0)
+    hit = memory.prefix_hit[-1] if memory.prefix_hit else 0.0
+    if len(memory.input_mean) > 1:  # token mixes: smoothed, but not below the last value
+        in_mean = max(_predict("moving-average", memory.input_mean, 0), in_mean)
+        out_mean = max(_predict("moving-average", memory.output_mean, 0), out_mean)
+    load = Load(rate, in_mean, in_p, out_mean, hit)
+
+    p_limit = max(min(target.prefill_max, MAX_REPLICAS), target.floor_prefill)
+    d_limit = max(min(target.decode_max, MAX_REPLICAS), target.floor_decode)
+    need_p, ttft_pred = size_prefill(planning, load, target.ttft_target, target.percentile, p_limit)
+    need_d, itl_pred = size_decode(planning, load, target.itl_target, target.percentile, d_limit)
+    # the observed latency has the last word when it breaks the target the model claims is met
+    if ttft_obs is not None and ttft_obs > target.ttft_target and need_p <= target.prefill:
+        need_p = target.prefill + 1
+    if itl_obs is not None and itl_obs > target.itl_target and need_d <= target.decode:
+        need_d = target.decode + 1
+    need_p = min(max(need_p, target.floor_prefill), p_limit)
+    need_d = min(max(need_d, target.floor_decode), d_limit)
+
+    saturated = ((ttft_obs is not None and ttft_obs > SATURATION * target.ttft_target)
+                 or (itl_obs is not None and itl_obs > SATURATION * target.itl_target))
+
+    def role(current: int, need: int, floor: int, limit: int, last_up: float | None, obs_lat: float | None,
+             slo: float, shrink_size: int) -> RoleDecision:
+        current_c = min(max(current, floor), limit)
+        if not target.ready or target.rolling:
+            why = NOT_READY if not target.ready else ROLLING_OUT
+            if saturated and need > current_c:
+                return RoleDecision(need, need, SCALED)
+            return RoleDecision(current_c, need, why)
+        if need > current_c:
+            return RoleDecision(need, need, SCALED)
+        if current_c > current:  # below its floor (or zero): lift it
+            return RoleDecision(current_c, need, SCALED)
+        if shrink_size >= current_c or (obs_lat is not None and obs_lat > slo):
+            return RoleDecision(current_c, need, STEADY)
+        if last_up is not None and now - last_up < target.cooldown:
+            return RoleDecision(current_c, need, COOLDOWN)
+        step = max(1, math.floor(current_c * SCALE_DOWN_STEP))
+        return RoleDecision(max(shrink_size, current_c - step, floor), need, SCALED)
+
+    # the size to shrink to is computed for more load than predicted (hysteresis)
+    shrink_load = replace(load, rate=load.rate * SCALE_DOWN_MARGIN)
+    shrink_p = min(max(size_prefill(planning, shrink_load, target.ttft_target, target.percentile, p_limit)[0],
+                       need_p), p_limit)
+    shrink_d = min(max(size_decode(planning, shrink_load, target.itl_target, target.percentile, d_limit)[0],
+                       need_d), d_limit)
+    rp = role(target.prefill, need_p, target.floor_prefill, p_limit, memory.last_scale_up_prefill, ttft_obs,
+              target.ttft_target, shrink_p)
+    rd = role(target.decode, need_d, target.floor_decode, d_limit, memory.last_scale_up_decode, itl_obs,
+              target.itl_target, shrink_d)
+
+    p, d, limited = fit_budget(rp.replicas, rd.replicas, target)
+    if p != rp.replicas:
+        rp = RoleDecision(p, rp.needed, BUDGET_LIMITED)
+    if d != rd.replicas:
+        rd = RoleDecision(d, rd.needed, BUDGET_LIMITED)
+    if rp.replicas > target.prefill:
+        memory = replace(memory, last_scale_up_prefill=now)
+    if rd.replicas > target.decode:
+        memory = replace(memory, last_scale_up_decode=now)
+    memory = replace(memory,
+                     expected_ttft=prefill_latency(planning, replace(load, rate=last_rate), rp.replicas,
+                                                   target.percentile),
+                     expected_itl=decode_latency(planning, replace(load, rate=last_rate), rd.replicas,
+                                                 target.itl_target))
+    if not math.isfinite(memory.expected_ttft):
+        memory = replace(memory, expected_ttft=None)
+    if not math.isfinite(memory.expected_itl):
+        memory = replace(memory, expected_itl=None)
+
+    changed = rp.replicas != target.prefill or rd.replicas != target.decode
+    reasons = [r.reason for r in (rp, rd)]
+    if limited:
+        reason = BUDGET_LIMITED
+    elif changed:
+        reason = SCALED
+    else:
+        reason = next((r for r in reasons if r != STEADY and r != SCALED), STEADY)
+    message = (f"prefill {target.prefill}->{rp.replicas} (model asks {need_p}, {rp.reason}), "
+               f"decode {target.decode}->{rd.replicas} (model asks {need_d}, {rd.reason}); "
+               f"load {rate:.3g} req/s, {in_mean:.0f} in / {out_mean:.0f} out tokens, prefix hit {hit:.0%}; "
+               f"TTFT p{target.percentile:g} observed {_ms(ttft_obs)} predicted {_ms(ttft_pred)} "
+               f"target {_ms(target.ttft_target)}; ITL observed {_ms(itl_obs)} predicted {_ms(itl_pred)} "
+               f"target {_ms(target.itl_target)}; correction prefill x{corr.prefill:.2f} decode x{corr.decode:.2f}")
+    prediction = {"requestRate": round(rate, 6), "inputTokens": round(in_mean, 3), "outputTokens": round(out_mean, 3),
+                  "prefillCorrection": round(corr.prefill, 4), "decodeCorrection": round(corr.decode, 4)}
+    if math.isfinite(ttft_pred):
+        prediction["ttftSeconds"] = round(ttft_pred, 6)
+    if math.isfinite(itl_pred):
+        prediction["itlSeconds"] = round(itl_pred, 6)
+    return Decision(rp, rd, reason, message, True, obs.inputs(), prediction), memory
+
+
+def _ms(seconds: float | None) -> str:
+    if seconds is None or not math.isfinite(seconds):
+        return "n/a"
+    return f"{seconds * 1000:.0f}ms"

@@ -1,0 +1,261 @@
+"""The planner's pure decision logic and predictors: no cluster, no Prometheus."""
+
+import math
+
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from disagg.api import v1alpha1 as api
+from disagg.planner import decide as dc
+from disagg.planner import predictors
+from disagg.planner.perfmodel import PerfModel
+
+MODEL = PerfModel.analytic("meta-llama/Llama-3.1-8B-Instruct", "H100-SXM")
+
+
+def obs(rate=2.0, ttft=0.5, itl=0.02, inp=4000, inp_p=None, out=300, hit=0.0, t=0.0, **kw):
+    return dc.Observation(time=t, request_rate=rate, ttft=ttft, itl=itl, input_tokens_mean=inp,
+                          input_tokens_p=inp_p or inp * 1.5, output_tokens_mean=out, output_tokens_p=out * 1.5,
+                          prefix_hit_ratio=hit, **kw)
+
+
+def target(**kw):
+    base = dict(prefill=2, decode=2, ttft_target=1.0, itl_target=0.05, cooldown=300.0)
+    base.update(kw)
+    return dc.Target(**base)
+
+
+# ---------------------------------------------------------------- predictors
+
+def test_predictor_registry_refuses_unknown_and_duplicates():
+    assert predictors.names() == sorted(p.value for p in api.Predictor)
+    assert predictors.get().name == predictors.DEFAULT == "moving-average"
+    with pytest.raises(ValueError, match="unknown predictor"):
+        predictors.get("crystal-ball")
+    with pytest.raises(ValueError, match="already registered"):
+        predictors.register("last-value", predictors.LastValue)
+
+
+def test_predictors_on_known_series():
+    assert predictors.get("last-value").predict([1, 2, 7]) == 7
+    assert predictors.get("moving-average", window=2).predict([1, 2, 4]) == 3
+    assert predictors.get("moving-average").predict([]) == 0
+    ramp = [float(i) for i in range(20)]
+    assert predictors.get("holt-winters").predict(ramp) == pytest.approx(20, abs=0.5)  # follows the trend
+    season = [10.0, 20.0, 30.0, 20.0] * 6
+    hw = predictors.get("holt-winters", season=4).predict(season)
+    assert hw == pytest.approx(season[len(season) % 4], abs=2.0)  # knows what comes next in the cycle
+    assert abs(predictors.get("moving-average").predict(season) - season[0]) > 5  # an average does not
+    assert predictors.get("holt-winters").predict([5.0, 0.0, 0.0]) >= 0  # never negative
+
+
+# ---------------------------------------------------------------- sizing and decisions
+
+def test_ttft_breach_scales_prefill_up_and_itl_breach_scales_decode_up():
+    t = target(prefill=1, decode=1)
+    d, _ = dc.decide(obs(rate=0.2, ttft=3.0, itl=0.02), t, dc.Memory(), MODEL, now=0)
+    assert d.prefill.replicas > 1 and d.decode.replicas == 1 and d.reason == dc.SCALED
+    d, _ = dc.decide(obs(rate=0.2, ttft=0.3, itl=0.2), t, dc.Memory(), MODEL, now=0)
+    assert d.prefill.replicas == 1 and d.decode.replicas > 1
+
+
+def test_scale_down_waits_for_the_cooldown_then_steps_down_slowly():
+    t = target(prefill=8, decode=8, cooldown=300)
+    mem = dc.Memory()
+    d, mem = dc.decide(obs(rate=0.1), t, mem, MODEL, now=0)
+    assert (d.prefill.replicas, d.decode.replicas) == (8, 8) and d.reason == dc.COOLDOWN
+    d, mem = dc.decide(obs(rate=0.1), t, mem, MODEL, now=299)
+    assert (d.prefill.replicas, d.decode.replicas) == (8, 8)
+    d, mem = dc.decide(obs(rate=0.1), t, mem, MODEL, now=301)
+    assert d.prefill.replicas == 6 and d.decode.replicas == 6  # a quarter per interval, not all at once
+    sizes = []
+    cur = t
+    for i in range(10):
+        d, mem = dc.decide(obs(rate=0.1), cur, mem, MODEL, now=330 + 30 * i)
+        cur = dc.Target(**{**cur.__dict__, "prefill": d.prefill.replicas, "decode": d.decode.replicas})
+        sizes.append((d.prefill.replicas, d.decode.replicas))
+    assert sizes[-1] == (1, 1) and all(a >= b for a, b in zip(sizes, sizes[1:]))
+
+
+def test_a_scale_up_restarts_the_cooldown():
+    t = target(prefill=2, decode=2, cooldown=100)
+    mem = dc.Memory()
+    _, mem = dc.decide(obs(rate=0.1), t, mem, MODEL, now=0)
+    up, mem = dc.decide(obs(rate=0.1, ttft=5.0), t, mem, MODEL, now=150)
+    assert up.prefill.replicas == 3
+    t3 = target(prefill=3, decode=2, cooldown=100)
+    held, mem = dc.decide(obs(rate=0.1), t3, mem, MODEL, now=200)
+    assert held.prefill.replicas == 3 and held.prefill.reason == dc.COOLDOWN
+    assert held.decode.replicas == 1  # decode's cooldown was not restarted
+    down, _ = dc.decide(obs(rate=0.1), t3, mem, MODEL, now=251)
+    assert down.prefill.replicas == 2
+
+
+def test_no_scale_down_while_latency_is_above_target():
+    t = target(prefill=6, decode=6, cooldown=0)
+    d, _ = dc.decide(obs(rate=0.1, ttft=1.5, itl=0.06), t, dc.Memory(), MODEL, now=0)
+    assert d.prefill.replicas >= 6 and d.decode.replicas >= 6
+
+
+@pytest.mark.parametrize("ready,rolling,reason", [(False, False, dc.NOT_READY), (True, True, dc.ROLLING_OUT)])
+def test_hold_when_not_ready_or_rolling_out_unless_saturated(ready, rolling, reason):
+    t = target(prefill=2, decode=2, ready=ready, rolling=rolling, cooldown=0)
+    busy = obs(rate=20.0, ttft=1.5, itl=0.04)  # model wants more, but not saturated
+    d, _ = dc.decide(busy, t, dc.Memory(), MODEL, now=0)
+    assert (d.prefill.replicas, d.decode.replicas) == (2, 2) and d.reason == reason
+    idle = obs(rate=0.01)
+    d, _ = dc.decide(idle, t, dc.Memory(), MODEL, now=0)
+    assert (d.prefill.replicas, d.decode.replicas) == (2, 2)
+    saturated = obs(rate=20.0, ttft=5.0, itl=0.04)
+    d, _ = dc.decide(saturated, t, dc.Memory(), MODEL, now=0)
+    assert d.prefill.replicas > 2 and d.decode.replicas >= 2
+
+
+@pytest.mark.parametrize("o,reason", [
+    (dc.Observation.unavailable(0, "connection refused"), dc.PROMETHEUS_UNREACHABLE),
+    (dc.Observation(time=0, request_rate=math.nan), dc.METRICS_UNAVAILABLE),
+    (dc.Observation(time=0, request_rate=None), dc.METRICS_UNAVAILABLE),
+    (dc.Observation(time=0, request_rate=3.0, missing=("ttft",)), dc.METRICS_UNAVAILABLE),
+])
+def test_missing_metrics_hold_and_say_why(o, reason):
+    for p, d_ in ((3, 4), (0, 0)):
+        t = target(prefill=p, decode=d_)
+        d, mem = dc.decide(o, t, dc.Memory(), MODEL, now=0)
+        assert d.reason == reason and not d.metrics_ok
+        assert d.prefill.replicas == max(p, 1) and d.decode.replicas == max(d_, 1)  # hold, never zero
+        assert mem == dc.Memory()
+        if o.error:
+            assert o.error in d.message
+
+
+def test_prefix_hits_need_fewer_prefill_replicas():
+    load = dc.Load(rate=10, input_mean=12000, input_p=20000, output_mean=300)
+    cold, _ = dc.size_prefill(MODEL, load, 2.0, 90)
+    warm, _ = dc.size_prefill(MODEL, dc.Load(10, 12000, 20000, 300, prefix_hit=0.7), 2.0, 90)
+    assert warm < cold
+
+
+def test_sized_deployment_meets_its_predicted_targets():
+    load = dc.Load(rate=8, input_mean=3000, input_p=6000, output_mean=400)
+    n, ttft = dc.size_prefill(MODEL, load, 1.0, 90)
+    assert ttft <= 1.0 and dc.prefill_latency(MODEL, load, n - 1, 90) > 1.0
+    n, itl = dc.size_decode(MODEL, load, 0.04, 90)
+    assert itl <= 0.04
+
+
+def test_online_correction_learns_a_slower_reality():
+    slow = MODEL.corrected(2.0, 2.0)
+    t = target(prefill=2, decode=2, cooldown=0)
+    mem = dc.Memory()
+    for i in range(15):
+        load = dc.Load(4, 4000, 6000, 300)
+        o = obs(rate=4, inp=4000, inp_p=6000, out=300, t=i * 30,
+                ttft=dc.prefill_latency(slow, load, t.prefill, 90), itl=dc.decode_latency(slow, load, t.decode, 0.05))
+        d, mem = dc.decide(o, t, mem, MODEL, now=i * 30)
+        t = target(prefill=d.prefill.replicas, decode=d.decode.replicas, cooldown=0)
+    assert mem.correction.prefill > 1.5 and mem.correction.decode > 1.3
+    honest, _ = dc.size_prefill(slow, dc.Load(4, 4000, 6000, 300), 1.0, 90)
+    assert t.prefill >= honest
+
+
+def test_target_from_the_api_spec():
+    spec = api.DisaggDeploymentSpec.model_validate({
+        "model": {"name": "m", "source": "hf://x/y"},
+        "prefill": {"replicas": 2, "tensorParallelSize": 2, "maxReplicas": 6},
+        "decode": {"replicas": 3, "minReplicas": 2},
+        "scheduling": {"gang": {"minPrefill": 1, "minDecode": 1}},
+        "slo": {"ttftMs": 500, "itlMs": 40, "percentile": 99},
+        "planner": {"enabled": True, "gpuBudget": 16, "scaleDownCooldownSeconds": 120, "predictor": "holt-winters"}})
+    t = dc.Target.from_spec(spec)
+    assert (t.prefill, t.decode, t.prefill_tp, t.decode_tp) == (2, 3, 2, 1)
+    assert (t.floor_prefill, t.floor_decode, t.prefill_max, t.gpu_budget) == (1, 2, 6, 16)
+    assert (t.ttft_target, t.itl_target, t.percentile, t.cooldown, t.predictor) == (0.5, 0.04, 99, 120, "holt-winters")
+
+
+# ---------------------------------------------------------------- properties
+
+configs = st.fixed_dictionaries({
+    "prefill": st.integers(0, 40), "decode": st.integers(0, 40),
+    "prefill_tp": st.sampled_from([1, 2, 4]), "decode_tp": st.sampled_from([1, 2, 4]),
+    "prefill_min": st.integers(1, 4), "decode_min": st.integers(1, 4),
+    "budget_slack": st.one_of(st.none(), st.integers(0, 64)),
+    "ready": st.booleans(), "rolling": st.booleans(), "cooldown": st.sampled_from([0.0, 60.0, 600.0]),
+    "ttft_target": st.sampled_from([0.3, 1.0, 3.0]), "itl_target": st.sampled_from([0.02, 0.05, 0.1]),
+    "predictor": st.sampled_from(predictors.names()),
+})
+loads = st.fixed_dictionaries({
+    "rate": st.floats(0, 200), "inp": st.floats(16, 32000), "out": st.floats(1, 2000),
+    "hit": st.floats(0, 0.95), "ttft": st.one_of(st.none(), st.floats(0, 30)),
+    "itl": st.one_of(st.none(), st.floats(0, 1)),
+})
+
+
+def _target(c):
+    budget = None
+    if c["budget_slack"] is not None:
+        budget = c["prefill_min"] * c["prefill_tp"] + c["decode_min"] * c["decode_tp"] + c["budget_slack"]
+    return dc.Target(prefill=c["prefill"], decode=c["decode"], ttft_target=c["ttft_target"],
+                     itl_target=c["itl_target"], prefill_tp=c["prefill_tp"], decode_tp=c["decode_tp"],
+                     prefill_min=c["prefill_min"], decode_min=c["decode_min"], gpu_budget=budget,
+                     cooldown=c["cooldown"], predictor=c["predictor"], ready=c["ready"], rolling=c["rolling"])
+
+
+def _obs(load, rate=None):
+    return dc.Observation(time=0, request_rate=load["rate"] if rate is None else rate, ttft=load["ttft"],
+                          itl=load["itl"], input_tokens_mean=load["inp"], input_tokens_p=load["inp"] * 1.5,
+                          output_tokens_mean=load["out"], output_tokens_p=load["out"] * 2,
+                          prefix_hit_ratio=load["hit"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(c=configs, load=loads, history=st.lists(st.floats(0, 200), max_size=6), now=st.floats(0, 5000))
+def test_never_below_gang_minimum_never_zero_never_above_budget(c, load, history, now):
+    t = _target(c)
+    mem = dc.Memory(rate=tuple(history))
+    d, _ = dc.decide(_obs(load), t, mem, MODEL, now=now)
+    assert d.prefill.replicas >= max(1, c["prefill_min"]) and d.decode.replicas >= max(1, c["decode_min"])
+    if t.gpu_budget is not None:
+        # over budget only if the current size already was (a planner does not shrink below the ask to fit
+        # a budget it did not break): the decision never adds GPUs past it
+        assert (t.gpus(d.prefill.replicas, d.decode.replicas) <= t.gpu_budget
+                or t.gpus(d.prefill.replicas, d.decode.replicas) <= t.gpus(max(t.prefill, 1), max(t.decode, 1)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(c=configs, load=loads, r1=st.floats(0, 200), r2=st.floats(0, 200))
+def test_monotone_in_load(c, load, r1, r2):
+    lo, hi = sorted((r1, r2))
+    t = _target(c)
+    a, _ = dc.decide(_obs(load, lo), t, dc.Memory(), MODEL, now=0)
+    b, _ = dc.decide(_obs(load, hi), t, dc.Memory(), MODEL, now=0)
+    if t.gpu_budget is None:
+        assert b.prefill.replicas >= a.prefill.replicas and b.decode.replicas >= a.decode.replicas
+    else:
+        assert t.gpus(b.prefill.replicas, b.decode.replicas) >= t.gpus(a.prefill.replicas, a.decode.replicas) \
+            or t.gpus(b.prefill.replicas, b.decode.replicas) >= t.gpu_budget - max(t.prefill_tp, t.decode_tp) + 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(rate=st.floats(0, 500), inp=st.floats(16, 32000), out=st.floats(1, 4000), hit=st.floats(0, 0.95),
+       f=st.floats(1.0, 3.0))
+def test_sizing_is_monotone_in_rate(rate, inp, out, hit, f):
+    a = dc.Load(rate, inp, inp * 1.5, out, hit)
+    b = dc.Load(rate * f, inp, inp * 1.5, out, hit)
+    assert dc.size_prefill(MODEL, b, 1.0, 90)[0] >= dc.size_prefill(MODEL, a, 1.0, 90)[0]
+    assert dc.size_decode(MODEL, b, 0.05, 90)[0] >= dc.size_decode(MODEL, a, 0.05, 90)[0]
+
+
+@settings(max_examples=200, deadline=None)
+@given(p=st.integers(1, 200), d=st.integers(1, 200), tpp=st.sampled_from([1, 2, 8]), tpd=st.sampled_from([1, 4]),
+       slack=st.integers(0, 100))
+def test_fit_budget_stays_within_budget_and_above_floors(p, d, tpp, tpd, slack):
+    t = dc.Target(prefill=1, decode=1, ttft_target=1, itl_target=0.05, prefill_tp=tpp, decode_tp=tpd,
+                  gpu_budget=tpp + tpd + slack)
+    fp, fd, limited = dc.fit_budget(p, d, t)
+    assert 1 <= fp <= p and 1 <= fd <= d
+    assert t.gpus(fp, fd) <= t.gpu_budget
+    assert limited == (t.gpus(p, d) > t.gpu_budget)
+    assume(limited)
+    # nothing left that could still be handed out
+    assert not (fp < p and t.gpus(fp + 1, fd) <= t.gpu_budget) and not (fd < d and t.gpus(fp, fd + 1) <= t.gpu_budget)
