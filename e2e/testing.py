@@ -34,3 +34,16 @@ def pod(name: str, gpus: int = 0, labels: dict[str, str] | None = None, node_sel
         spec["schedulingGroup"] = {"podGroupName": pod_group}
     return {"apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": name, "labels": labels or {}, "annotations": annotations or {}}, "spec": spec}
+
+
+def dd_manifest(name: str = "demo", **spec: Any) -> dict[str, Any]:
+    """A DisaggDeployment: a tiny model on one GPU per role unless `spec` says otherwise (merged per top-level key)."""
+    base: dict[str, Any] = {
+        "model": {"name": "tiny", "source": "hf://example/tiny"},
+        "prefill": {"replicas": 1}, "decode": {"replicas": 1},
+        "scheduling": {"gang": {"minPrefill": 1, "minDecode": 1}},
+    }
+    for key, value in spec.items():
+        base[key] = {**base.get(key, {}), **value} if isinstance(value, dict) else value
+    return {"apiVersion": "serving.disagg.dev/v1alpha1", "kind": "DisaggDeployment",
+            "metadata": {"name": name}, "spec": base}

@@ -59,3 +59,30 @@ def namespace(request, api_client):
              30, f"default ServiceAccount in {name}")
     yield name
     core.delete_namespace(name)
+    # Wait until it is gone, so its pods no longer hold GPUs the next test counts on.
+    from kubernetes.client.exceptions import ApiException
+
+    def gone():
+        try:
+            core.read_namespace(name)
+            return False
+        except ApiException as e:
+            return e.status == 404
+    wait_for(gone, 120, f"namespace {name} to be deleted")
+
+
+@pytest.fixture(scope="session")
+def operator_kubeconfig(cluster, api_client, crd_installed, tmp_path_factory):
+    """Credentials of the operator's own ServiceAccount, bound to operator/rbac.yaml and nothing else."""
+    from disagg.e2e.operator_fixture import operator_kubeconfig as make
+
+    return make(cluster, api_client, tmp_path_factory.mktemp("operator") / "kubeconfig")
+
+
+@pytest.fixture(scope="module")
+def operator(operator_kubeconfig):
+    """The operator running in this process under least privilege, for one test module."""
+    from disagg.e2e.operator_fixture import running_operator
+
+    with running_operator(operator_kubeconfig) as runner:
+        yield runner

@@ -1,0 +1,56 @@
+"""Run the operator in-process against the local cluster under its own
+least-privilege identity (operator/rbac.yaml), as the tests and the demo do."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import yaml
+from kubernetes import client
+
+from .localcluster import LocalCluster
+
+RBAC = Path(__file__).resolve().parent.parent / "operator" / "rbac.yaml"
+NAMESPACE = "disagg-system"
+ACCOUNT = "disagg-operator"
+
+
+def operator_kubeconfig(cluster: LocalCluster, api: client.ApiClient, path: Path) -> Path:
+    """A kubeconfig carrying a token of the operator's ServiceAccount, bound to operator/rbac.yaml only."""
+    cluster.kubectl("apply", "--server-side", "-f", str(RBAC))
+    cluster.kubectl("create", "namespace", NAMESPACE, check=False)
+    cluster.kubectl("create", "serviceaccount", ACCOUNT, "-n", NAMESPACE, check=False)
+    cluster.kubectl("create", "clusterrolebinding", ACCOUNT, "--clusterrole", "disagg-operator",
+                    f"--serviceaccount={NAMESPACE}:{ACCOUNT}", check=False)
+    token = client.CoreV1Api(api).create_namespaced_service_account_token(
+        ACCOUNT, NAMESPACE, {"spec": {"expirationSeconds": 24 * 3600}}).status.token
+    admin = yaml.safe_load(cluster.kubeconfig.read_text())
+    cluster_entry = admin["clusters"][0]
+    config = {"apiVersion": "v1", "kind": "Config", "clusters": [cluster_entry],
+              "users": [{"name": ACCOUNT, "user": {"token": token}}],
+              "contexts": [{"name": ACCOUNT, "context": {"cluster": cluster_entry["name"], "user": ACCOUNT}}],
+              "current-context": ACCOUNT}
+    path.write_text(yaml.safe_dump(config))
+    path.chmod(0o600)
+    return path
+
+
+@contextlib.contextmanager
+def running_operator(kubeconfig: Path) -> Iterator[object]:
+    """The operator in this process (kopf's KopfRunner), using `kubeconfig`."""
+    from kopf.testing import KopfRunner
+
+    old = os.environ.get("KUBECONFIG")
+    os.environ["KUBECONFIG"] = str(kubeconfig)
+    try:
+        with KopfRunner(["run", "--standalone", "--all-namespaces", "-m", "disagg.operator.handlers"],
+                        timeout=60) as runner:
+            yield runner
+    finally:
+        if old is None:
+            os.environ.pop("KUBECONFIG", None)
+        else:
+            os.environ["KUBECONFIG"] = old

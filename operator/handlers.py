@@ -1,0 +1,191 @@
+"""kopf handlers: thin. Create, resume and update all call one level-based
+reconcile(); a daemon per DisaggDeployment recomputes status whenever one of its
+pods or Deployments changes (from kopf indexes, no list calls) and writes it
+only when it changed."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import kopf
+from kubernetes.client.exceptions import ApiException
+from pydantic import ValidationError
+
+from disagg.api.names import GROUP, LABEL_DEPLOYMENT, LABEL_MANAGED_BY, LABEL_ROLE, MANAGED_BY
+from disagg.api.v1alpha1 import GPU_RESOURCE, PLURAL, VERSION, DisaggDeployment
+
+from . import capacity, children, render
+from . import status as statuses
+
+log = logging.getLogger("disagg.operator")
+
+
+@kopf.on.login()
+def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    # In a pod: its ServiceAccount; elsewhere: $KUBECONFIG, read when the operator starts.
+    return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+
+
+@kopf.on.startup()
+def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    # kopf's own per-handler events are noise; the operator posts its decisions itself.
+    settings.posting.level = logging.WARNING
+    settings.persistence.finalizer = "serving.disagg.dev/operator"
+    settings.watching.server_timeout = 300
+    memo.clients = children.Clients.create()
+    memo.triggers = {}
+
+
+def _parse(body: kopf.Body) -> DisaggDeployment:
+    return DisaggDeployment.model_validate({"apiVersion": body["apiVersion"], "kind": body["kind"],
+                                            "metadata": dict(body["metadata"]), "spec": dict(body["spec"])})
+
+
+@kopf.on.resume(GROUP, VERSION, PLURAL)
+@kopf.on.create(GROUP, VERSION, PLURAL)
+@kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
+def reconcile(body: kopf.Body, uid: str, name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
+    try:
+        dd = _parse(body)
+    except ValidationError as e:
+        # Admission should have refused it; never crash-loop on it either.
+        kopf.warn(body, reason="InvalidSpec", message=str(e).splitlines()[0])
+        raise kopf.PermanentError(f"invalid spec: {e}") from e
+    clients: children.Clients = memo.clients
+    if dd.spec.model.secret_ref and _secret_missing(clients, namespace, dd.spec.model.secret_ref.name):
+        _wake(memo, namespace, name)
+        raise kopf.TemporaryError(f"Secret {dd.spec.model.secret_ref.name} not found", delay=15)
+    manifests, gang = render.children(dd, uid)
+    try:
+        writes = children.apply(clients, manifests, uid)
+    except children.ChildConflict as e:
+        kopf.warn(body, reason="ChildConflict", message=str(e))
+        raise kopf.TemporaryError(str(e), delay=30) from e
+    if writes:
+        kopf.info(body, reason="Applied", message=f"applied {writes} of {len(manifests)} child objects "
+                                                 f"(gang {gang.name or 'none'})")
+    keep = {m["metadata"]["name"] for m in manifests}
+    for gone in children.prune_gangs(clients, namespace, name, keep, gang.name):
+        kopf.info(body, reason="GangObjectDeleted", message=f"deleted {gone}: no pod of it remains")
+    _wake(memo, namespace, name)
+
+
+def _secret_missing(clients: children.Clients, namespace: str, secret: str) -> bool:
+    try:
+        clients.core.read_namespaced_secret(secret, namespace)
+        return False
+    except ApiException as e:
+        if e.status == 404:
+            return True
+        raise
+
+
+def _wake(memo: kopf.Memo, namespace: str, name: str) -> None:
+    event = memo.triggers.get((namespace, name))
+    if event is not None:
+        event.set()
+
+
+# ---------------------------------------------------------------- indexes of what the children do
+
+@kopf.index("pods", labels={LABEL_DEPLOYMENT: kopf.PRESENT, LABEL_MANAGED_BY: MANAGED_BY})
+def pods_by_deployment(namespace: str, name: str, labels: kopf.Labels, spec: kopf.Spec, status: kopf.Status,
+                       meta: kopf.Meta, **_: Any) -> dict[Any, statuses.PodView]:
+    waiting = None
+    for cs in status.get("containerStatuses") or []:
+        waiting = waiting or ((cs.get("state") or {}).get("waiting") or {}).get("reason")
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+    view = statuses.PodView(name=name, role=labels.get(LABEL_ROLE, ""), node=spec.get("nodeName"), ready=ready,
+                            phase=status.get("phase", "Pending"), waiting_reason=waiting,
+                            terminating=bool(meta.get("deletionTimestamp")),
+                            template_hash=labels.get("pod-template-hash"),
+                            created=meta.get("creationTimestamp", ""))
+    return {(namespace, labels[LABEL_DEPLOYMENT]): view}
+
+
+@kopf.index("deployments", labels={LABEL_DEPLOYMENT: kopf.PRESENT, LABEL_MANAGED_BY: MANAGED_BY})
+def deployments_by_deployment(namespace: str, labels: kopf.Labels, spec: kopf.Spec, status: kopf.Status,
+                              meta: kopf.Meta, **_: Any) -> dict[Any, tuple[str, statuses.DeploymentView]]:
+    view = statuses.DeploymentView(desired=spec.get("replicas", 1), updated=status.get("updatedReplicas", 0),
+                                   ready=status.get("readyReplicas", 0),
+                                   observed_generation=status.get("observedGeneration", 0),
+                                   generation=meta.get("generation", 0))
+    return {(namespace, labels[LABEL_DEPLOYMENT]): (labels.get(LABEL_ROLE, ""), view)}
+
+
+@kopf.on.event("pods", labels={LABEL_DEPLOYMENT: kopf.PRESENT, LABEL_MANAGED_BY: MANAGED_BY})
+@kopf.on.event("deployments", labels={LABEL_DEPLOYMENT: kopf.PRESENT, LABEL_MANAGED_BY: MANAGED_BY})
+async def child_changed(namespace: str, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
+    _wake(memo, namespace, labels[LABEL_DEPLOYMENT])
+
+
+# ---------------------------------------------------------------- status
+
+@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=5)
+async def status_loop(name: str, namespace: str, body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonStopped,
+                      pods_by_deployment: kopf.Index, deployments_by_deployment: kopf.Index, **_: Any) -> None:
+    key = (namespace, name)
+    trigger = memo.triggers.setdefault(key, asyncio.Event())
+    try:
+        while not stopped:
+            trigger.clear()
+            pods = list(pods_by_deployment.get(key, []))
+            deps = list(deployments_by_deployment.get(key, []))
+            try:
+                settled, events = await asyncio.to_thread(refresh, memo.clients, namespace, name, pods, deps)
+            except ApiException as e:
+                if e.status == 404:
+                    return  # deleted
+                log.warning("status refresh of %s/%s failed: %s", namespace, name, e.reason)
+                settled, events = False, []
+            for etype, reason, message in events:
+                kopf.event(body, type=etype, reason=reason, message=message)
+            try:
+                await asyncio.wait_for(trigger.wait(), timeout=60 if settled else 5)
+                await asyncio.sleep(0.2)  # let a burst of pod events settle into one refresh
+            except asyncio.TimeoutError:
+                pass
+    finally:
+        memo.triggers.pop(key, None)
+
+
+def refresh(clients: children.Clients, namespace: str, name: str, pods: list[statuses.PodView],
+            deps: list[tuple[str, statuses.DeploymentView]]) -> tuple[bool, list[tuple[str, str, str]]]:
+    """Recompute and (if changed) write status. Returns (settled, events)."""
+    obj = clients.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+    try:
+        dd = DisaggDeployment.model_validate({k: obj[k] for k in ("apiVersion", "kind", "metadata", "spec")})
+    except ValidationError:
+        return True, []
+    obs = statuses.Observed(pods=pods, deployments={role: view for role, view in deps})
+    if dd.spec.model.secret_ref and _secret_missing(clients, namespace, dd.spec.model.secret_ref.name):
+        obs.blocked = ("SecretNotFound", f"spec.model.secretRef: Secret {dd.spec.model.secret_ref.name!r} not "
+                                         f"found in namespace {namespace}; workers are not started until it exists")
+    gang = dd.spec.scheduling.gang
+    bound = {r: sum(1 for p in pods if p.role == r and p.node and not p.terminating) for r in ("prefill", "decode")}
+    if bound["prefill"] < gang.min_prefill or bound["decode"] < gang.min_decode:
+        obs.gang_fits, obs.gang_message = _capacity(clients, dd)
+    previous = obj.get("status") or {}
+    status, events = statuses.compute(dd, obj["metadata"]["generation"], previous, obs, render.endpoint(dd))
+    if statuses.changed(previous, status):
+        clients.custom.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, PLURAL, name,
+                                                             {"status": status})
+    settled = status["phase"] == "Ready" and all(
+        c["status"] == "False" for c in status["conditions"] if c["type"] in ("Progressing", "Degraded"))
+    return settled, events
+
+
+def _capacity(clients: children.Clients, dd: DisaggDeployment) -> tuple[bool, str]:
+    nodes = clients.api.sanitize_for_serialization(clients.core.list_node().items)
+    pods = clients.api.sanitize_for_serialization(
+        clients.core.list_pod_for_all_namespaces(field_selector="spec.nodeName!=").items)
+    spec = dd.spec
+    requests = [spec.prefill.gpus()] * spec.scheduling.gang.min_prefill + \
+               [spec.decode.gpus()] * spec.scheduling.gang.min_decode
+    topo = spec.scheduling.topology
+    key = topo.key if topo and topo.mode == "required" else None
+    selectors = [spec.prefill.node_selector, spec.decode.node_selector]
+    fits, message = capacity.explain(capacity.free_gpus(nodes, pods), requests, key, selectors)
+    return fits, message if not fits else f"{message}; waiting for the scheduler ({GPU_RESOURCE} fits)"

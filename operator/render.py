@@ -1,0 +1,271 @@
+"""Desired state: a DisaggDeployment -> the manifests of every child object.
+
+Pure functions (no cluster): the executor applies what they return, the tests
+read it. Every child is owned by the DisaggDeployment and labelled with it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from disagg.api.names import (
+    LABEL_DEPLOYMENT,
+    LABEL_MANAGED_BY,
+    LABEL_ROLE,
+    MANAGED_BY,
+    ROLE_DECODE,
+    ROLE_PREFILL,
+    ROLE_ROUTER,
+    child_name,
+)
+from disagg.api.v1alpha1 import API_VERSION, GPU_RESOURCE, KIND, DisaggDeployment, GangBackend, RoleSpec, TopologyMode
+
+from . import gang as gangs
+
+HASH_ANNOTATION = "serving.disagg.dev/applied-hash"
+CONTROL_PLANE_IMAGE = "disagg/control-plane:0.1.0"
+HTTP_PORT = 8000
+NIXL_PORT = 5600
+KV_EVENTS_PORT = 5557
+# Long enough for a worker to finish in-flight requests and let decode pull
+# prefilled KV before it exits (see workers' drain).
+DRAIN_SECONDS = 120
+
+
+def names(dd_name: str) -> dict[str, str]:
+    return {
+        ROLE_PREFILL: child_name(dd_name, ROLE_PREFILL),
+        ROLE_DECODE: child_name(dd_name, ROLE_DECODE),
+        ROLE_ROUTER: child_name(dd_name, ROLE_ROUTER),
+        "service": dd_name,  # the endpoint users call
+    }
+
+
+def selector(dd_name: str, role: str) -> dict[str, str]:
+    return {LABEL_DEPLOYMENT: dd_name, LABEL_ROLE: role}
+
+
+def _owner(dd: DisaggDeployment, uid: str) -> dict[str, Any]:
+    return {"apiVersion": API_VERSION, "kind": KIND, "name": dd.metadata.name, "uid": uid,
+            "controller": True, "blockOwnerDeletion": True}
+
+
+def _meta(dd: DisaggDeployment, uid: str, name: str, role: str | None = None) -> dict[str, Any]:
+    labels = {LABEL_DEPLOYMENT: dd.metadata.name, LABEL_MANAGED_BY: MANAGED_BY}
+    if role:
+        labels[LABEL_ROLE] = role
+    return {"name": name, "namespace": dd.metadata.namespace, "labels": labels, "ownerReferences": [_owner(dd, uid)]}
+
+
+def worker_args(dd: DisaggDeployment, role: str) -> list[str]:
+    """The worker entrypoint's argument list: settings as flags, then the engine's
+    own arguments after `--`, each passed literally (no shell ever sees them)."""
+    spec = dd.spec
+    role_spec: RoleSpec = getattr(spec, role)
+    args = [
+        "--role", role,
+        "--model", spec.model.source,
+        "--served-model-name", spec.model.name,
+        "--tensor-parallel-size", str(role_spec.tensor_parallel_size),
+        "--port", str(HTTP_PORT),
+        "--kv-connector", spec.kv_transfer.connector,
+        "--kv-buffer-device", spec.kv_transfer.buffer_device,
+        "--nixl-backends", ",".join(spec.kv_transfer.backends),
+        "--nixl-side-channel-port", str(NIXL_PORT),
+        "--kv-events-port", str(KV_EVENTS_PORT),
+        "--kv-offload-cpu-gib", str(spec.kv_cache.offload.cpu_gib),
+        "--kv-offload-disk-gib", str(spec.kv_cache.offload.disk_gib),
+    ]
+    if spec.model.revision:
+        args += ["--revision", spec.model.revision]
+    if spec.model.tokenizer:
+        args += ["--tokenizer", spec.model.tokenizer]
+    return args + ["--", *spec.engine.args, *role_spec.extra_args]
+
+
+def _resources(role_spec: RoleSpec) -> dict[str, Any]:
+    limits = {k: str(v) for k, v in role_spec.resources.limits.items()}
+    requests = {k: str(v) for k, v in role_spec.resources.requests.items()}
+    limits.setdefault(GPU_RESOURCE, str(role_spec.tensor_parallel_size))
+    out: dict[str, Any] = {"limits": limits}
+    if requests:
+        out["requests"] = requests
+    return out
+
+
+def _affinity(dd: DisaggDeployment, gang_name: str, role_spec: RoleSpec) -> dict[str, Any] | None:
+    """Pod affinity on the gang label where the scheduler's own topology constraint is not used:
+    `preferred` mode (any backend) and `required` mode with backends other than the Workload API."""
+    topo = dd.spec.scheduling.topology
+    if not topo:
+        return None
+    if topo.mode == TopologyMode.REQUIRED and dd.spec.scheduling.gang.backend == GangBackend.WORKLOAD_API:
+        return None  # the CompositePodGroup/PodGroup carries the constraint
+    term = {"labelSelector": {"matchLabels": {LABEL_DEPLOYMENT: dd.metadata.name}}, "topologyKey": topo.key}
+    if topo.mode == TopologyMode.REQUIRED:
+        return {"podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [term]}}
+    return {"podAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+        {"weight": 100, "podAffinityTerm": term}]}}
+
+
+def worker_deployment(dd: DisaggDeployment, uid: str, role: str, gang: gangs.Gang) -> dict[str, Any]:
+    role_spec: RoleSpec = getattr(dd.spec, role)
+    name = names(dd.metadata.name)[role]
+    pod_fields = gang.pod_fields.get(role, {"labels": {}, "annotations": {}, "spec": {}})
+    labels = {**selector(dd.metadata.name, role), LABEL_MANAGED_BY: MANAGED_BY, **pod_fields["labels"]}
+    env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+           {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+           {"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "value": "$(POD_IP)"},
+           *({"name": e.name, "value": e.value} for e in dd.spec.engine.env)]
+    if dd.spec.model.secret_ref:
+        ref = dd.spec.model.secret_ref
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+    http = {"httpGet": {"path": "/health", "port": "http"}}
+    container = {
+        "name": "worker",
+        "image": dd.spec.engine.image,
+        "imagePullPolicy": dd.spec.engine.image_pull_policy,
+        "command": ["python", "-m", "disagg.workers"],
+        "args": worker_args(dd, role),
+        "env": env,
+        "ports": [{"name": "http", "containerPort": HTTP_PORT},
+                  {"name": "nixl", "containerPort": NIXL_PORT},
+                  {"name": "kv-events", "containerPort": KV_EVENTS_PORT}],
+        "resources": _resources(role_spec),
+        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
+        "startupProbe": {**http, "periodSeconds": 10, "failureThreshold": 180},
+        "readinessProbe": {**http, "periodSeconds": 5, "failureThreshold": 3},
+        "livenessProbe": {**http, "periodSeconds": 10, "failureThreshold": 6},
+    }
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}}],
+        "terminationGracePeriodSeconds": DRAIN_SECONDS,
+        "enableServiceLinks": False,
+        **pod_fields["spec"],
+    }
+    if role_spec.node_selector:
+        pod_spec["nodeSelector"] = dict(role_spec.node_selector)
+    if role_spec.tolerations:
+        pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in role_spec.tolerations]
+    if dd.spec.scheduling.priority_class_name:
+        pod_spec["priorityClassName"] = dd.spec.scheduling.priority_class_name
+    affinity = _affinity(dd, gang.name, role_spec)
+    if affinity:
+        pod_spec["affinity"] = affinity
+    template_meta: dict[str, Any] = {"labels": labels}
+    if pod_fields["annotations"]:
+        template_meta["annotations"] = dict(pod_fields["annotations"])
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": _meta(dd, uid, name, role),
+        "spec": {
+            "replicas": role_spec.replicas,
+            "selector": {"matchLabels": selector(dd.metadata.name, role)},
+            # Surge, never unavailability: a rollout never leaves zero ready workers of a role.
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "template": {"metadata": template_meta, "spec": pod_spec},
+        },
+    }
+
+
+# The router needs no GPU: keep it off GPU nodes when others exist.
+_OFF_GPU_NODES = {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+    {"weight": 100, "preference": {"matchExpressions": [
+        {"key": f"{GPU_RESOURCE}.present", "operator": "DoesNotExist"}]}}]}}
+
+
+def router_deployment(dd: DisaggDeployment, uid: str) -> dict[str, Any]:
+    n = names(dd.metadata.name)
+    r = dd.spec.router
+    labels = {**selector(dd.metadata.name, ROLE_ROUTER), LABEL_MANAGED_BY: MANAGED_BY}
+    http = {"httpGet": {"path": "/health", "port": "http"}}
+    container: dict[str, Any] = {
+        "name": "router", "image": CONTROL_PLANE_IMAGE,
+        "command": ["python", "-m", "disagg.router"],
+        "args": ["--port", str(HTTP_PORT), "--model", dd.spec.model.name,
+                 "--tokenizer", dd.spec.model.tokenizer or dd.spec.model.source,
+                 "--policy", r.policy, "--overlap-weight", str(r.overlap_weight),
+                 "--max-load-skew", str(r.max_load_skew), "--disaggregation", r.disaggregation,
+                 "--local-prefill-threshold-tokens", str(r.local_prefill_threshold_tokens),
+                 "--discovery", "endpointslices", "--namespace", dd.metadata.namespace or "default",
+                 "--prefill-service", n[ROLE_PREFILL], "--decode-service", n[ROLE_DECODE]],
+        "ports": [{"name": "http", "containerPort": HTTP_PORT}],
+        "readinessProbe": {**http, "periodSeconds": 5},
+        "livenessProbe": {**http, "periodSeconds": 10, "failureThreshold": 6},
+    }
+    res = {k: {kk: str(vv) for kk, vv in v.items()}
+           for k, v in (("requests", r.resources.requests), ("limits", r.resources.limits)) if v}
+    if res:
+        container["resources"] = res
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": _meta(dd, uid, n[ROLE_ROUTER], ROLE_ROUTER),
+        "spec": {
+            "replicas": r.replicas,
+            "selector": {"matchLabels": selector(dd.metadata.name, ROLE_ROUTER)},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "template": {"metadata": {"labels": labels},
+                         "spec": {"serviceAccountName": n[ROLE_ROUTER], "containers": [container],
+                                  "enableServiceLinks": False, "affinity": _OFF_GPU_NODES}},
+        },
+    }
+
+
+def services(dd: DisaggDeployment, uid: str) -> list[dict[str, Any]]:
+    n = names(dd.metadata.name)
+    out = [{
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": _meta(dd, uid, n["service"], ROLE_ROUTER),
+        "spec": {"selector": selector(dd.metadata.name, ROLE_ROUTER),
+                 "ports": [{"name": "http", "port": 80, "targetPort": "http"}]},
+    }]
+    for role in (ROLE_PREFILL, ROLE_DECODE):
+        out.append({
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": _meta(dd, uid, n[role], role),
+            "spec": {"clusterIP": "None", "selector": selector(dd.metadata.name, role),
+                     "ports": [{"name": "http", "port": HTTP_PORT, "targetPort": "http"},
+                               {"name": "nixl", "port": NIXL_PORT, "targetPort": "nixl"},
+                               {"name": "kv-events", "port": KV_EVENTS_PORT, "targetPort": "kv-events"}]},
+        })
+    return out
+
+
+def router_rbac(dd: DisaggDeployment, uid: str) -> list[dict[str, Any]]:
+    """The router discovers workers from the role Services' EndpointSlices."""
+    name = names(dd.metadata.name)[ROLE_ROUTER]
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(dd, uid, name, ROLE_ROUTER)},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _meta(dd, uid, name, ROLE_ROUTER),
+         "rules": [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                    "verbs": ["get", "list", "watch"]}]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+         "metadata": _meta(dd, uid, name, ROLE_ROUTER),
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+         "subjects": [{"kind": "ServiceAccount", "name": name,
+                       "namespace": dd.metadata.namespace or "default"}]},
+    ]
+
+
+def endpoint(dd: DisaggDeployment) -> str:
+    return f"http://{names(dd.metadata.name)['service']}.{dd.metadata.namespace}.svc:80/v1"
+
+
+def children(dd: DisaggDeployment, uid: str) -> tuple[list[dict[str, Any]], gangs.Gang]:
+    """Every child manifest, gang objects first (pods reference them), each stamped with its content hash."""
+    gang = gangs.render(dd.metadata.name, dd.spec)
+    out: list[dict[str, Any]] = []
+    for obj in gang.objects:
+        meta = _meta(dd, uid, obj["metadata"]["name"])
+        out.append({**obj, "metadata": meta})
+    out += router_rbac(dd, uid)
+    out += services(dd, uid)
+    out += [worker_deployment(dd, uid, ROLE_PREFILL, gang), worker_deployment(dd, uid, ROLE_DECODE, gang),
+            router_deployment(dd, uid)]
+    for obj in out:
+        digest = hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+        obj["metadata"].setdefault("annotations", {})[HASH_ANNOTATION] = digest
+    return out, gang

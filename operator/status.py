@@ -1,0 +1,199 @@
+"""Observed state -> status and the events worth telling a human. Pure.
+
+The status contract: observedGeneration; per role desired/scheduled/ready/
+updated; endpoint; phase; conditions Ready, GangScheduled, Progressing,
+Degraded with CamelCase reasons and messages that carry numbers and names.
+A condition's lastTransitionTime moves only when its status flips; conditions
+this module does not own (SLOMet, the planner's) are left as they are.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field
+from typing import Any
+
+from disagg.api.names import ROLE_DECODE, ROLE_PREFILL, ROLE_ROUTER, ROLES
+from disagg.api.v1alpha1 import ConditionType, DisaggDeployment, GangBackend, Phase
+
+OWNED = (ConditionType.READY, ConditionType.GANG_SCHEDULED, ConditionType.PROGRESSING, ConditionType.DEGRADED)
+# Container waiting reasons that mean "will not start without a change".
+FAULTS = ("ImagePullBackOff", "ErrImagePull", "CrashLoopBackOff", "CreateContainerConfigError",
+          "CreateContainerError", "InvalidImageName", "RunContainerError")
+
+
+@dataclass
+class PodView:
+    name: str
+    role: str
+    node: str | None
+    ready: bool
+    phase: str
+    waiting_reason: str | None = None
+    terminating: bool = False
+    template_hash: str | None = None
+    created: str = ""
+
+
+@dataclass
+class DeploymentView:
+    desired: int
+    updated: int
+    ready: int
+    current_hash: str | None = None  # pod-template-hash of the newest ReplicaSet, when known
+    observed_generation: int = 0
+    generation: int = 0
+
+
+@dataclass
+class Observed:
+    pods: list[PodView] = field(default_factory=list)
+    deployments: dict[str, DeploymentView] = field(default_factory=dict)
+    gang_message: str | None = None     # why the gang waits (capacity or scheduler message)
+    gang_fits: bool | None = None       # capacity verdict, when computed
+    blocked: tuple[str, str] | None = None  # (reason, message) that stops the rollout, e.g. SecretNotFound
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _condition(previous: dict[str, dict], ctype: str, status: bool, reason: str, message: str,
+               generation: int, now: str) -> dict[str, Any]:
+    value = "True" if status else "False"
+    old = previous.get(ctype)
+    since = old["lastTransitionTime"] if old and old.get("status") == value else now
+    return {"type": ctype, "status": value, "reason": reason, "message": message,
+            "lastTransitionTime": since, "observedGeneration": generation}
+
+
+def gang_pending_since(obs: Observed, dd: DisaggDeployment) -> str | None:
+    """Creation time of the oldest unbound pod of the minimum set, while the gang waits."""
+    unbound = [p.created for p in obs.pods if p.role in (ROLE_PREFILL, ROLE_DECODE) and not p.node
+               and not p.terminating]
+    return min(unbound) if unbound else None
+
+
+def compute(dd: DisaggDeployment, generation: int, previous: dict[str, Any] | None, obs: Observed,
+            endpoint: str, now: str | None = None) -> tuple[dict[str, Any], list[tuple[str, str, str]]]:
+    """(status patch, events as (type, reason, message))."""
+    now = now or _now()
+    previous = previous or {}
+    prev_conds = {c["type"]: c for c in previous.get("conditions") or []}
+    spec = dd.spec
+    roles: dict[str, dict[str, Any]] = {}
+    for role in ROLES:
+        dep = obs.deployments.get(role)
+        pods = [p for p in obs.pods if p.role == role and not p.terminating]
+        desired = getattr(spec, role).replicas if role != ROLE_ROUTER else spec.router.replicas
+        ready = sum(p.ready for p in pods)
+        updated = dep.updated if dep else 0
+        roles[role] = {"desired": desired, "scheduled": sum(bool(p.node) for p in pods), "ready": ready,
+                       "updated": min(updated, desired) if dep else 0, "summary": f"{ready}/{desired}"}
+
+    faults = sorted((p.role, p.name, p.waiting_reason) for p in obs.pods
+                    if p.waiting_reason in FAULTS and not p.terminating)
+    gang = spec.scheduling.gang
+    mins = {ROLE_PREFILL: gang.min_prefill, ROLE_DECODE: gang.min_decode}
+    bound_ok = all(roles[r]["scheduled"] >= n for r, n in mins.items())
+    conds: list[dict[str, Any]] = []
+
+    # GangScheduled
+    if gang.backend == GangBackend.NONE:
+        gs = (True, "GangSchedulingDisabled", "scheduling.gang.backend is none: pods schedule one by one")
+    elif bound_ok:
+        gs = (True, "GangPlaced", f"minimum set bound: prefill {roles[ROLE_PREFILL]['scheduled']}/"
+                                  f"{gang.min_prefill}, decode {roles[ROLE_DECODE]['scheduled']}/{gang.min_decode}")
+    else:
+        since = gang_pending_since(obs, dd)
+        waited = _age_seconds(since, now) if since else 0
+        detail = obs.gang_message or "waiting for the scheduler to place the minimum set"
+        if waited > gang.timeout_seconds:
+            reason = "GangTimeout"
+            detail = f"not placed after {int(waited)}s (timeout {gang.timeout_seconds}s): {detail}"
+        elif obs.gang_fits is False:
+            reason = "InsufficientCapacity"
+        else:
+            reason = "Pending"
+        gs = (False, reason, detail)
+    conds.append(_condition(prev_conds, ConditionType.GANG_SCHEDULED, *gs, generation, now))
+
+    # Degraded
+    if obs.blocked:
+        deg = (True, obs.blocked[0], obs.blocked[1])
+    elif faults:
+        deg = (True, faults[0][2], "; ".join(f"{reason} on {role} pod {name}" for role, name, reason in faults))
+    else:
+        short = [f"{r} {roles[r]['ready']}/{roles[r]['desired']} ready" for r in ROLES
+                 if roles[r]["ready"] < roles[r]["desired"]]
+        was_ready = prev_conds.get(ConditionType.READY, {}).get("status") == "True"
+        if was_ready and short and bound_ok:
+            deg = (True, "ReplicasUnavailable", ", ".join(short))
+        else:
+            deg = (False, "AsExpected", "no faults observed")
+    conds.append(_condition(prev_conds, ConditionType.DEGRADED, *deg, generation, now))
+
+    # Progressing
+    moving = []
+    for role in ROLES:
+        r, dep = roles[role], obs.deployments.get(role)
+        if dep is None:
+            moving.append(f"{role} not created yet")
+        elif dep.observed_generation < dep.generation or r["updated"] < r["desired"]:
+            moving.append(f"{role} {r['updated']}/{r['desired']} updated")
+        elif r["ready"] != r["desired"] or dep.ready != r["desired"]:
+            moving.append(f"{role} {r['ready']}/{r['desired']} ready")
+    if obs.blocked:
+        prog = (False, obs.blocked[0], obs.blocked[1])
+    elif moving:
+        prog = (True, "RollingOut" if any("updated" in m for m in moving) else "Scaling", ", ".join(moving))
+    else:
+        prog = (False, "Complete", "every role has its desired replicas, updated and ready")
+    conds.append(_condition(prev_conds, ConditionType.PROGRESSING, *prog, generation, now))
+
+    # Ready: can serve: at least one ready prefill (unless none wanted), decode and router.
+    missing = [role for role in ROLES if roles[role]["ready"] == 0 and roles[role]["desired"] > 0]
+    if obs.blocked:
+        rd = (False, obs.blocked[0], obs.blocked[1])
+    elif missing:
+        rd = (False, "NoReady" + "".join(m.capitalize() for m in missing),
+              "no ready " + ", ".join(missing) + " pods" + ("" if bound_ok else f"; {gs[2]}"))
+    else:
+        rd = (True, "Serving", f"prefill {roles[ROLE_PREFILL]['summary']}, decode {roles[ROLE_DECODE]['summary']}, "
+                               f"router {roles[ROLE_ROUTER]['summary']} ready")
+    conds.append(_condition(prev_conds, ConditionType.READY, *rd, generation, now))
+
+    kept = [c for c in previous.get("conditions") or [] if c["type"] not in OWNED]
+    if rd[0] and not deg[0]:
+        phase = Phase.READY
+    elif deg[0]:
+        phase = Phase.DEGRADED
+    elif prog[0] or not bound_ok:
+        phase = Phase.PROGRESSING if bound_ok else Phase.PENDING
+    else:
+        phase = Phase.PENDING
+    status = {"observedGeneration": generation, "phase": str(phase), "conditions": conds + kept,
+              "prefill": roles[ROLE_PREFILL], "decode": roles[ROLE_DECODE], "router": roles[ROLE_ROUTER],
+              "endpoint": endpoint}
+
+    events = []
+    for cond in conds:
+        old = prev_conds.get(cond["type"])
+        if old is None or old.get("status") != cond["status"] or old.get("reason") != cond["reason"]:
+            warn = (cond["type"] in (ConditionType.DEGRADED,) and cond["status"] == "True") or (
+                cond["type"] in (ConditionType.GANG_SCHEDULED, ConditionType.READY) and cond["status"] == "False"
+                and cond["reason"] not in ("Pending",) and not cond["reason"].startswith("NoReady"))
+            events.append(("Warning" if warn else "Normal", cond["reason"], f"{cond['type']}={cond['status']}: "
+                                                                            f"{cond['message']}"))
+    return status, events
+
+
+def _age_seconds(since: str, now: str) -> float:
+    parse = lambda s: dt.datetime.strptime(s, "%Y-%m-%dT%H:%M:%SZ")  # noqa: E731
+    return (parse(now) - parse(since)).total_seconds()
+
+
+def changed(old: dict[str, Any] | None, new: dict[str, Any]) -> bool:
+    """Whether writing `new` would change the status (fields this module owns)."""
+    old = old or {}
+    return any(old.get(k) != v for k, v in new.items())

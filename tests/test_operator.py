@@ -1,0 +1,260 @@
+"""The operator against the local control plane, running under its least-privilege role.
+Nothing about Kubernetes is mocked: the real scheduler places (or refuses) the gang."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from kubernetes import client
+
+from disagg.api.names import LABEL_DEPLOYMENT, LABEL_ROLE
+from disagg.e2e.localcluster import nodepools
+from disagg.e2e.testing import dd_manifest, wait_for
+
+GROUP, VERSION, PLURAL = "serving.disagg.dev", "v1alpha1", "disaggdeployments"
+
+
+class DD:
+    """Small client for one DisaggDeployment in a test namespace."""
+
+    def __init__(self, api_client, namespace, manifest):
+        self.custom = client.CustomObjectsApi(api_client)
+        self.core = client.CoreV1Api(api_client)
+        self.apps = client.AppsV1Api(api_client)
+        self.ns, self.name = namespace, manifest["metadata"]["name"]
+        self.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, manifest)
+
+    def get(self):
+        return self.custom.get_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, self.name)
+
+    def status(self):
+        return self.get().get("status") or {}
+
+    def condition(self, ctype):
+        return next((c for c in self.status().get("conditions", []) if c["type"] == ctype), None)
+
+    def patch_spec(self, spec):
+        self.custom.patch_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, self.name, {"spec": spec})
+
+    def pods(self, role=None):
+        sel = f"{LABEL_DEPLOYMENT}={self.name}" + (f",{LABEL_ROLE}={role}" if role else "")
+        return [p for p in self.core.list_namespaced_pod(self.ns, label_selector=sel).items
+                if not p.metadata.deletion_timestamp]
+
+    def wait_phase(self, phase, timeout=90):
+        return wait_for(lambda: self.status().get("phase") == phase and self.status(), timeout,
+                        f"{self.name} phase {phase} (status: {self.status()})")
+
+    def wait_condition(self, ctype, status, reason=None, timeout=90):
+        def check():
+            c = self.condition(ctype)
+            return c if c and c["status"] == status and (reason is None or c["reason"] == reason) else None
+        return wait_for(check, timeout, f"{ctype}={status} {reason or ''} on {self.name} (status: {self.status()})")
+
+
+def _empty_clique(api_client):
+    """An NVLink domain of the default pool with no pod on it."""
+    core = client.CoreV1Api(api_client)
+    nodes = [n for n in core.list_node(label_selector=nodepools.CLIQUE_LABEL).items
+             if n.metadata.name.startswith("h100-")]
+    busy = {p.spec.node_name for p in core.list_pod_for_all_namespaces(field_selector="spec.nodeName!=").items}
+    cliques = sorted({n.metadata.labels[nodepools.CLIQUE_LABEL] for n in nodes})
+    return next(c for c in cliques if not any(n.metadata.name in busy for n in nodes
+                                              if n.metadata.labels[nodepools.CLIQUE_LABEL] == c))
+
+
+def test_creates_children_reaches_ready_and_deletes_cascade(api_client, namespace, operator):
+    dd = DD(api_client, namespace, dd_manifest("small", decode={"replicas": 2}))
+    status = dd.wait_phase("Ready")
+    assert status["prefill"] == {"desired": 1, "scheduled": 1, "ready": 1, "updated": 1, "summary": "1/1"}
+    assert status["decode"]["summary"] == "2/2" and status["router"]["summary"] == "1/1"
+    assert status["endpoint"] == f"http://small.{namespace}.svc:80/v1"
+    assert status["observedGeneration"] == dd.get()["metadata"]["generation"]
+    conds = {c["type"]: c for c in status["conditions"]}
+    assert conds["Ready"]["status"] == "True" and conds["GangScheduled"]["status"] == "True"
+    assert conds["Progressing"]["status"] == "False" and conds["Degraded"]["status"] == "False"
+
+    uid = dd.get()["metadata"]["uid"]
+    deployments = dd.apps.list_namespaced_deployment(namespace).items
+    assert sorted(d.metadata.name for d in deployments) == ["small-decode", "small-prefill", "small-router"]
+    services = {s.metadata.name: s for s in dd.core.list_namespaced_service(namespace).items}
+    assert set(services) == {"small", "small-prefill", "small-decode"}
+    assert services["small-prefill"].spec.cluster_ip == "None"
+    objects = client.CustomObjectsApi(api_client)
+    groups = objects.list_namespaced_custom_object("scheduling.k8s.io", "v1beta1", namespace, "podgroups")["items"]
+    assert sorted(g["spec"]["workloadRef"]["templateName"] for g in groups) == ["decode", "prefill"]
+    composite = objects.list_namespaced_custom_object("scheduling.k8s.io", "v1alpha3", namespace,
+                                                      "compositepodgroups")["items"]
+    assert [c["spec"]["schedulingPolicy"]["gang"]["minGroupCount"] for c in composite] == [2]
+    for obj in [*deployments, *services.values()]:
+        assert obj.metadata.owner_references[0].uid == uid
+    for pod in dd.pods("prefill") + dd.pods("decode"):
+        assert pod.spec.scheduling_group.pod_group_name in {g["metadata"]["name"] for g in groups}
+
+    dd.custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "small")
+    wait_for(lambda: not dd.apps.list_namespaced_deployment(namespace).items
+             and not dd.core.list_namespaced_service(namespace).items, 90, "children garbage-collected")
+
+
+def test_printer_columns_show_live_values(cluster, api_client, namespace, operator):
+    dd = DD(api_client, namespace, dd_manifest("cols", decode={"replicas": 2}))
+    dd.wait_phase("Ready")
+    row = cluster.kubectl("get", "dd", "cols", "-n", namespace, "--no-headers").stdout.split()
+    assert row[:4] == ["cols", "1/1", "2/2", "Ready"]
+
+
+def test_gang_one_gpu_short_binds_nothing_then_binds_all_when_capacity_arrives(api_client, namespace, operator):
+    """Pinned to one NVLink domain of 4 x 8 GPUs: 4 decode replicas of 8 GPUs plus one
+    1-GPU prefill need 33. Nothing binds, the status says why in numbers; a node added
+    to that domain lets the whole gang bind without touching the deployment."""
+    clique = _empty_clique(api_client)
+    pin = {"nodeSelector": {nodepools.CLIQUE_LABEL: clique}}
+    dd = DD(api_client, namespace, dd_manifest(
+        "gang", prefill={"replicas": 1, **pin},
+        decode={"replicas": 4, "tensorParallelSize": 8, **pin},
+        scheduling={"gang": {"minPrefill": 1, "minDecode": 4},
+                    "topology": {"key": nodepools.CLIQUE_LABEL, "mode": "required"}}))
+    cond = dd.wait_condition("GangScheduled", "False", "InsufficientCapacity")
+    assert "gang needs 33 nvidia.com/gpu in one nvidia.com/gpu.clique domain" in cond["message"]
+    assert "the largest free domain has 32" in cond["message"]
+    events = dd.core.list_namespaced_event(namespace, field_selector=f"involvedObject.name=gang").items
+    assert any(e.reason == "InsufficientCapacity" and e.type == "Warning" for e in events)
+    time.sleep(3)
+    workers = dd.pods("prefill") + dd.pods("decode")
+    assert len(workers) == 5 and all(p.spec.node_name is None for p in workers), "no pod of a partial gang binds"
+    assert dd.status()["phase"] == "Pending"
+
+    extra = nodepools.nodes(nodepools.PoolFile.model_validate(
+        {"pools": [{"name": "extra", "gpus": 8, "gpuProduct": "NVIDIA-H100-80GB-HBM3"}]}))[0]
+    extra["metadata"]["name"] = f"extra-{namespace[-6:]}"
+    extra["metadata"]["labels"] |= {nodepools.CLIQUE_LABEL: clique, "kubernetes.io/hostname": extra["metadata"]["name"]}
+    dd.core.create_node(extra)
+    try:
+        dd.wait_condition("GangScheduled", "True", timeout=120)
+        pods = dd.pods("prefill") + dd.pods("decode")
+        assert len(pods) == 5 and all(p.spec.node_name for p in pods)
+        dd.wait_phase("Ready")
+    finally:
+        dd.core.delete_node(extra["metadata"]["name"])
+
+
+def test_gang_minimum_holds_per_role(api_client, namespace, operator):
+    """Prefill has spare capacity, decode has none: not even the prefill pod binds."""
+    dd = DD(api_client, namespace, dd_manifest(
+        "perrole", decode={"replicas": 1, "nodeSelector": {"nvidia.com/gpu.product": "no-such-gpu"}}))
+    cond = dd.wait_condition("GangScheduled", "False", "InsufficientCapacity")
+    assert "gang needs 2 nvidia.com/gpu" in cond["message"]
+    time.sleep(3)
+    assert all(p.spec.node_name is None for p in dd.pods("prefill")), "prefill bound without its decode"
+    assert dd.condition("Ready")["status"] == "False"
+
+
+def _clique_of(api_client, pods):
+    core = client.CoreV1Api(api_client)
+    return {core.read_node(p.spec.node_name).metadata.labels[nodepools.CLIQUE_LABEL] for p in pods}
+
+
+@pytest.mark.parametrize("mode", ["required", "preferred"])
+def test_topology_packs_the_gang_into_one_domain(api_client, namespace, operator, mode):
+    """Four 4-GPU workers would spread over the empty fleet; the topology key packs them."""
+    dd = DD(api_client, namespace, dd_manifest(
+        f"topo-{mode}", prefill={"replicas": 2, "tensorParallelSize": 4},
+        decode={"replicas": 2, "tensorParallelSize": 4},
+        scheduling={"gang": {"minPrefill": 2, "minDecode": 2},
+                    "topology": {"key": nodepools.CLIQUE_LABEL, "mode": mode}}))
+    dd.wait_phase("Ready")
+    pods = dd.pods("prefill") + dd.pods("decode")
+    assert len(pods) == 4 and len(_clique_of(api_client, pods)) == 1
+
+
+def test_preferred_topology_still_schedules_when_no_domain_fits(api_client, namespace, operator):
+    """Five 8-GPU replicas cannot share a 4-node domain: preferred spreads them rather than wait."""
+    dd = DD(api_client, namespace, dd_manifest(
+        "spread", prefill={"replicas": 1, "tensorParallelSize": 8},
+        decode={"replicas": 4, "tensorParallelSize": 8},
+        scheduling={"gang": {"minPrefill": 1, "minDecode": 4},
+                    "topology": {"key": nodepools.CLIQUE_LABEL, "mode": "preferred"}}))
+    dd.wait_phase("Ready", timeout=120)
+    pods = dd.pods("prefill") + dd.pods("decode")
+    assert len(pods) == 5 and len(_clique_of(api_client, pods)) >= 2
+
+
+def test_engine_args_reach_the_container_literally(api_client, namespace, operator):
+    tricky = ["--served-model-name", "$(rm -rf /)", "; echo pwned", "'quoted' \"double\"", "a b\tc", "`id`"]
+    dd = DD(api_client, namespace, dd_manifest("args", engine={"args": tricky}))
+    dep = wait_for(lambda: next(iter(dd.apps.list_namespaced_deployment(
+        namespace, label_selector=f"{LABEL_ROLE}=decode").items), None), 60, "decode Deployment")
+    container = dep.spec.template.spec.containers[0]
+    assert container.command == ["python", "-m", "disagg.workers"], "exec form: no shell in between"
+    assert container.args[-len(tricky):] == tricky
+    # and an exec-form argv reaches a real process unchanged
+    import json
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", "import sys, json; print(json.dumps(sys.argv[1:]))",
+                          *container.args], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout)[-len(tricky):] == tricky
+
+
+def test_missing_secret_becomes_a_condition_then_recovers(api_client, namespace, operator):
+    dd = DD(api_client, namespace, dd_manifest("secret", model={"secretRef": {"name": "hf-token"}}))
+    cond = dd.wait_condition("Ready", "False", "SecretNotFound")
+    assert "hf-token" in cond["message"] and "spec.model.secretRef" in cond["message"]
+    assert dd.apps.list_namespaced_deployment(namespace).items == [], "nothing started without the Secret"
+    dd.core.create_namespaced_secret(namespace, {"metadata": {"name": "hf-token"}, "stringData": {"token": "x"}})
+    dd.wait_phase("Ready", timeout=120)
+
+
+def test_faulty_pod_is_named_in_degraded(api_client, namespace, operator):
+    dd = DD(api_client, namespace, dd_manifest("faulty"))
+    dd.wait_phase("Ready")
+    # A new decode pod that can never pull its image (kwok holds it in ImagePullBackOff).
+    dd.apps.patch_namespaced_deployment("faulty-decode", namespace, {"spec": {"template": {"metadata": {
+        "annotations": {nodepools.FAULT_ANNOTATION: "ImagePullBackOff"}}}}})
+    cond = dd.wait_condition("Degraded", "True", "ImagePullBackOff")
+    assert "ImagePullBackOff on decode pod faulty-decode-" in cond["message"]
+    # surge, no unavailability: the old decode pod keeps serving
+    assert dd.status()["decode"]["ready"] == 1 and dd.condition("Ready")["status"] == "True"
+
+
+def test_rollout_never_leaves_a_role_without_ready_pods(api_client, namespace, operator):
+    dd = DD(api_client, namespace, dd_manifest("roll", prefill={"replicas": 2}, decode={"replicas": 2},
+                                               scheduling={"gang": {"minPrefill": 2, "minDecode": 2}}))
+    dd.wait_phase("Ready")
+    dd.patch_spec({"engine": {"image": "disagg/worker:0.1.1"}})
+    saw_progress, deadline = False, time.monotonic() + 120
+    while time.monotonic() < deadline:
+        for role in ("prefill", "decode"):
+            ready = [p for p in dd.pods(role) if any(c.type == "Ready" and c.status == "True"
+                                                     for c in p.status.conditions or [])]
+            assert ready, f"no ready {role} pod during the rollout"
+        status = dd.status()
+        saw_progress |= any(c["type"] == "Progressing" and c["status"] == "True" for c in status["conditions"])
+        images = {p.spec.containers[0].image for p in dd.pods()
+                  if p.metadata.labels.get(LABEL_ROLE) in ("prefill", "decode")}
+        if images == {"disagg/worker:0.1.1"} and status.get("phase") == "Ready" \
+                and status.get("observedGeneration") == dd.get()["metadata"]["generation"] \
+                and status["decode"]["updated"] == 2:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"rollout did not finish: {dd.status()}")
+    assert saw_progress, "status never showed the rollout in progress"
+
+
+def test_scale_up_and_down(api_client, namespace, operator):
+    dd = DD(api_client, namespace, dd_manifest("scale"))
+    dd.wait_phase("Ready")
+    dd.patch_spec({"decode": {"replicas": 3}})
+    wait_for(lambda: dd.status()["decode"]["summary"] == "3/3" and dd.status()["phase"] == "Ready", 90, "3 decode")
+    dd.patch_spec({"decode": {"replicas": 1}})
+    wait_for(lambda: dd.status()["decode"]["summary"] == "1/1" and len(dd.pods("decode")) == 1, 90, "1 decode")
+
+
+def test_longest_allowed_name_gives_valid_children(api_client, namespace, operator):
+    name = "n" * 48
+    dd = DD(api_client, namespace, dd_manifest(name))
+    dd.wait_phase("Ready")
+    names = [d.metadata.name for d in dd.apps.list_namespaced_deployment(namespace).items]
+    assert all(len(n) <= 63 for n in names) and f"{name}-prefill" in names
