@@ -49,6 +49,12 @@ def _demo(args: argparse.Namespace) -> int:
     return run(cluster_name=args.cluster)
 
 
+def _simulate(args: argparse.Namespace) -> int:
+    from disagg.planner import simulate
+
+    return simulate.run_cli(args, REPO)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="disagg", description="Disaggregated LLM serving on Kubernetes.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -67,6 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("demo", help="bring up the local cluster and show the API at work")
     p.add_argument("--cluster", default="default")
     p.set_defaults(func=_demo)
+
+    p = sub.add_parser("simulate", help="simulate a P/D deployment on a trace under the planner or a baseline")
+    from disagg.planner.simulate import add_arguments as _simulate_arguments
+    _simulate_arguments(p)
+    p.set_defaults(func=_simulate)
 
     args = parser.parse_args(argv)
     return args.func(args)

@@ -31,11 +31,12 @@ from .perfmodel import OnlineCorrection, PerfModel
 from .predictors import get as get_predictor
 
 HISTORY = 288               # intervals kept for the predictors
-MAX_UTILIZATION = 0.9       # no queue is planned hotter than this
+MAX_UTILIZATION = 0.85      # no queue (prefill) or KV cache (decode) is planned fuller than this
 SCALE_DOWN_MARGIN = 1.2     # size for 20% more load before shrinking (hysteresis)
 SCALE_DOWN_STEP = 0.25      # shrink at most a quarter of a role per interval (at least one replica)
 SATURATION = 2.0            # observed latency at this multiple of target counts as saturated
 MAX_REPLICAS = 1024
+UNATTAINABLE_SLACK = 1.25   # when a prompt alone misses the TTFT target, allow this much queueing on top
 
 # Reasons (CamelCase, in status.planner.reason and the event)
 SCALED = "Scaled"
@@ -66,9 +67,11 @@ class Observation:
     output_tokens_mean: float | None = None
     output_tokens_p: float | None = None
     prefix_hit_ratio: float = 0.0
-    prefill_queue: float | None = None
-    decode_queue: float | None = None
-    decode_kv_usage: float | None = None
+    prefill_queue: float | None = None      # requests waiting for a prefill slot (all replicas)
+    decode_queue: float | None = None       # requests waiting for decode admission (KV memory full)
+    prefill_running: float | None = None    # requests being prefilled
+    decode_running: float | None = None     # requests decoding
+    decode_kv_usage: float | None = None    # 0..1, mean over decode replicas
     missing: tuple[str, ...] = ()
     error: str | None = None
 
@@ -79,7 +82,8 @@ class Observation:
     def inputs(self) -> dict[str, float]:
         out = {}
         for key in ("request_rate", "ttft", "itl", "input_tokens_mean", "input_tokens_p", "output_tokens_mean",
-                    "output_tokens_p", "prefix_hit_ratio", "prefill_queue", "decode_queue", "decode_kv_usage"):
+                    "output_tokens_p", "prefix_hit_ratio", "prefill_queue", "decode_queue", "prefill_running",
+                    "decode_running", "decode_kv_usage"):
             v = getattr(self, key)
             if v is not None and math.isfinite(v):
                 out[_camel(key)] = round(float(v), 6)
@@ -109,6 +113,7 @@ class Target:
     gpu_budget: int | None = None
     interval: float = 30.0
     cooldown: float = 300.0
+    startup: float = 90.0              # seconds from asking for a replica to it serving (model load)
     predictor: str = "moving-average"
     ready: bool = True
     rolling: bool = False
@@ -165,8 +170,6 @@ class Memory:
     correction: OnlineCorrection = field(default_factory=OnlineCorrection)
     last_scale_up_prefill: float | None = None
     last_scale_up_decode: float | None = None
-    expected_ttft: float | None = None   # what the model predicted for the size it chose
-    expected_itl: float | None = None
 
     def remember(self, obs: Observation) -> Memory:
         def push(series: tuple[float, ...], value: float | None) -> tuple[float, ...]:
@@ -205,14 +208,31 @@ class Decision:
         return self.prefill.replicas != target.prefill or self.decode.replicas != target.decode
 
 
+@dataclass(frozen=True)
+class RoleModels:
+    """A performance model per role (they differ when the roles' tensor parallelism does)."""
+
+    prefill: PerfModel
+    decode: PerfModel
+
+    @classmethod
+    def of(cls, model: PerfModel | RoleModels) -> RoleModels:
+        return model if isinstance(model, RoleModels) else cls(model, model)
+
+    def corrected(self, prefill_scale: float = 1.0, decode_scale: float = 1.0) -> RoleModels:
+        return RoleModels(self.prefill.corrected(prefill_scale, decode_scale),
+                          self.decode.corrected(prefill_scale, decode_scale))
+
+
 # ---------------------------------------------------------------- sizing (pure, monotone in load)
 
 def _z(percentile: float) -> float:
     return NormalDist().inv_cdf(min(max(percentile / 100.0, 0.5), 0.9999))
 
 
-def prefill_latency(model: PerfModel, load: Load, replicas: int, percentile: float) -> float:
+def prefill_latency(model: PerfModel | RoleModels, load: Load, replicas: int, percentile: float) -> float:
     """Predicted TTFT at ``percentile`` with ``replicas`` prefill replicas (inf when overloaded)."""
+    model = RoleModels.of(model).prefill
     hit = min(max(load.prefix_hit, 0.0), 0.99)
     s_mean = model.ttft(load.input_mean, load.input_mean * hit)
     s_p = model.ttft(load.input_p, load.input_p * hit)
@@ -229,36 +249,57 @@ def prefill_latency(model: PerfModel, load: Load, replicas: int, percentile: flo
     return s_p + transfer + wait
 
 
-def size_prefill(model: PerfModel, load: Load, ttft_target: float, percentile: float,
+def size_prefill(model: PerfModel | RoleModels, load: Load, ttft_target: float, percentile: float,
                  limit: int = MAX_REPLICAS) -> tuple[int, float]:
     """Least prefill replicas meeting the TTFT target (``limit`` when none does), and the TTFT they give."""
+    model = RoleModels.of(model).prefill
     hit = min(max(load.prefix_hit, 0.0), 0.99)
     s_mean = model.ttft(load.input_mean, load.input_mean * hit)
+    # a percentile-length prompt that alone misses the target cannot be helped by more replicas:
+    # then plan for queueing of at most a quarter of its service time instead of chasing the target
+    alone = prefill_latency(model, replace(load, rate=0.0), 1, percentile)
+    goal = max(ttft_target, alone * UNATTAINABLE_SLACK)
     lo = max(1, math.ceil(load.rate * s_mean / MAX_UTILIZATION)) if load.rate > 0 else 1
     n = min(lo, limit)
-    while n < limit and prefill_latency(model, load, n, percentile) > ttft_target:
+    while n < limit and prefill_latency(model, load, n, percentile) > goal:
         n += 1
     return n, prefill_latency(model, load, n, percentile)
 
 
-def decode_latency(model: PerfModel, load: Load, replicas: int, itl_target: float) -> float:
-    """Predicted ITL with ``replicas`` decode replicas sharing the requests in flight."""
+def _decode_batch(model: PerfModel, load: Load, itl_target: float) -> tuple[int, float, float]:
+    """Planned requests per decode replica: the most whose ITL meets the target (at the mean context) and
+    whose KV cache fits when every request reaches its full length, at MAX_UTILIZATION; with the mean
+    and the peak context."""
     ctx = load.input_mean + load.output_mean / 2.0
-    batch = max(model.max_concurrency_for_itl(itl_target, ctx), 1)
-    in_flight = load.rate * load.output_mean * model.itl(batch, ctx)
-    per_replica = max(in_flight / replicas, 1.0)
-    if per_replica > max(model.max_concurrency(ctx), 1):
-        return math.inf
+    peak = load.input_mean + load.output_mean
+    by_itl = model.max_concurrency_for_itl(itl_target, ctx)
+    by_memory = model.max_concurrency(peak)
+    return max(math.floor(min(by_itl, by_memory) * MAX_UTILIZATION), 1), ctx, peak
+
+
+def decode_latency(model: PerfModel | RoleModels, load: Load, replicas: int, itl_target: float) -> float:
+    """Predicted ITL with ``replicas`` decode replicas sharing the requests in flight
+    (Little's law solved for its fixed point: in flight = rate x output tokens x ITL(in flight))."""
+    model = RoleModels.of(model).decode
+    ctx = load.input_mean + load.output_mean / 2.0
+    capacity = max(model.max_concurrency(load.input_mean + load.output_mean), 1)
+    per_replica = 1.0
+    for _ in range(20):
+        nxt = max(load.rate * load.output_mean * model.itl(per_replica, ctx) / replicas, 1.0)
+        if nxt > capacity:
+            return math.inf
+        if abs(nxt - per_replica) < 1e-3:
+            break
+        per_replica = nxt
     return model.itl(per_replica, ctx)
 
 
-def size_decode(model: PerfModel, load: Load, itl_target: float, percentile: float,
+def size_decode(model: PerfModel | RoleModels, load: Load, itl_target: float, percentile: float,
                 limit: int = MAX_REPLICAS) -> tuple[int, float]:
     """Least decode replicas keeping the ITL target for the requests in flight, and the ITL they give."""
-    ctx = load.input_mean + load.output_mean / 2.0
-    batch = model.max_concurrency_for_itl(itl_target, ctx)
-    if batch < 1:  # even one request misses the target (or does not fit): spread as thin as possible
-        batch = 1
+    model = RoleModels.of(model).decode
+    batch, ctx, _ = _decode_batch(model, load, itl_target)
+    # in flight if every replica ran its planned batch (an upper bound on ITL, so monotone in rate)
     in_flight = load.rate * load.output_mean * model.itl(batch, ctx)
     needed = in_flight + _z(percentile) * math.sqrt(in_flight)
     n = min(max(1, math.ceil(needed / batch - 1e-9)), limit)
@@ -303,12 +344,14 @@ def _hold(target: Target, memory: Memory, reason: str, message: str, obs: Observ
                     inputs=obs.inputs()), memory
 
 
-def _predict(name: str, history: tuple[float, ...], season: int) -> float:
+def _predict(name: str, history: tuple[float, ...], season: int, horizon: int = 1) -> float:
+    """The most the predictor expects over the next ``horizon`` intervals."""
     params = {"season": season} if name == "holt-winters" else {}
-    return get_predictor(name, **params).predict(history)
+    predictor = get_predictor(name, **params)
+    return max(predictor.predict(history, ahead) for ahead in range(1, max(horizon, 1) + 1))
 
 
-def decide(obs: Observation, target: Target, memory: Memory, model: PerfModel, now: float,
+def decide(obs: Observation, target: Target, memory: Memory, model: PerfModel | RoleModels, now: float,
            season_intervals: int = 0) -> tuple[Decision, Memory]:
     """Plan the next interval. Pure: same inputs, same decision."""
     if obs.error:
@@ -324,16 +367,16 @@ def decide(obs: Observation, target: Target, memory: Memory, model: PerfModel, n
         memory = replace(memory, last_scale_up_prefill=now, last_scale_up_decode=now)
     ttft_obs = obs.ttft if obs.ttft is not None and math.isfinite(obs.ttft) else None
     itl_obs = obs.itl if obs.itl is not None and math.isfinite(obs.itl) else None
-    if obs.request_rate > 0 and memory.expected_ttft is not None:
-        memory = replace(memory, correction=memory.correction.observe(ttft_obs, memory.expected_ttft,
-                                                                      itl_obs, memory.expected_itl))
+    memory = _correct(obs, target, memory, model, ttft_obs, itl_obs)
     memory = memory.remember(obs)
     corr = memory.correction
-    planning = model.corrected(corr.prefill, corr.decode)
+    planning = RoleModels.of(model).corrected(corr.prefill, corr.decode)
 
     # predicted load; never below what was just observed (scale up fast)
     last_rate = obs.request_rate
-    rate = max(_predict(target.predictor, memory.rate, season_intervals), last_rate)
+    # over the time a new replica takes to start, and the interval after (what a decision now can serve)
+    horizon = math.ceil(target.startup / target.interval) + 1
+    rate = max(_predict(target.predictor, memory.rate, season_intervals, horizon), last_rate)
     in_mean = max(memory.input_mean[-1] if memory.input_mean else 0.0, 1.0)
     in_p = max(memory.input_p[-1] if memory.input_p else in_mean, in_mean)
     out_mean = max(memory.output_mean[-1] if memory.output_mean else 0.0, 1.0)
@@ -342,15 +385,27 @@ def decide(obs: Observation, target: Target, memory: Memory, model: PerfModel, n
         in_mean = max(_predict("moving-average", memory.input_mean, 0), in_mean)
         out_mean = max(_predict("moving-average", memory.output_mean, 0), out_mean)
     load = Load(rate, in_mean, in_p, out_mean, hit)
+    # what is already waiting, and what will pile up until new replicas serve, must be cleared within
+    # one start-up and interval, on top of the new load
+    horizon = target.startup + target.interval
+    load_p = replace(load, rate=rate + _backlog(obs.prefill_queue, rate, _prefill_capacity(
+        planning, load, target.prefill), target.startup) / horizon)
+    # (prompts waiting for prefill now wait for decode next)
+    waiting_d = (obs.decode_queue or 0.0) + (obs.prefill_queue or 0.0)
+    load_d = replace(load, rate=rate + _backlog(waiting_d, rate, _decode_capacity(
+        planning, load, target.decode, target.itl_target), target.startup) / horizon)
 
     p_limit = max(min(target.prefill_max, MAX_REPLICAS), target.floor_prefill)
     d_limit = max(min(target.decode_max, MAX_REPLICAS), target.floor_decode)
-    need_p, ttft_pred = size_prefill(planning, load, target.ttft_target, target.percentile, p_limit)
-    need_d, itl_pred = size_decode(planning, load, target.itl_target, target.percentile, d_limit)
+    need_p, ttft_pred = size_prefill(planning, load_p, target.ttft_target, target.percentile, p_limit)
+    need_d, itl_pred = size_decode(planning, load_d, target.itl_target, target.percentile, d_limit)
     # the observed latency has the last word when it breaks the target the model claims is met
-    if ttft_obs is not None and ttft_obs > target.ttft_target and need_p <= target.prefill:
+    # (TTFT is prefill's unless requests wait for decode admission; then decode needs room first)
+    decode_waiting = (obs.decode_queue or 0.0) >= 1.0
+    if (ttft_obs is not None and ttft_obs > target.ttft_target and need_p <= target.prefill
+            and not decode_waiting and (obs.prefill_queue is None or obs.prefill_queue >= target.prefill)):
         need_p = target.prefill + 1
-    if itl_obs is not None and itl_obs > target.itl_target and need_d <= target.decode:
+    if ((itl_obs is not None and itl_obs > target.itl_target) or decode_waiting) and need_d <= target.decode:
         need_d = target.decode + 1
     need_p = min(max(need_p, target.floor_prefill), p_limit)
     need_d = min(max(need_d, target.floor_decode), d_limit)
@@ -378,11 +433,10 @@ def decide(obs: Observation, target: Target, memory: Memory, model: PerfModel, n
         return RoleDecision(max(shrink_size, current_c - step, floor), need, SCALED)
 
     # the size to shrink to is computed for more load than predicted (hysteresis)
-    shrink_load = replace(load, rate=load.rate * SCALE_DOWN_MARGIN)
-    shrink_p = min(max(size_prefill(planning, shrink_load, target.ttft_target, target.percentile, p_limit)[0],
-                       need_p), p_limit)
-    shrink_d = min(max(size_decode(planning, shrink_load, target.itl_target, target.percentile, d_limit)[0],
-                       need_d), d_limit)
+    shrink_p = min(max(size_prefill(planning, replace(load_p, rate=load_p.rate * SCALE_DOWN_MARGIN),
+                                    target.ttft_target, target.percentile, p_limit)[0], need_p), p_limit)
+    shrink_d = min(max(size_decode(planning, replace(load_d, rate=load_d.rate * SCALE_DOWN_MARGIN),
+                                   target.itl_target, target.percentile, d_limit)[0], need_d), d_limit)
     rp = role(target.prefill, need_p, target.floor_prefill, p_limit, memory.last_scale_up_prefill, ttft_obs,
               target.ttft_target, shrink_p)
     rd = role(target.decode, need_d, target.floor_decode, d_limit, memory.last_scale_up_decode, itl_obs,
@@ -397,15 +451,6 @@ def decide(obs: Observation, target: Target, memory: Memory, model: PerfModel, n
         memory = replace(memory, last_scale_up_prefill=now)
     if rd.replicas > target.decode:
         memory = replace(memory, last_scale_up_decode=now)
-    memory = replace(memory,
-                     expected_ttft=prefill_latency(planning, replace(load, rate=last_rate), rp.replicas,
-                                                   target.percentile),
-                     expected_itl=decode_latency(planning, replace(load, rate=last_rate), rd.replicas,
-                                                 target.itl_target))
-    if not math.isfinite(memory.expected_ttft):
-        memory = replace(memory, expected_ttft=None)
-    if not math.isfinite(memory.expected_itl):
-        memory = replace(memory, expected_itl=None)
 
     changed = rp.replicas != target.prefill or rd.replicas != target.decode
     reasons = [r.reason for r in (rp, rd)]
@@ -428,6 +473,47 @@ def decide(obs: Observation, target: Target, memory: Memory, model: PerfModel, n
     if math.isfinite(itl_pred):
         prediction["itlSeconds"] = round(itl_pred, 6)
     return Decision(rp, rd, reason, message, True, obs.inputs(), prediction), memory
+
+
+def _backlog(queue: float | None, rate: float, capacity: float, startup: float) -> float:
+    """Requests waiting once new replicas are up: those waiting now plus the shortfall meanwhile."""
+    return (queue or 0.0) + max(rate - capacity, 0.0) * startup if queue else 0.0
+
+
+def _prefill_capacity(model: RoleModels, load: Load, replicas: int) -> float:
+    hit = min(max(load.prefix_hit, 0.0), 0.99)
+    s = model.prefill.ttft(load.input_mean, load.input_mean * hit)
+    return replicas / s if s > 0 else math.inf
+
+
+def _decode_capacity(model: RoleModels, load: Load, replicas: int, itl_target: float) -> float:
+    """Requests/s that ``replicas`` decode replicas finish at their planned batch."""
+    batch, ctx, _ = _decode_batch(model.decode, load, itl_target)
+    per_request = load.output_mean * model.decode.itl(batch, ctx)
+    return replicas * batch / per_request if per_request > 0 else math.inf
+
+
+def _correct(obs: Observation, target: Target, memory: Memory, model: PerfModel | RoleModels,
+             ttft_obs: float | None, itl_obs: float | None) -> Memory:
+    """Online correction: compare what was observed with what the model predicts for the observed load on
+    the current size. Only from steady intervals (Ready, no rollout) with traffic and a full set of token
+    figures; TTFT is prefill's only while nothing waits for decode admission."""
+    if (not target.ready or target.rolling or not obs.request_rate or obs.input_tokens_mean is None
+            or obs.output_tokens_mean is None):
+        return memory
+    corr = memory.correction
+    planning = RoleModels.of(model).corrected(corr.prefill, corr.decode)
+    load = Load(obs.request_rate, obs.input_tokens_mean, obs.input_tokens_p or obs.input_tokens_mean,
+                obs.output_tokens_mean, obs.prefix_hit_ratio)
+    if (obs.decode_queue or 0.0) >= 1.0:  # memory-bound decode: neither latency measures the model
+        ttft_obs = itl_obs = None
+    ttft_pred = prefill_latency(planning, load, max(target.prefill, 1), target.percentile)
+    itl_pred = decode_latency(planning, load, max(target.decode, 1), target.itl_target)
+    if not math.isfinite(ttft_pred):
+        ttft_obs = None
+    if not math.isfinite(itl_pred):
+        itl_obs = None
+    return replace(memory, correction=corr.observe(ttft_obs, ttft_pred, itl_obs, itl_pred))
 
 
 def _ms(seconds: float | None) -> str:

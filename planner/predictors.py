@@ -16,14 +16,16 @@ from disagg.api.v1alpha1 import Predictor as PredictorName
 class Predictor(Protocol):
     name: str
 
-    def predict(self, history: Sequence[float]) -> float: ...
+    def predict(self, history: Sequence[float], ahead: int = 1) -> float:
+        """The value ``ahead`` intervals after the last one in ``history``."""
+        ...
 
 
 @dataclass(frozen=True)
 class LastValue:
     name: str = PredictorName.LAST_VALUE.value
 
-    def predict(self, history: Sequence[float]) -> float:
+    def predict(self, history: Sequence[float], ahead: int = 1) -> float:
         return max(history[-1], 0.0) if history else 0.0
 
 
@@ -32,7 +34,7 @@ class MovingAverage:
     window: int = 4
     name: str = PredictorName.MOVING_AVERAGE.value
 
-    def predict(self, history: Sequence[float]) -> float:
+    def predict(self, history: Sequence[float], ahead: int = 1) -> float:
         if not history:
             return 0.0
         tail = history[-self.window:]
@@ -53,7 +55,7 @@ class HoltWinters:
     season: int = 0
     name: str = PredictorName.HOLT_WINTERS.value
 
-    def predict(self, history: Sequence[float]) -> float:
+    def predict(self, history: Sequence[float], ahead: int = 1) -> float:
         n = len(history)
         if n < 2:
             return LastValue().predict(history)
@@ -69,13 +71,13 @@ class HoltWinters:
                 level = self.alpha * (x - s) + (1 - self.alpha) * (level + trend)
                 trend = self.beta * (level - prev_level) + (1 - self.beta) * trend
                 seasonal[t % m] = self.gamma * (x - level) + (1 - self.gamma) * s
-            return max(level + trend + seasonal[n % m], 0.0)
+            return max(level + ahead * trend + seasonal[(n + ahead - 1) % m], 0.0)
         level, trend = history[0], history[1] - history[0]
         for x in history[1:]:
             prev_level = level
             level = self.alpha * x + (1 - self.alpha) * (level + trend)
             trend = self.beta * (level - prev_level) + (1 - self.beta) * trend
-        return max(level + trend, 0.0)
+        return max(level + ahead * trend, 0.0)
 
 
 DEFAULT = PredictorName.MOVING_AVERAGE.value

@@ -1,0 +1,646 @@
+"""Discrete-event simulator of one P/D deployment, driven by a trace, resized by a policy.
+
+What it models (latencies from :mod:`disagg.planner.perfmodel`, optionally a
+``reality`` factor slower than the model the planner plans with):
+
+* arrivals from a :class:`~disagg.planner.traces.Trace`; the router holds one FIFO queue per
+  role and hands work to ready replicas as they free up (so a new replica takes load at once);
+* prefill: batches of up to ``max_batch_tokens`` from the queue; cached
+  prefix blocks (a shared LRU sized by the prefill replicas' KV capacity, as a
+  KV-aware router sees it) are not recomputed;
+* KV transfer to decode (bytes over the interconnect);
+* decode: continuous batching per replica (step time from the model for the batch
+  and its context), admission bounded by KV memory and ``max_num_seqs``;
+* replicas start ``startup`` seconds after they are asked for; removed ones drain.
+
+Every ``interval`` the policy sees an :class:`~disagg.planner.decide.Observation`
+built from the last interval (the same snapshot a metrics source gives) and
+returns replica counts. The planner policy runs :func:`disagg.planner.decide.decide`
+unchanged. TTFT is arrival to the first token out of decode; ITL is a request's
+mean time between its output tokens.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import json
+import math
+from collections import OrderedDict, deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from .decide import Decision, Load, Memory, Observation, RoleModels, Target, decide, size_decode, size_prefill
+from .perfmodel import PerfModel
+from .traces import BLOCK_TOKENS, Trace
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    model: str = "meta-llama/Llama-3.1-8B-Instruct"
+    gpu: str = "H100-SXM"
+    prefill_tp: int = 1
+    decode_tp: int = 1
+    link: str = "infiniband-ndr"
+    ttft_target: float = 2.0           # seconds
+    itl_target: float = 0.05           # seconds
+    percentile: float = 90.0
+    interval: float = 30.0
+    cooldown: float = 300.0
+    startup: float = 90.0              # seconds from asking for a replica to it serving
+    prefill_min: int = 1
+    decode_min: int = 1
+    prefill_max: int = 64
+    decode_max: int = 64
+    gpu_budget: int | None = None
+    initial_prefill: int = 1
+    initial_decode: int = 1
+    predictor: str = "moving-average"
+    max_batch_tokens: int = 16384
+    max_num_seqs: int = 256
+    reality: float = 1.0               # true latency / planning model's latency
+    metrics_outages: tuple[tuple[float, float], ...] = ()  # [start, end) with no metrics
+    drain_limit: float = 900.0         # stop this long after the last arrival
+
+    def target(self, prefill: int, decode: int, ready: bool = True) -> Target:
+        return Target(prefill=prefill, decode=decode, ttft_target=self.ttft_target, itl_target=self.itl_target,
+                      percentile=self.percentile, prefill_tp=self.prefill_tp, decode_tp=self.decode_tp,
+                      prefill_min=self.prefill_min, decode_min=self.decode_min, prefill_max=self.prefill_max,
+                      decode_max=self.decode_max, gpu_budget=self.gpu_budget, interval=self.interval,
+                      cooldown=self.cooldown, startup=self.startup, predictor=self.predictor, ready=ready)
+
+    def planning_models(self) -> tuple[PerfModel, PerfModel]:
+        return (PerfModel.analytic(self.model, self.gpu, self.prefill_tp, self.link),
+                PerfModel.analytic(self.model, self.gpu, self.decode_tp, self.link))
+
+
+# ---------------------------------------------------------------- policies
+
+class Policy(Protocol):
+    name: str
+
+    def plan(self, obs: Observation, target: Target, now: float) -> tuple[int, int]: ...
+
+
+class PlannerPolicy:
+    """The SLO planner: :func:`decide` with its memory, exactly as the loop runs it."""
+
+    name = "planner"
+
+    def __init__(self, config: SimConfig, season_intervals: int = 0):
+        # decide() sizes both roles from one model; prefill and decode TP differ only in tp
+        self.prefill_model, self.decode_model = config.planning_models()
+        self.memory = Memory()
+        self.season = season_intervals
+        self.decisions: list[Decision] = []
+
+    def plan(self, obs: Observation, target: Target, now: float) -> tuple[int, int]:
+        d, self.memory = decide(obs, target, self.memory, RoleModels(self.prefill_model, self.decode_model), now,
+                                self.season)
+        self.decisions.append(d)
+        return d.prefill.replicas, d.decode.replicas
+
+
+class StaticPolicy:
+    """A fixed size (for example sized for the trace's peak)."""
+
+    name = "static"
+
+    def __init__(self, prefill: int, decode: int, name: str = "static"):
+        self.size = (prefill, decode)
+        self.name = name
+
+    def plan(self, obs: Observation, target: Target, now: float) -> tuple[int, int]:
+        return self.size
+
+
+def static_peak(config: SimConfig, trace: Trace) -> StaticPolicy:
+    """Sized with the performance model for the busiest interval of the trace (no prefix hits assumed)."""
+    pm, dm = config.planning_models()
+    buckets: dict[int, list] = {}
+    for r in trace.requests:
+        buckets.setdefault(int(r.t // config.interval), []).append(r)
+    p = d = 1
+    for reqs in buckets.values():
+        ins = sorted(r.input_tokens for r in reqs)
+        load = Load(len(reqs) / config.interval, sum(ins) / len(ins), _pct(ins, config.percentile),
+                    sum(r.output_tokens for r in reqs) / len(reqs))
+        p = max(p, size_prefill(pm, load, config.ttft_target, config.percentile, config.prefill_max)[0])
+        d = max(d, size_decode(dm, load, config.itl_target, config.percentile, config.decode_max)[0])
+    p, d = max(p, config.prefill_min), max(d, config.decode_min)
+    return StaticPolicy(p, d, "static-peak")
+
+
+class ReactivePolicy:
+    """What KEDA setups do: each role on its own, replicas = ceil(queue metric / target per replica),
+    scale-up at once, scale-down stabilised over a window (HPA's default 300 s)."""
+
+    name = "reactive"
+
+    def __init__(self, prefill_queue_per_replica: float = 2.0, decode_running_per_replica: float = 32.0,
+                 stabilization: float = 300.0):
+        self.targets = (prefill_queue_per_replica, decode_running_per_replica)
+        self.stabilization = stabilization
+        self.history: deque[tuple[float, int, int]] = deque()
+
+    def plan(self, obs: Observation, target: Target, now: float) -> tuple[int, int]:
+        if obs.error or obs.prefill_queue is None or obs.decode_queue is None:
+            return target.prefill, target.decode
+        pq = obs.prefill_queue + (obs.prefill_running or 0.0)
+        dq = obs.decode_queue + (obs.decode_running or 0.0)
+        p = min(max(math.ceil(pq / self.targets[0]), target.floor_prefill), target.prefill_max)
+        d = min(max(math.ceil(dq / self.targets[1]), target.floor_decode), target.decode_max)
+        self.history.append((now, p, d))
+        while self.history and self.history[0][0] < now - self.stabilization:
+            self.history.popleft()
+        return max(h[1] for h in self.history), max(h[2] for h in self.history)
+
+
+# ---------------------------------------------------------------- the simulation
+
+class _Req:
+    __slots__ = ("r", "cached", "admit", "first", "finish", "remaining", "ctx", "reserve")
+
+    def __init__(self, r):
+        self.r = r
+        self.cached = 0
+        self.admit = self.first = self.finish = math.nan
+        self.remaining = float(r.output_tokens)
+        self.ctx = float(r.input_tokens)
+        self.reserve = r.input_tokens + r.output_tokens
+
+
+@dataclass
+class _Replica:
+    id: int
+    role: str
+    start: float
+    ready_at: float
+    draining: bool = False
+    end: float | None = None
+    busy: bool = False
+    running: int = 0                  # prefill: prompts in the batch being computed
+    active: list = field(default_factory=list)
+    last: float = 0.0
+    step: float = 0.0
+    version: int = 0
+    reserved: float = 0.0
+
+    def ready(self, now: float) -> bool:
+        return self.ready_at <= now and not self.draining and self.end is None
+
+
+@dataclass
+class Interval:
+    t: float
+    prefill: int
+    decode: int
+    gpus: int
+    request_rate: float
+    ttft_p: float | None
+    itl_p: float | None
+    attainment: float | None   # of the requests finished in the interval
+    reason: str = ""
+
+
+@dataclass
+class SimResult:
+    policy: str
+    trace: str
+    config: SimConfig
+    intervals: list[Interval]
+    ttft: list[float]
+    itl: list[float]
+    finished: int
+    arrived: int
+    met: int
+    duration: float
+    gpu_seconds: float
+
+    @property
+    def attainment(self) -> float:
+        return self.met / self.arrived if self.arrived else 1.0
+
+    @property
+    def goodput(self) -> float:
+        """Requests per second served within both targets."""
+        return self.met / self.duration if self.duration else 0.0
+
+    @property
+    def gpu_hours(self) -> float:
+        return self.gpu_seconds / 3600.0
+
+    def summary(self) -> dict[str, Any]:
+        return {"policy": self.policy, "trace": self.trace, "requests": self.arrived, "finished": self.finished,
+                "slo_attainment": round(self.attainment, 4), "goodput_rps": round(self.goodput, 4),
+                "gpu_hours": round(self.gpu_hours, 3),
+                "ttft_p_s": _round(_pct(self.ttft, self.config.percentile)),
+                "itl_p_s": _round(_pct(self.itl, self.config.percentile)),
+                "max_prefill": max((i.prefill for i in self.intervals), default=0),
+                "max_decode": max((i.decode for i in self.intervals), default=0)}
+
+    def write(self, directory: str | Path, plot: bool = True) -> dict[str, Path]:
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        stem = f"{self.trace}-{self.policy}"
+        paths = {"intervals": d / f"{stem}.csv", "summary": d / f"{stem}.json"}
+        with paths["intervals"].open("w") as f:
+            cols = list(asdict(self.intervals[0]).keys()) if self.intervals else []
+            f.write(",".join(cols) + "\n")
+            for i in self.intervals:
+                f.write(",".join("" if v is None else (f"{v:.6g}" if isinstance(v, float) else str(v))
+                                 for v in asdict(i).values()) + "\n")
+        paths["summary"].write_text(json.dumps(self.summary(), indent=2) + "\n")
+        if plot:
+            paths["plot"] = d / f"{stem}.png"
+            plot_results([self], paths["plot"])
+        return paths
+
+
+def _pct(values: list[float], p: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    k = (len(s) - 1) * p / 100.0
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def _round(v: float | None) -> float | None:
+    return None if v is None else round(v, 4)
+
+
+class Simulation:
+    def __init__(self, config: SimConfig, trace: Trace, policy: Policy):
+        self.cfg = config
+        self.trace = trace
+        self.policy = policy
+        pm, dm = config.planning_models()
+        self.prefill_model = pm.corrected(config.reality, config.reality)
+        self.decode_model = dm.corrected(config.reality, config.reality)
+        self.events: list = []
+        self.seq = itertools.count()
+        self.replicas: dict[str, list[_Replica]] = {"prefill": [], "decode": []}
+        self.ids = itertools.count()
+        self.cache: OrderedDict = OrderedDict()
+        self.prefill_queue: deque[_Req] = deque()
+        self.decode_queue: deque[_Req] = deque()
+        self.now = 0.0
+        # per-interval accumulators
+        self._acc_arrivals: list = []
+        self._acc_ttft: list[float] = []
+        self._acc_itl: list[float] = []
+        self._acc_met = 0
+        self._acc_done = 0
+        self._acc_prompt = 0
+        self._acc_cached = 0
+        self.ttft: list[float] = []
+        self.itl: list[float] = []
+        self.met = 0
+        self.finished = 0
+        self.intervals: list[Interval] = []
+
+    # -- plumbing
+    def _at(self, t: float, kind: str, *payload) -> None:
+        heapq.heappush(self.events, (t, next(self.seq), kind, payload))
+
+    def _add(self, role: str, now: float, delay: float) -> None:
+        r = _Replica(next(self.ids), role, start=now, ready_at=now + delay, last=now)
+        self.replicas[role].append(r)
+        self._at(r.ready_at, "ready", r)
+
+    def _live(self, role: str) -> list[_Replica]:
+        return [r for r in self.replicas[role] if r.end is None and not r.draining]
+
+    def _scale(self, role: str, n: int, now: float) -> None:
+        live = self._live(role)
+        for _ in range(n - len(live)):
+            self._add(role, now, self.cfg.startup)
+        if n < len(live):
+            # remove replicas still starting first, then the least loaded ready ones
+            victims = sorted(live, key=lambda r: (r.ready_at <= now, len(r.active) + r.busy))
+            for r in victims[:len(live) - n]:
+                r.draining = True
+                self._maybe_retire(r, now)
+
+    def _maybe_retire(self, r: _Replica, now: float) -> None:
+        if r.draining and r.end is None and not r.active and not r.busy:
+            r.end = now
+
+    def _kv_capacity_blocks(self) -> float:
+        n = sum(1 for r in self.replicas["prefill"] if r.end is None)
+        return max(n, 1) * self.prefill_model.kv_capacity_tokens() / BLOCK_TOKENS
+
+    # -- prefill
+    def _arrive(self, req: _Req, now: float) -> None:
+        self._acc_arrivals.append(req.r)
+        self.prefill_queue.append(req)
+        for rep in self.replicas["prefill"]:
+            if not self.prefill_queue:
+                break
+            self._start_prefill(rep, now)
+
+    def _cached_tokens(self, req: _Req) -> int:
+        hits = 0
+        for b in req.r.blocks:
+            if b not in self.cache:
+                break
+            self.cache.move_to_end(b)
+            hits += 1
+        return min(hits * BLOCK_TOKENS, max(req.r.input_tokens - 1, 0))
+
+    def _start_prefill(self, rep: _Replica, now: float) -> None:
+        if rep.busy or not self.prefill_queue or not rep.ready(now):
+            return
+        batch, tokens = [], 0
+        queue = self.prefill_queue
+        while queue and (not batch or tokens + queue[0].r.input_tokens <= self.cfg.max_batch_tokens):
+            req = queue.popleft()
+            req.cached = self._cached_tokens(req)
+            tokens += req.r.input_tokens - req.cached
+            batch.append(req)
+        rep.busy = True
+        rep.running = len(batch)
+        t = self.prefill_model.prefill_time([(b.r.input_tokens - b.cached, b.cached) for b in batch])
+        self._at(now + t, "prefill_done", rep, batch)
+
+    def _prefill_done(self, rep: _Replica, batch: list[_Req], now: float) -> None:
+        cap = self._kv_capacity_blocks()
+        for req in batch:
+            self._acc_prompt += req.r.input_tokens
+            self._acc_cached += req.cached
+            for b in req.r.blocks:
+                self.cache[b] = True
+                self.cache.move_to_end(b)
+            while len(self.cache) > cap:
+                self.cache.popitem(last=False)
+            self._at(now + self.prefill_model.kv_transfer_time_tokens(req.r.input_tokens), "kv_done", req)
+        rep.busy = False
+        rep.running = 0
+        self._start_prefill(rep, now)
+        self._maybe_retire(rep, now)
+
+    # -- decode
+    def _kv_done(self, req: _Req, now: float) -> None:
+        self.decode_queue.append(req)
+        for rep in sorted(self.replicas["decode"], key=lambda r: (len(r.active), r.id)):
+            if not self.decode_queue:
+                break
+            if rep.ready(now):
+                self._decode_update(rep, now)
+
+    def _decode_update(self, rep: _Replica, now: float) -> None:
+        if rep.ready_at > now or rep.end is not None:
+            return
+        if rep.active and rep.step > 0:  # advance everyone by the steps since the last update
+            steps = (now - rep.last) / rep.step
+            for a in rep.active:
+                a.remaining -= steps
+                a.ctx += steps
+        rep.last = now
+        still = []
+        for a in rep.active:
+            if a.remaining <= 1e-6:
+                self._finish(a, rep, now)
+            else:
+                still.append(a)
+        rep.active = still
+        cap = self.decode_model.kv_capacity_tokens()
+        admitted = []
+        queue = self.decode_queue
+        while rep.ready(now) and queue and len(rep.active) < self.cfg.max_num_seqs and (
+                not rep.active or rep.reserved + queue[0].reserve <= cap):
+            a = queue.popleft()
+            a.admit = now
+            rep.reserved += a.reserve
+            rep.active.append(a)
+            admitted.append(a)
+        rep.version += 1
+        if rep.active:
+            rep.step = self.decode_model.decode_step_time(len(rep.active), sum(a.ctx for a in rep.active))
+            for a in admitted:
+                a.first = now + rep.step
+                self._ttft(a)
+            k = min(math.ceil(a.remaining - 1e-6) for a in rep.active)
+            self._at(now + max(k, 1) * rep.step, "decode_tick", rep, rep.version)
+        else:
+            rep.step = 0.0
+        self._maybe_retire(rep, now)
+
+    def _ttft(self, a: _Req) -> None:
+        v = a.first - a.r.t
+        self.ttft.append(v)
+        self._acc_ttft.append(v)
+
+    def _finish(self, a: _Req, rep: _Replica, now: float) -> None:
+        a.finish = now
+        rep.reserved -= a.reserve
+        itl = (now - a.first) / (a.r.output_tokens - 1) if a.r.output_tokens > 1 else rep.step
+        self.itl.append(itl)
+        self._acc_itl.append(itl)
+        self.finished += 1
+        self._acc_done += 1
+        if a.first - a.r.t <= self.cfg.ttft_target and itl <= self.cfg.itl_target:
+            self.met += 1
+            self._acc_met += 1
+
+    # -- planning
+    def _observe(self, now: float) -> Observation:
+        arr = self._acc_arrivals
+        if any(s <= now - self.cfg.interval / 2 < e for s, e in self.cfg.metrics_outages):
+            return Observation.unavailable(now, "simulated metrics outage")
+        ins = sorted(r.input_tokens for r in arr)
+        outs = sorted(r.output_tokens for r in arr)
+        return Observation(
+            time=now, request_rate=len(arr) / self.cfg.interval,
+            ttft=_pct(self._acc_ttft, self.cfg.percentile), itl=_pct(self._acc_itl, self.cfg.percentile),
+            input_tokens_mean=sum(ins) / len(ins) if ins else None, input_tokens_p=_pct(ins, self.cfg.percentile),
+            output_tokens_mean=sum(outs) / len(outs) if outs else None,
+            output_tokens_p=_pct(outs, self.cfg.percentile),
+            prefix_hit_ratio=self._acc_cached / self._acc_prompt if self._acc_prompt else 0.0,
+            prefill_queue=float(len(self.prefill_queue)),
+            prefill_running=float(sum(r.running for r in self.replicas["prefill"] if r.end is None)),
+            decode_queue=float(len(self.decode_queue)),
+            decode_running=float(sum(len(r.active) for r in self.replicas["decode"] if r.end is None)))
+
+    def _plan(self, now: float) -> None:
+        obs = self._observe(now)
+        live_p, live_d = self._live("prefill"), self._live("decode")
+        ready = all(r.ready_at <= now for r in live_p + live_d)
+        target = self.cfg.target(len(live_p), len(live_d), ready=ready)
+        p, d = self.policy.plan(obs, target, now)
+        self._scale("prefill", p, now)
+        self._scale("decode", d, now)
+        decisions = getattr(self.policy, "decisions", None)
+        self.intervals.append(Interval(
+            t=now, prefill=p, decode=d, gpus=p * self.cfg.prefill_tp + d * self.cfg.decode_tp,
+            request_rate=obs.request_rate or 0.0, ttft_p=obs.ttft, itl_p=obs.itl,
+            attainment=self._acc_met / self._acc_done if self._acc_done else None,
+            reason=decisions[-1].reason if decisions else ""))
+        self._acc_arrivals, self._acc_ttft, self._acc_itl = [], [], []
+        self._acc_met = self._acc_done = self._acc_prompt = self._acc_cached = 0
+
+    def run(self) -> SimResult:
+        cfg = self.cfg
+        for _ in range(cfg.initial_prefill):
+            self._add("prefill", 0.0, 0.0)
+        for _ in range(cfg.initial_decode):
+            self._add("decode", 0.0, 0.0)
+        for r in self.trace.requests:
+            self._at(r.t, "arrive", _Req(r))
+        end_arrivals = self.trace.duration
+        self._at(cfg.interval, "plan")
+        stop = end_arrivals + cfg.drain_limit
+        while self.events:
+            t, _, kind, payload = heapq.heappop(self.events)
+            if t > stop:
+                break
+            self.now = t
+            if kind == "arrive":
+                self._arrive(payload[0], t)
+            elif kind == "prefill_done":
+                self._prefill_done(payload[0], payload[1], t)
+            elif kind == "kv_done":
+                self._kv_done(payload[0], t)
+            elif kind == "decode_tick":
+                rep, version = payload
+                if version == rep.version:
+                    self._decode_update(rep, t)
+            elif kind == "ready":
+                rep = payload[0]
+                if rep.end is None:
+                    self._start_prefill(rep, t) if rep.role == "prefill" else self._decode_update(rep, t)
+            elif kind == "plan":
+                self._plan(t)
+                if t < end_arrivals or self.finished < len(self.trace.requests):
+                    self._at(t + cfg.interval, "plan")
+        end = self.now
+        gpu_s = 0.0
+        for role, tp in (("prefill", cfg.prefill_tp), ("decode", cfg.decode_tp)):
+            for r in self.replicas[role]:
+                gpu_s += ((r.end if r.end is not None else end) - r.start) * tp
+        return SimResult(self.policy.name, self.trace.name, cfg, self.intervals, self.ttft, self.itl, self.finished,
+                         len(self.trace.requests), self.met, max(end_arrivals, cfg.interval), gpu_s)
+
+
+def simulate(trace: Trace, policy: Policy | str = "planner", config: SimConfig = SimConfig(),
+             season_intervals: int = 0) -> SimResult:
+    if isinstance(policy, str):
+        policy = make_policy(policy, config, trace, season_intervals)
+    return Simulation(config, trace, policy).run()
+
+
+def make_policy(name: str, config: SimConfig, trace: Trace, season_intervals: int = 0) -> Policy:
+    if name == "planner":
+        return PlannerPolicy(config, season_intervals)
+    if name == "static-peak":
+        return static_peak(config, trace)
+    if name == "reactive":
+        return ReactivePolicy(stabilization=config.cooldown)
+    raise ValueError(f"unknown policy {name!r}; known: planner, static-peak, reactive")
+
+
+POLICIES = ("planner", "static-peak", "reactive")
+
+
+def plot_results(results: list[SimResult], path: str | Path) -> Path:
+    """Request rate, replicas, latency percentiles against targets and SLO attainment over time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(4, 1, figsize=(10, 11), sharex=True)
+    first = results[0]
+    xs = [i.t / 60 for i in first.intervals]
+    axes[0].plot(xs, [i.request_rate for i in first.intervals], color="black")
+    axes[0].set_ylabel("requests/s")
+    axes[0].set_title(f"{first.trace}: " + ", ".join(
+        f"{r.policy} {r.attainment:.0%} in SLO, {r.gpu_hours:.1f} GPU-h" for r in results), fontsize=9)
+    for r in results:
+        x = [i.t / 60 for i in r.intervals]
+        axes[1].step(x, [i.prefill for i in r.intervals], where="post", label=f"{r.policy} prefill")
+        axes[1].step(x, [i.decode for i in r.intervals], where="post", linestyle="--", label=f"{r.policy} decode")
+        axes[2].plot(x, [i.ttft_p if i.ttft_p is not None else math.nan for i in r.intervals],
+                     label=f"{r.policy} TTFT p{r.config.percentile:g}")
+        axes[3].plot(x, [i.itl_p * 1000 if i.itl_p is not None else math.nan for i in r.intervals],
+                     label=f"{r.policy} ITL p{r.config.percentile:g}")
+    axes[1].set_ylabel("replicas")
+    axes[2].axhline(first.config.ttft_target, color="red", linewidth=0.8, label="TTFT target")
+    axes[2].set_ylabel("TTFT (s)")
+    axes[2].set_yscale("log")
+    axes[3].axhline(first.config.itl_target * 1000, color="red", linewidth=0.8, label="ITL target")
+    axes[3].set_ylabel("ITL (ms)")
+    axes[3].set_xlabel("minutes")
+    for ax in axes[1:]:
+        ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------- command line
+
+def add_arguments(p: Any) -> None:
+    """Arguments of ``disagg simulate``."""
+    p.add_argument("--trace", default="step",
+                   help="poisson, step, diurnal, bursty, real (the shared Mooncake trace) or a trace file "
+                        "(CSV/JSONL: timestamp, input_tokens, output_tokens, prefix_group)")
+    p.add_argument("--policy", default="planner", help=f"one of {', '.join(POLICIES)}, or 'all'")
+    p.add_argument("--duration", type=float, default=3600.0, help="seconds (synthetic traces; cuts files)")
+    p.add_argument("--rate", type=float, default=12.0, help="mean requests/s (synthetic traces)")
+    p.add_argument("--rate-scale", type=float, default=1.0, help="multiply a file trace's request rate")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default=SimConfig.model)
+    p.add_argument("--gpu", default=SimConfig.gpu)
+    p.add_argument("--prefill-tp", type=int, default=1)
+    p.add_argument("--decode-tp", type=int, default=1)
+    p.add_argument("--ttft-ms", type=float, default=1000.0)
+    p.add_argument("--itl-ms", type=float, default=40.0)
+    p.add_argument("--percentile", type=float, default=90.0)
+    p.add_argument("--interval", type=float, default=30.0)
+    p.add_argument("--cooldown", type=float, default=300.0)
+    p.add_argument("--startup", type=float, default=90.0, help="seconds for a new replica to serve")
+    p.add_argument("--gpu-budget", type=int, default=None)
+    p.add_argument("--predictor", default="moving-average")
+    p.add_argument("--season", type=int, default=0, help="season length in intervals (holt-winters)")
+    p.add_argument("--reality", type=float, default=1.0,
+                   help="simulated hardware is this much slower than the model the planner plans with")
+    p.add_argument("--out", default="sim-out", help="directory for the CSV, JSON summary and PNG plot")
+
+
+def load_trace(spec: str, repo: Path, duration: float, rate: float, seed: int, rate_scale: float = 1.0) -> Trace:
+    from . import traces
+
+    if spec in ("poisson", "step", "diurnal", "bursty"):
+        return traces.synthetic(spec, duration=duration, rate=rate, seed=seed)
+    trace = traces.real(repo) if spec == "real" else traces.load(spec)
+    return trace.scaled(rate=rate_scale, limit=duration)
+
+
+def run_cli(args: Any, repo: Path) -> int:
+    trace = load_trace(args.trace, repo, args.duration, args.rate, args.seed, args.rate_scale)
+    cfg = SimConfig(model=args.model, gpu=args.gpu, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
+                    ttft_target=args.ttft_ms / 1000.0, itl_target=args.itl_ms / 1000.0,
+                    percentile=args.percentile, interval=args.interval, cooldown=args.cooldown,
+                    startup=args.startup, gpu_budget=args.gpu_budget, predictor=args.predictor,
+                    reality=args.reality)
+    first = trace.scaled(limit=2 * cfg.interval)
+    if first.requests:  # start from a size fit for the first minute's traffic
+        p, d = static_peak(cfg, first).size
+        cfg = SimConfig(**{**asdict(cfg), "initial_prefill": p, "initial_decode": d})
+    names = POLICIES if args.policy == "all" else (args.policy,)
+    results = [simulate(trace, name, cfg, args.season) for name in names]
+    out = Path(args.out)
+    for r in results:
+        r.write(out, plot=len(results) == 1)
+        print(json.dumps(r.summary()))
+    if len(results) > 1:
+        path = plot_results(results, out / f"{trace.name}-all.png")
+        print(f"plot: {path}")
+    else:
+        print(f"plot: {out / f'{trace.name}-{results[0].policy}.png'}")
+    return 0

@@ -1,0 +1,173 @@
+"""The discrete-event simulator, the traces and `disagg simulate` (small, fast runs)."""
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from disagg.planner import decide as decide_module
+from disagg.planner import simulate as sm
+from disagg.planner import traces
+
+REPO = Path(__file__).resolve().parent.parent
+SMALL = sm.SimConfig(ttft_target=1.0, itl_target=0.04, interval=15.0, cooldown=60.0, startup=30.0)
+
+
+# ---------------------------------------------------------------- traces
+
+def _rate(trace, lo, hi):
+    return sum(1 for r in trace.requests if lo <= r.t < hi) / (hi - lo)
+
+
+def test_synthetic_shapes_have_their_shape():
+    p = traces.poisson(10, 600, seed=1)
+    assert _rate(p, 0, 600) == pytest.approx(10, rel=0.1)
+    s = traces.step([2, 20], 300, seed=1)
+    assert _rate(s, 0, 300) == pytest.approx(2, rel=0.3) and _rate(s, 300, 600) == pytest.approx(20, rel=0.15)
+    d = traces.diurnal(10, 0.8, 1200, 1200, seed=1)
+    assert _rate(d, 500, 700) > 3 * _rate(d, 0, 150)  # trough at the start, peak mid-period
+    b = traces.bursty(30, 1, 60, 60, 480, seed=1)
+    assert _rate(b, 60, 120) > 10 * max(_rate(b, 0, 60), 0.1)
+    assert traces.poisson(5, 60, seed=3) == traces.poisson(5, 60, seed=3)  # deterministic
+
+
+def test_prefix_groups_share_leading_blocks():
+    t = traces.poisson(20, 60, traces.Mix(prefix_groups=2, prefix_share=1.0, prefix_tokens=1024), seed=2)
+    by_group = {}
+    for r in t.requests:
+        assert len(r.blocks) == math.ceil(r.input_tokens / traces.BLOCK_TOKENS)
+        by_group.setdefault(r.prefix_group, set()).add(r.blocks[:2])
+    assert set(by_group) == {"g0", "g1"} and all(len(v) == 1 for v in by_group.values())
+
+
+def test_trace_file_roundtrip_and_errors(tmp_path):
+    t = traces.poisson(5, 30, seed=4)
+    path = tmp_path / "t.csv"
+    traces.write_csv(t, path)
+    back = traces.load(path)
+    assert [(round(r.t, 3), r.input_tokens, r.output_tokens, r.prefix_group) for r in back.requests] == \
+        [(round(r.t, 3), r.input_tokens, r.output_tokens, r.prefix_group) for r in t.requests]
+    jl = tmp_path / "t.jsonl"
+    jl.write_text('{"timestamp": 1.5, "input_tokens": 1100, "output_tokens": 7, "prefix_group": "a"}\n'
+                  '{"timestamp": 0.5, "input_tokens": 10, "output_tokens": 3}\n')
+    rs = traces.load(jl).requests
+    assert [r.t for r in rs] == [0.5, 1.5] and rs[1].blocks[0] == "a-0"
+    bad = tmp_path / "bad.csv"
+    bad.write_text("timestamp,input_tokens\n1,2\n")
+    with pytest.raises(ValueError, match=r"bad.csv:2: want timestamp, input_tokens, output_tokens"):
+        traces.load(bad)
+
+
+def test_real_trace_is_read_from_the_shared_folder():
+    t = traces.real(REPO)
+    assert len(t.requests) == 12031
+    assert 3000 < t.duration < 3700
+    mean_in = sum(r.input_tokens for r in t.requests) / len(t.requests)
+    assert mean_in == pytest.approx(12035, rel=0.01)
+    assert len(t.requests[0].blocks) == math.ceil(t.requests[0].input_tokens / 512)
+    assert len(t.scaled(rate=2.0, limit=300).requests) == pytest.approx(2 * _rate(t, 0, 300) * 300, rel=0.05)
+
+
+# ---------------------------------------------------------------- the simulation
+
+def test_static_run_serves_everything_and_counts_gpu_hours():
+    trace = traces.poisson(4, 120, seed=5)
+    cfg = replace(SMALL, initial_prefill=2, initial_decode=3, prefill_tp=2)
+    r = sm.simulate(trace, sm.StaticPolicy(2, 3), cfg)
+    assert r.finished == r.arrived == len(trace.requests)
+    end = max(i.t for i in r.intervals)
+    assert r.gpu_seconds >= (2 * 2 + 3) * trace.duration and r.gpu_seconds <= (2 * 2 + 3) * (end + cfg.interval)
+    assert 0.9 <= r.attainment <= 1.0
+    model = cfg.planning_models()[0]
+    # nobody's TTFT beats prefilling their uncached prompt on an idle replica (most prompts are uncached)
+    assert min(r.ttft) >= model.ttft(1, 0) and len(r.itl) == r.finished
+
+
+def test_too_few_replicas_queue_and_more_replicas_help():
+    trace = traces.poisson(25, 120, seed=6)
+    small = sm.simulate(trace, sm.StaticPolicy(1, 1), SMALL)
+    big = sm.simulate(trace, sm.StaticPolicy(4, 4), replace(SMALL, initial_prefill=4, initial_decode=4))
+    assert small.attainment < 0.5 < 0.9 < big.attainment
+    assert sm._pct(small.ttft, 90) > 10 * sm._pct(big.ttft, 90)
+
+
+def test_new_replicas_serve_only_after_startup():
+    trace = traces.poisson(25, 90, seed=7)
+    slow = sm.simulate(trace, sm.StaticPolicy(4, 4), replace(SMALL, startup=300.0))
+    fast = sm.simulate(trace, sm.StaticPolicy(4, 4), replace(SMALL, startup=5.0))
+    assert slow.attainment < fast.attainment
+    # asked for at the first interval (15 s), they cost GPU time from then on
+    assert slow.gpu_seconds > 8 * (trace.duration - 15)
+
+
+def test_planner_follows_a_step_up_and_back_down_running_decide_unchanged(monkeypatch):
+    calls = []
+    real_decide = decide_module.decide
+
+    def spy(*args, **kwargs):
+        calls.append(args[0])
+        return real_decide(*args, **kwargs)
+
+    monkeypatch.setattr(sm, "decide", spy)
+    trace = traces.step([2, 40, 2], 240, traces.Mix(input_mean=4000, output_mean=300), seed=8)
+    r = sm.simulate(trace, "planner", SMALL)
+    assert len(calls) == len(r.intervals) and all(isinstance(o, decide_module.Observation) for o in calls)
+    before = [i for i in r.intervals if i.t <= 240]
+    during = [i for i in r.intervals if 330 <= i.t <= 480]
+    after = [i for i in r.intervals if i.t >= 700]
+    assert max(i.prefill + i.decode for i in during) > max(i.prefill + i.decode for i in before)
+    assert after[-1].prefill + after[-1].decode < max(i.prefill + i.decode for i in during)
+    peak = sm.static_peak(SMALL, trace)
+    static = sm.simulate(trace, peak, replace(SMALL, initial_prefill=peak.size[0], initial_decode=peak.size[1]))
+    assert r.gpu_hours < static.gpu_hours
+    assert r.finished == r.arrived
+
+
+def test_planner_holds_through_a_metrics_outage():
+    trace = traces.step([2, 40], 200, traces.Mix(input_mean=4000, output_mean=300), seed=9)
+    cfg = replace(SMALL, metrics_outages=((150.0, 400.0),))
+    policy = sm.PlannerPolicy(cfg)
+    r = sm.simulate(trace, policy, cfg)
+    out = [(i, d) for i, d in zip(r.intervals, policy.decisions) if 165 <= i.t <= 390]
+    assert out and all(d.reason == decide_module.PROMETHEUS_UNREACHABLE for _, d in out)
+    sizes = {(i.prefill, i.decode) for i, _ in out}
+    assert len(sizes) == 1 and min(min(s) for s in sizes) >= 1  # held, never zero
+    later = [i for i in r.intervals if i.t >= 420]
+    assert later[0].prefill + later[0].decode > sum(next(iter(sizes)))  # catches up once metrics return
+
+
+def test_online_correction_inside_the_simulator():
+    """The simulated hardware is 2x slower than the data sheet: the planner learns it."""
+    trace = traces.poisson(6, 300, traces.Mix(input_mean=3000, output_mean=200), seed=10)
+    policy = sm.PlannerPolicy(replace(SMALL, reality=2.0))
+    sm.simulate(trace, policy, replace(SMALL, reality=2.0))
+    assert policy.memory.correction.prefill > 1.3
+
+
+def test_results_are_written_with_a_plot(tmp_path):
+    r = sm.simulate(traces.poisson(3, 60, seed=11), "reactive", SMALL)
+    paths = r.write(tmp_path)
+    assert paths["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and paths["plot"].stat().st_size > 10_000
+    rows = paths["intervals"].read_text().splitlines()
+    assert rows[0].startswith("t,prefill,decode,gpus") and len(rows) == len(r.intervals) + 1
+    assert json.loads(paths["summary"].read_text())["policy"] == "reactive"
+
+
+def test_cli_simulate(tmp_path):
+    exe = shutil.which("disagg", path=str(Path(sys.executable).parent))
+    out = subprocess.run([exe, "simulate", "--trace", "bursty", "--duration", "240", "--rate", "4",
+                          "--policy", "all", "--interval", "15", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    summaries = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert [s["policy"] for s in summaries] == ["planner", "static-peak", "reactive"]
+    assert all(s["requests"] == s["finished"] > 0 for s in summaries)
+    assert (tmp_path / "bursty-all.png").stat().st_size > 10_000
+    bad = subprocess.run([exe, "simulate", "--trace", "nonsense.csv", "--out", str(tmp_path)],
+                         capture_output=True, text=True)
+    assert bad.returncode != 0 and "nonsense.csv" in bad.stderr
