@@ -56,7 +56,7 @@ def reconcile(body: kopf.Body, uid: str, name: str, namespace: str, memo: kopf.M
     clients: children.Clients = memo.clients
     if dd.spec.model.secret_ref and _secret_missing(clients, namespace, dd.spec.model.secret_ref.name):
         _wake(memo, namespace, name)
-        raise kopf.TemporaryError(f"Secret {dd.spec.model.secret_ref.name} not found", delay=15)
+        raise kopf.TemporaryError(f"Secret {dd.spec.model.secret_ref.name} not found", delay=5)
     manifests, gang = render.children(dd, uid)
     try:
         writes = children.apply(clients, manifests, uid)
@@ -142,13 +142,23 @@ async def status_loop(name: str, namespace: str, body: kopf.Body, memo: kopf.Mem
                 settled, events = False, []
             for etype, reason, message in events:
                 kopf.event(body, type=etype, reason=reason, message=message)
-            try:
-                await asyncio.wait_for(trigger.wait(), timeout=60 if settled else 5)
+            if await _woken(trigger, stopped, timeout=60 if settled else 5):
                 await asyncio.sleep(0.2)  # let a burst of pod events settle into one refresh
-            except asyncio.TimeoutError:
-                pass
     finally:
         memo.triggers.pop(key, None)
+
+
+async def _woken(trigger: asyncio.Event, stopped: kopf.DaemonStopped, timeout: float) -> bool:
+    """Wait for a change, the daemon's stop (deletion, shutdown) or the timeout; True on a change."""
+
+    async def until_stopped() -> None:
+        await stopped
+
+    waits = {asyncio.ensure_future(trigger.wait()), asyncio.ensure_future(until_stopped())}
+    done, pending = await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    for task in pending:
+        task.cancel()
+    return trigger.is_set() and not stopped
 
 
 def refresh(clients: children.Clients, namespace: str, name: str, pods: list[statuses.PodView],

@@ -59,16 +59,8 @@ def namespace(request, api_client):
              30, f"default ServiceAccount in {name}")
     yield name
     core.delete_namespace(name)
-    # Wait until it is gone, so its pods no longer hold GPUs the next test counts on.
-    from kubernetes.client.exceptions import ApiException
-
-    def gone():
-        try:
-            core.read_namespace(name)
-            return False
-        except ApiException as e:
-            return e.status == 404
-    wait_for(gone, 120, f"namespace {name} to be deleted")
+    # Wait until its pods are gone, so they no longer hold GPUs the next test counts on.
+    wait_for(lambda: not core.list_namespaced_pod(name).items, 120, f"pods of namespace {name} to be deleted")
 
 
 @pytest.fixture(scope="session")

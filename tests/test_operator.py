@@ -136,6 +136,9 @@ def test_gang_one_gpu_short_binds_nothing_then_binds_all_when_capacity_arrives(a
         assert len(pods) == 5 and all(p.spec.node_name for p in pods)
         dd.wait_phase("Ready")
     finally:
+        # pods first: a pod on a deleted node lingers until the pod garbage collector runs
+        dd.custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "gang")
+        wait_for(lambda: not dd.pods("decode"), 90, "gang pods deleted")
         dd.core.delete_node(extra["metadata"]["name"])
 
 
