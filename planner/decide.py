@@ -34,6 +34,7 @@ HISTORY = 288               # intervals kept for the predictors
 MAX_UTILIZATION = 0.85      # no queue (prefill) or KV cache (decode) is planned fuller than this
 SCALE_DOWN_MARGIN = 1.2     # size for 20% more load before shrinking (hysteresis)
 SCALE_DOWN_STEP = 0.25      # shrink at most a quarter of a role per interval (at least one replica)
+LEARN_ABOVE = 0.5           # online correction learns from intervals with latency above this share of target
 SATURATION = 2.0            # observed latency at this multiple of target counts as saturated
 MAX_REPLICAS = 1024
 UNATTAINABLE_SLACK = 1.25   # when a prompt alone misses the TTFT target, allow this much queueing on top
@@ -509,9 +510,11 @@ def _correct(obs: Observation, target: Target, memory: Memory, model: PerfModel 
         ttft_obs = itl_obs = None
     ttft_pred = prefill_latency(planning, load, max(target.prefill, 1), target.percentile)
     itl_pred = decode_latency(planning, load, max(target.decode, 1), target.itl_target)
-    if not math.isfinite(ttft_pred):
+    # learn only where it matters for sizing: near the target (far below it, fixed overheads such as
+    # network and routing would be mistaken for a slower GPU)
+    if not math.isfinite(ttft_pred) or max(ttft_obs or 0.0, ttft_pred) < LEARN_ABOVE * target.ttft_target:
         ttft_obs = None
-    if not math.isfinite(itl_pred):
+    if not math.isfinite(itl_pred) or max(itl_obs or 0.0, itl_pred) < LEARN_ABOVE * target.itl_target:
         itl_obs = None
     return replace(memory, correction=corr.observe(ttft_obs, ttft_pred, itl_obs, itl_pred))
 

@@ -259,3 +259,17 @@ def test_fit_budget_stays_within_budget_and_above_floors(p, d, tpp, tpd, slack):
     assume(limited)
     # nothing left that could still be handed out
     assert not (fp < p and t.gpus(fp + 1, fd) <= t.gpu_budget) and not (fd < d and t.gpus(fp, fd + 1) <= t.gpu_budget)
+
+
+def test_ttft_breach_with_requests_waiting_for_decode_grows_decode_not_prefill():
+    t = target(prefill=2, decode=2, cooldown=0)
+    d, _ = dc.decide(obs(rate=0.5, ttft=4.0, itl=0.02, prefill_queue=0, decode_queue=30), t, dc.Memory(), MODEL, now=0)
+    assert d.decode.replicas > 2 and d.prefill.replicas <= 2
+
+
+def test_far_below_target_latency_does_not_teach_the_correction():
+    t = target(prefill=2, decode=2)
+    mem = dc.Memory()
+    for i in range(10):  # 300 ms of fixed overhead on a 1 s target at light load: not a slower GPU
+        _, mem = dc.decide(obs(rate=1, ttft=0.3, itl=0.01), t, mem, MODEL, now=i * 30)
+    assert mem.correction.prefill == 1.0 and mem.correction.decode == 1.0

@@ -1,0 +1,208 @@
+"""The planner against a real Prometheus scraping real /metrics endpoints whose latencies the test sets.
+
+The exporter serves the router's and vLLM's metric names (from disagg.api.metrics) with
+prometheus_client; a thread plays requests at the rate and latencies the test chooses.
+"""
+
+import threading
+import time
+from dataclasses import dataclass, replace
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from disagg.api import metrics as m
+from disagg.e2e.localcluster.controlplane import free_port
+from disagg.e2e.prometheus import LocalPrometheus
+from disagg.e2e.testing import wait_for
+from disagg.planner import decide as dc
+from disagg.planner.metrics_source import PrometheusSource
+from disagg.planner.perfmodel import PerfModel
+
+NS, NAME = "team-a", "llama"
+WINDOW = 4.0  # seconds of rate() window: a few 1 s scrapes
+MODEL = PerfModel.analytic("meta-llama/Llama-3.1-8B-Instruct", "H100-SXM")
+
+
+@dataclass
+class Traffic:
+    rate: float = 10.0          # requests/s
+    ttft: float = 0.3           # seconds
+    itl: float = 0.02
+    input_tokens: int = 2000
+    output_tokens: int = 200
+    cached_fraction: float = 0.25
+    prefill_waiting: float = 0.0
+    decode_waiting: float = 0.0
+
+
+class Exporter:
+    """A router-and-workers look-alike: real /metrics over HTTP, values the test controls."""
+
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        labels = ["namespace", "deployment"]
+        r = self.registry
+        self.requests = Counter(m.ROUTER_REQUESTS, "requests", labels + ["outcome", "path"], registry=r)
+        self.ttft = Histogram(m.ROUTER_TTFT_SECONDS, "ttft", labels, registry=r,
+                              buckets=(0.05, 0.1, 0.2, 0.4, 0.8, 1.0, 1.5, 2, 4, 8, 16))
+        self.itl = Histogram(m.ROUTER_ITL_SECONDS, "itl", labels, registry=r,
+                             buckets=(0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.08, 0.16, 0.32))
+        tokens = tuple(2.0 ** k for k in range(4, 18))
+        self.inp = Histogram(m.ROUTER_INPUT_TOKENS, "input tokens", labels, registry=r, buckets=tokens)
+        self.out = Histogram(m.ROUTER_OUTPUT_TOKENS, "output tokens", labels, registry=r, buckets=tokens)
+        self.prompt = Counter(m.ROUTER_PROMPT_TOKENS, "prompt tokens", labels, registry=r)
+        self.cached = Counter(m.ROUTER_CACHED_PROMPT_TOKENS, "cached prompt tokens", labels, registry=r)
+        self.waiting = Gauge(m.VLLM_NUM_REQUESTS_WAITING, "waiting", labels + ["role"], registry=r)
+        self.running = Gauge(m.VLLM_NUM_REQUESTS_RUNNING, "running", labels + ["role"], registry=r)
+        self.kv = Gauge(m.VLLM_KV_CACHE_USAGE, "kv usage", labels + ["role"], registry=r)
+        self.traffic = Traffic()
+        self.port = free_port()
+        self.server, self._thread = start_http_server(self.port, addr="127.0.0.1", registry=r)
+        self._stop = threading.Event()
+        self._player = threading.Thread(target=self._play, daemon=True)
+        self._player.start()
+
+    def _play(self):
+        tick = 0.05
+        owed = 0.0
+        while not self._stop.wait(tick):
+            t = self.traffic
+            owed += t.rate * tick
+            lab = {"namespace": NS, "deployment": NAME}
+            while owed >= 1:
+                owed -= 1
+                self.requests.labels(**lab, outcome=m.OUTCOME_SUCCESS, path=m.PATH_REMOTE_PREFILL).inc()
+                self.ttft.labels(**lab).observe(t.ttft)
+                self.itl.labels(**lab).observe(t.itl)
+                self.inp.labels(**lab).observe(t.input_tokens)
+                self.out.labels(**lab).observe(t.output_tokens)
+                self.prompt.labels(**lab).inc(t.input_tokens)
+                self.cached.labels(**lab).inc(t.input_tokens * t.cached_fraction)
+            for role, waiting in (("prefill", t.prefill_waiting), ("decode", t.decode_waiting)):
+                self.waiting.labels(**lab, role=role).set(waiting)
+                self.running.labels(**lab, role=role).set(1)
+                self.kv.labels(**lab, role=role).set(0.5)
+
+    def close(self):
+        self._stop.set()
+        self._player.join()
+        self.server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def exporter():
+    e = Exporter()
+    yield e
+    e.close()
+
+
+@pytest.fixture(scope="module")
+def prometheus(exporter, tmp_path_factory):
+    p = LocalPrometheus(tmp_path_factory.mktemp("prometheus"), [f"127.0.0.1:{exporter.port}"]).start()
+    yield p
+    p.stop()
+
+
+@pytest.fixture(scope="module")
+def source(prometheus):
+    s = PrometheusSource(prometheus.url, timeout=3)
+    yield s
+    s.close()
+
+
+def observe(source):
+    return source.observe(NS, NAME, 90, WINDOW)
+
+
+def settle(exporter, source, check, what, **traffic):
+    """Change the traffic and wait (on a condition, not a sleep) until Prometheus shows it."""
+    exporter.traffic = replace(exporter.traffic, **traffic)
+    return wait_for(lambda: (lambda o: o if check(o) else None)(observe(source)), 60, what, interval=0.5)
+
+
+def target(**kw):
+    base = dict(prefill=2, decode=2, ttft_target=1.0, itl_target=0.05, cooldown=60.0, interval=5.0, startup=10.0)
+    base.update(kw)
+    return dc.Target(**base)
+
+
+def test_observation_reads_every_series(exporter, source):
+    o = settle(exporter, source, lambda o: o.request_rate and o.request_rate > 7 and o.ttft and o.ttft < 0.5
+               and o.itl and o.itl < 0.03, "steady traffic in Prometheus", rate=10.0, ttft=0.3, itl=0.02)
+    assert o.error is None and o.missing == ()
+    assert o.request_rate == pytest.approx(10, rel=0.35)
+    assert 0.2 < o.ttft <= 0.4 and 0.01 < o.itl <= 0.03  # inside the observed value's bucket
+    assert o.input_tokens_mean == pytest.approx(2000, rel=0.01) and o.output_tokens_mean == pytest.approx(200, rel=0.01)
+    assert 1024 < o.input_tokens_p <= 2048
+    assert o.prefix_hit_ratio == pytest.approx(0.25, abs=0.02)
+    assert o.prefill_queue == 0 and o.decode_running == 1 and o.decode_kv_usage == 0.5
+
+
+def test_ttft_breach_scales_prefill_up(exporter, source):
+    o = settle(exporter, source, lambda o: o.ttft and o.ttft > 2.0 and o.prefill_queue == 8,
+               "TTFT above target", rate=10.0, ttft=3.0, itl=0.02, prefill_waiting=8, decode_waiting=0)
+    d, _ = dc.decide(o, target(), dc.Memory(), MODEL, now=1000)
+    assert d.metrics_ok and d.prefill.replicas > 2 and d.prefill.direction(2) == "up"
+    assert d.decode.replicas == 2  # ITL fine: decode untouched (not shrunk inside the cooldown either)
+    assert d.inputs["ttft"] > 2.0 and d.reason == dc.SCALED
+
+
+def test_itl_breach_scales_decode_up(exporter, source):
+    o = settle(exporter, source, lambda o: o.itl and o.itl > 0.1 and o.ttft and o.ttft < 0.5,
+               "ITL above target", rate=10.0, ttft=0.3, itl=0.2, prefill_waiting=0, decode_waiting=0)
+    d, _ = dc.decide(o, target(), dc.Memory(), MODEL, now=1000)
+    assert d.decode.replicas > 2 and d.prefill.replicas == 2
+
+
+def test_both_scale_down_after_load_drops_and_the_cooldown(exporter, source):
+    busy = settle(exporter, source, lambda o: o.request_rate and o.request_rate > 30 and o.ttft and o.ttft > 1.0,
+                  "a busy deployment", rate=40.0, ttft=1.5, itl=0.06, prefill_waiting=12, decode_waiting=0)
+    mem = dc.Memory()
+    t = target(prefill=2, decode=2, cooldown=60.0)
+    up, mem = dc.decide(busy, t, mem, MODEL, now=0)
+    assert up.prefill.replicas > 2 and up.decode.replicas > 2
+    t = replace(t, prefill=up.prefill.replicas, decode=up.decode.replicas)
+    quiet = settle(exporter, source, lambda o: o.request_rate is not None and o.request_rate < 2
+                   and o.ttft and o.ttft < 0.5 and o.itl and o.itl < 0.03, "a quiet deployment",
+                   rate=1.0, ttft=0.3, itl=0.02, prefill_waiting=0, decode_waiting=0)
+    sizes = {}
+    for now in range(5, 125, 5):  # the loop, every interval (5 s here), with what Prometheus shows
+        d, mem = dc.decide(quiet, t, mem, MODEL, now=now)
+        if now < 60:
+            assert (d.prefill.replicas, d.decode.replicas) == (t.prefill, t.decode), now
+            assert d.reason == dc.COOLDOWN
+        sizes[now] = (d.prefill.replicas, d.decode.replicas)
+        t = replace(t, prefill=d.prefill.replicas, decode=d.decode.replicas)
+    assert t.prefill < up.prefill.replicas and t.decode < up.decode.replicas
+    assert min(min(s) for s in sizes.values()) >= 1
+    # slowly: never more than a quarter of a role (or one replica) per interval
+    steps = list(sizes.values())
+    assert all(a[0] - b[0] <= max(1, a[0] // 4) and a[1] - b[1] <= max(1, a[1] // 4) for a, b in zip(steps, steps[1:]))
+
+
+def test_missing_series_hold_and_name_what_is_missing(source):
+    o = source.observe(NS, "no-such-deployment", 90, WINDOW)
+    assert o.missing == (m.ROUTER_REQUESTS,)
+    d, _ = dc.decide(o, target(prefill=3, decode=4), dc.Memory(), MODEL, now=0)
+    assert (d.prefill.replicas, d.decode.replicas) == (3, 4) and d.reason == dc.METRICS_UNAVAILABLE
+    assert m.ROUTER_REQUESTS in d.message
+
+
+def test_hold_when_prometheus_is_stopped(exporter, source, prometheus):
+    settle(exporter, source, lambda o: o.ttft and o.ttft > 2.0, "TTFT above target", rate=10.0, ttft=3.0,
+           prefill_waiting=8)
+    prometheus.stop()
+    try:
+        started = time.monotonic()
+        o = observe(source)
+        assert time.monotonic() - started < 10  # no long retry loop inside one interval
+        assert o.error and prometheus.url in o.error
+        d, mem = dc.decide(o, target(prefill=2, decode=2), dc.Memory(), MODEL, now=0)
+        assert (d.prefill.replicas, d.decode.replicas) == (2, 2)  # would have scaled up; holds instead
+        assert d.reason == dc.PROMETHEUS_UNREACHABLE and not d.metrics_ok and mem == dc.Memory()
+    finally:
+        prometheus.start()
+    o = wait_for(lambda: (lambda o: o if o.error is None and o.request_rate else None)(observe(source)), 60,
+                 "Prometheus back")
+    assert o.request_rate > 0
