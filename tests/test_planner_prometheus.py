@@ -1,19 +1,17 @@
 """The planner against a real Prometheus scraping real /metrics endpoints whose latencies the test sets.
 
-The exporter serves the router's and vLLM's metric names (from disagg.api.metrics) with
-prometheus_client; a thread plays requests at the rate and latencies the test chooses.
+The exporter (disagg.e2e.prometheus.MetricsExporter) serves the router's and vLLM's metric names
+from disagg.api.metrics with prometheus_client; a thread plays requests at the rate and latencies
+the test chooses.
 """
 
-import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import pytest
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from disagg.api import metrics as m
-from disagg.e2e.localcluster.controlplane import free_port
-from disagg.e2e.prometheus import LocalPrometheus
+from disagg.e2e.prometheus import LocalPrometheus, MetricsExporter
 from disagg.e2e.testing import wait_for
 from disagg.planner import decide as dc
 from disagg.planner.metrics_source import PrometheusSource
@@ -24,75 +22,9 @@ WINDOW = 4.0  # seconds of rate() window: a few 1 s scrapes
 MODEL = PerfModel.analytic("meta-llama/Llama-3.1-8B-Instruct", "H100-SXM")
 
 
-@dataclass
-class Traffic:
-    rate: float = 10.0          # requests/s
-    ttft: float = 0.3           # seconds
-    itl: float = 0.02
-    input_tokens: int = 2000
-    output_tokens: int = 200
-    cached_fraction: float = 0.25
-    prefill_waiting: float = 0.0
-    decode_waiting: float = 0.0
-
-
-class Exporter:
-    """A router-and-workers look-alike: real /metrics over HTTP, values the test controls."""
-
-    def __init__(self):
-        self.registry = CollectorRegistry()
-        labels = ["namespace", "deployment"]
-        r = self.registry
-        self.requests = Counter(m.ROUTER_REQUESTS, "requests", labels + ["outcome", "path"], registry=r)
-        self.ttft = Histogram(m.ROUTER_TTFT_SECONDS, "ttft", labels, registry=r,
-                              buckets=(0.05, 0.1, 0.2, 0.4, 0.8, 1.0, 1.5, 2, 4, 8, 16))
-        self.itl = Histogram(m.ROUTER_ITL_SECONDS, "itl", labels, registry=r,
-                             buckets=(0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.08, 0.16, 0.32))
-        tokens = tuple(2.0 ** k for k in range(4, 18))
-        self.inp = Histogram(m.ROUTER_INPUT_TOKENS, "input tokens", labels, registry=r, buckets=tokens)
-        self.out = Histogram(m.ROUTER_OUTPUT_TOKENS, "output tokens", labels, registry=r, buckets=tokens)
-        self.prompt = Counter(m.ROUTER_PROMPT_TOKENS, "prompt tokens", labels, registry=r)
-        self.cached = Counter(m.ROUTER_CACHED_PROMPT_TOKENS, "cached prompt tokens", labels, registry=r)
-        self.waiting = Gauge(m.VLLM_NUM_REQUESTS_WAITING, "waiting", labels + ["role"], registry=r)
-        self.running = Gauge(m.VLLM_NUM_REQUESTS_RUNNING, "running", labels + ["role"], registry=r)
-        self.kv = Gauge(m.VLLM_KV_CACHE_USAGE, "kv usage", labels + ["role"], registry=r)
-        self.traffic = Traffic()
-        self.port = free_port()
-        self.server, self._thread = start_http_server(self.port, addr="127.0.0.1", registry=r)
-        self._stop = threading.Event()
-        self._player = threading.Thread(target=self._play, daemon=True)
-        self._player.start()
-
-    def _play(self):
-        tick = 0.05
-        owed = 0.0
-        while not self._stop.wait(tick):
-            t = self.traffic
-            owed += t.rate * tick
-            lab = {"namespace": NS, "deployment": NAME}
-            while owed >= 1:
-                owed -= 1
-                self.requests.labels(**lab, outcome=m.OUTCOME_SUCCESS, path=m.PATH_REMOTE_PREFILL).inc()
-                self.ttft.labels(**lab).observe(t.ttft)
-                self.itl.labels(**lab).observe(t.itl)
-                self.inp.labels(**lab).observe(t.input_tokens)
-                self.out.labels(**lab).observe(t.output_tokens)
-                self.prompt.labels(**lab).inc(t.input_tokens)
-                self.cached.labels(**lab).inc(t.input_tokens * t.cached_fraction)
-            for role, waiting in (("prefill", t.prefill_waiting), ("decode", t.decode_waiting)):
-                self.waiting.labels(**lab, role=role).set(waiting)
-                self.running.labels(**lab, role=role).set(1)
-                self.kv.labels(**lab, role=role).set(0.5)
-
-    def close(self):
-        self._stop.set()
-        self._player.join()
-        self.server.shutdown()
-
-
 @pytest.fixture(scope="module")
 def exporter():
-    e = Exporter()
+    e = MetricsExporter(NS, NAME)
     yield e
     e.close()
 

@@ -97,6 +97,7 @@ class ConditionType(StrEnum):
     PROGRESSING = "Progressing"
     DEGRADED = "Degraded"
     SLO_MET = "SLOMet"
+    PLANNER_ACTIVE = "PlannerActive"  # written by the planner: False when it holds for want of metrics
 
 
 # ---------------------------------------------------------------- spec
@@ -377,7 +378,7 @@ class DisaggDeploymentSpec(_Model):
 # ---------------------------------------------------------------- status
 
 class Condition(_Model):
-    type: str = Field(max_length=316, description="Ready, GangScheduled, Progressing, Degraded or SLOMet.")
+    type: str = Field(max_length=316, description="Ready, GangScheduled, Progressing, Degraded, SLOMet or PlannerActive.")
     status: str = Field(json_schema_extra={"enum": ["True", "False", "Unknown"]}, description="True, False or Unknown.")
     reason: str = Field(max_length=1024, description="CamelCase reason for the last transition.")
     message: str = Field("", max_length=32768, description="Human-readable details, with the numbers involved.")
@@ -421,7 +422,7 @@ class DisaggDeploymentStatus(_Model):
     conditions: list[Condition] = Field(default_factory=list, max_length=16,
                                         json_schema_extra={"x-kubernetes-list-type": "map",
                                                            "x-kubernetes-list-map-keys": ["type"]},
-                                        description="Ready, GangScheduled, Progressing, Degraded, SLOMet.")
+                                        description="Ready, GangScheduled, Progressing, Degraded, SLOMet, PlannerActive.")
     prefill: RoleStatus = Field(default_factory=RoleStatus, description="Prefill replicas.")
     decode: RoleStatus = Field(default_factory=RoleStatus, description="Decode replicas.")
     router: RoleStatus = Field(default_factory=RoleStatus, description="Router replicas.")

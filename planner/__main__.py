@@ -1,0 +1,57 @@
+"""``python -m disagg.planner``: the planner sidecar (next to the operator, or on its own)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m disagg.planner", description="The disagg SLO planner.")
+    p.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster, then ~/.kube/config)")
+    p.add_argument("--namespace", help="watch one namespace (default: all)")
+    p.add_argument("--prometheus-url", default=None, help="Prometheus for deployments that name none")
+    p.add_argument("--metrics-port", type=int, default=9091, help="port of the planner's own /metrics (0: off)")
+    p.add_argument("--tick", type=float, default=1.0, help="seconds between passes over the deployments")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+
+    from kubernetes import config
+    from prometheus_client import start_http_server
+
+    from .apply import Executor, PlannerMetrics
+    from .loop import PlannerLoop
+    from .metrics_source import PrometheusSource
+
+    if args.kubeconfig:
+        api_client = config.new_client_from_config(args.kubeconfig)
+    else:
+        try:
+            config.load_incluster_config()
+        except config.ConfigException:
+            config.load_kube_config()
+        from kubernetes import client
+        api_client = client.ApiClient()
+    metrics = PlannerMetrics()
+    if args.metrics_port:
+        start_http_server(args.metrics_port, registry=metrics.registry)
+    sources: dict[str, PrometheusSource] = {}
+
+    def source_for(url: str) -> PrometheusSource:
+        if url not in sources:
+            sources[url] = PrometheusSource(url)
+        return sources[url]
+
+    loop = PlannerLoop(api_client, Executor(api_client, metrics), source_for, args.prometheus_url, args.namespace)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    loop.run(stop, args.tick)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

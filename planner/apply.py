@@ -1,0 +1,143 @@
+"""The executor: carries a planner decision out on the cluster.
+
+* ``spec.prefill.replicas`` and ``spec.decode.replicas`` by server-side apply under the
+  field manager ``disagg-planner`` (forced: the planner owns replica counts while it is
+  enabled; a user's ``kubectl apply`` of a manifest without replicas leaves them alone);
+* ``status.planner`` (inputs, prediction, decision, reason, who owns the replicas) and the
+  ``PlannerActive`` condition, by server-side apply on the status subresource;
+* an Event when the size changes or the planner starts or stops holding for want of metrics;
+* ``disagg_planner_*`` metrics.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+from typing import Any
+
+from disagg.api import metrics as m
+from disagg.api.names import GROUP, ROLE_DECODE, ROLE_PREFILL
+from disagg.api.v1alpha1 import API_VERSION, KIND, PLURAL, VERSION, ConditionType
+
+from .decide import Decision, Target
+
+FIELD_MANAGER = "disagg-planner"
+APPLY = "application/apply-patch+yaml"
+METRICS_OK = "MetricsAvailable"
+
+log = logging.getLogger("disagg.planner")
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def replicas_owner(obj: dict[str, Any]) -> str:
+    """The field manager owning ``spec.prefill.replicas`` (and decode's, when they differ: both, comma-joined)."""
+    owners = []
+    for role in (ROLE_PREFILL, ROLE_DECODE):
+        for entry in obj.get("metadata", {}).get("managedFields") or []:
+            spec = (entry.get("fieldsV1") or {}).get("f:spec", {})
+            if "f:replicas" in spec.get(f"f:{role}", {}) and entry.get("subresource", "") == "":
+                if entry["manager"] not in owners:
+                    owners.append(entry["manager"])
+    return ",".join(owners)
+
+
+class PlannerMetrics:
+    """The planner's own /metrics (one registry per process)."""
+
+    def __init__(self, registry: Any = None):
+        from prometheus_client import CollectorRegistry, Counter, Gauge
+
+        self.registry = registry or CollectorRegistry()
+        labels = ["namespace", "deployment"]
+        r = self.registry
+        self.decisions = Counter(m.PLANNER_DECISIONS, "Planner decisions", labels + ["role", "direction", "reason"],
+                                 registry=r)
+        self.desired = Gauge(m.PLANNER_DESIRED_REPLICAS, "Replicas the planner chose", labels + ["role"], registry=r)
+        self.predicted_rate = Gauge(m.PLANNER_PREDICTED_REQUEST_RATE, "Predicted request rate (requests/s)", labels,
+                                    registry=r)
+        self.ttft = Gauge(m.PLANNER_OBSERVED_TTFT_SECONDS, "Observed TTFT at the SLO percentile", labels, registry=r)
+        self.itl = Gauge(m.PLANNER_OBSERVED_ITL_SECONDS, "Observed ITL at the SLO percentile", labels, registry=r)
+        self.available = Gauge(m.PLANNER_METRICS_AVAILABLE, "1 when the planner had the metrics it needs", labels,
+                               registry=r)
+
+    def record(self, namespace: str, name: str, decision: Decision, target: Target) -> None:
+        lab = {"namespace": namespace, "deployment": name}
+        for role, rd, current in ((ROLE_PREFILL, decision.prefill, target.prefill),
+                                  (ROLE_DECODE, decision.decode, target.decode)):
+            self.decisions.labels(**lab, role=role, direction=rd.direction(current), reason=rd.reason).inc()
+            self.desired.labels(**lab, role=role).set(rd.replicas)
+        self.available.labels(**lab).set(1 if decision.metrics_ok else 0)
+        if "requestRate" in decision.prediction:
+            self.predicted_rate.labels(**lab).set(decision.prediction["requestRate"])
+        if "ttft" in decision.inputs:
+            self.ttft.labels(**lab).set(decision.inputs["ttft"])
+        if "itl" in decision.inputs:
+            self.itl.labels(**lab).set(decision.inputs["itl"])
+
+
+class Executor:
+    def __init__(self, api_client: Any, metrics: PlannerMetrics | None = None):
+        from kubernetes import client
+
+        self.custom = client.CustomObjectsApi(api_client)
+        self.core = client.CoreV1Api(api_client)
+        self.metrics = metrics
+
+    def apply(self, obj: dict[str, Any], decision: Decision, target: Target) -> dict[str, Any]:
+        """Carry ``decision`` out on ``obj`` (the DisaggDeployment as read); returns the object after it."""
+        meta = obj["metadata"]
+        ns, name = meta["namespace"], meta["name"]
+        owner = replicas_owner(obj)
+        if decision.changes(target) or owner != FIELD_MANAGER:
+            # always both roles: a field left out of an apply is a field given up
+            body = {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name, "namespace": ns},
+                    "spec": {"prefill": {"replicas": decision.prefill.replicas},
+                             "decode": {"replicas": decision.decode.replicas}}}
+            obj = self.custom.patch_namespaced_custom_object(
+                GROUP, VERSION, ns, PLURAL, name, body, field_manager=FIELD_MANAGER, force=True,
+                _content_type=APPLY)
+            owner = replicas_owner(obj)
+        previous = next((c for c in (obj.get("status") or {}).get("conditions") or []
+                         if c.get("type") == ConditionType.PLANNER_ACTIVE), None)
+        status = "True" if decision.metrics_ok else "False"
+        reason = METRICS_OK if decision.metrics_ok else decision.reason
+        condition = {"type": ConditionType.PLANNER_ACTIVE.value, "status": status, "reason": reason,
+                     "message": decision.message[:32768],
+                     "lastTransitionTime": previous["lastTransitionTime"]
+                     if previous and previous.get("status") == status else _now(),
+                     "observedGeneration": obj["metadata"].get("generation")}
+        planner = {"replicasManagedBy": owner, "lastDecisionTime": _now(),
+                   "prefillReplicas": decision.prefill.replicas, "decodeReplicas": decision.decode.replicas,
+                   "reason": decision.reason, "message": decision.message[:32768],
+                   "inputs": decision.inputs, "prediction": decision.prediction}
+        planner = {k: v for k, v in planner.items() if v != {}}  # (an empty map would be sent as null)
+        body = {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name, "namespace": ns},
+                "status": {"planner": planner, "conditions": [condition]}}
+        obj = self.custom.patch_namespaced_custom_object_status(
+            GROUP, VERSION, ns, PLURAL, name, body, field_manager=FIELD_MANAGER, force=True, _content_type=APPLY)
+        if decision.changes(target):
+            self._event(obj, "Normal", decision.reason, decision.message)
+        elif previous is None or previous.get("status") != status:
+            self._event(obj, "Normal" if decision.metrics_ok else "Warning", reason, decision.message)
+        if self.metrics:
+            self.metrics.record(ns, name, decision, target)
+        log.info('{"deployment": "%s/%s", "prefill": %d, "decode": %d, "reason": "%s"}', ns, name,
+                 decision.prefill.replicas, decision.decode.replicas, decision.reason)
+        return obj
+
+    def _event(self, obj: dict[str, Any], kind: str, reason: str, message: str) -> None:
+        meta = obj["metadata"]
+        now = dt.datetime.now(dt.timezone.utc)
+        body = {"metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+                "involvedObject": {"apiVersion": API_VERSION, "kind": KIND, "name": meta["name"],
+                                   "namespace": meta["namespace"], "uid": meta.get("uid")},
+                "type": kind, "reason": reason, "message": message[:1024],
+                "source": {"component": FIELD_MANAGER}, "reportingComponent": FIELD_MANAGER,
+                "reportingInstance": FIELD_MANAGER, "firstTimestamp": now, "lastTimestamp": now, "count": 1}
+        try:
+            self.core.create_namespaced_event(meta["namespace"], body)
+        except Exception as e:  # an event is worth a log line, never a failed decision
+            log.warning('{"event": "failed", "deployment": "%s", "error": "%s"}', meta["name"], e)

@@ -1,0 +1,152 @@
+"""The planner loop: every DisaggDeployment with ``spec.planner.enabled``, every ``intervalSeconds``.
+
+observe (Prometheus) -> decide (pure) -> apply (executor). Clients are made once at
+start-up and passed in; per-deployment memory (load history, online correction,
+cooldown clocks) lives in the loop object, keyed by the deployment's UID.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import yaml
+
+from disagg.api.names import GROUP
+from disagg.api.v1alpha1 import PLURAL, VERSION, ConditionType, DisaggDeploymentSpec
+
+from . import perfmodel
+from .apply import Executor
+from .decide import Decision, Memory, RoleModels, Target, decide
+from .metrics_source import MetricsSource
+
+log = logging.getLogger("disagg.planner")
+
+DEFAULT_GPU = "H100-SXM"
+DEFAULT_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+PROFILE_KEY = "profile.yaml"
+GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
+GPU_ANNOTATION = f"{GROUP}/gpu"
+
+
+def resolve_model_name(spec: DisaggDeploymentSpec) -> str:
+    """The models.yaml entry for the deployment's model: the hf:// repo, else a case-insensitive name match."""
+    known = perfmodel.known_models()
+    source = spec.model.source
+    candidates = [source[len("hf://"):]] if source.startswith("hf://") else []
+    candidates.append(spec.model.name)
+    for c in candidates:
+        for k in known:
+            if c.lower() == k.lower() or c.lower() == k.split("/")[-1].lower():
+                return k
+    return DEFAULT_MODEL
+
+
+def resolve_gpu(obj: dict[str, Any], spec: DisaggDeploymentSpec) -> str:
+    """From the ``serving.disagg.dev/gpu`` annotation, else the roles' ``nvidia.com/gpu.product`` selector."""
+    known = perfmodel.known_gpus()
+    hint = (obj["metadata"].get("annotations") or {}).get(GPU_ANNOTATION) or \
+        spec.prefill.node_selector.get(GPU_PRODUCT_LABEL) or spec.decode.node_selector.get(GPU_PRODUCT_LABEL) or ""
+    for k in known:
+        if hint == k:
+            return k
+    for k in known:  # "NVIDIA-H100-80GB-HBM3" -> H100-SXM
+        if k.split("-")[0].lower() in hint.lower():
+            return k
+    return DEFAULT_GPU
+
+
+def condition(obj: dict[str, Any], kind: str) -> dict[str, Any] | None:
+    return next((c for c in (obj.get("status") or {}).get("conditions") or [] if c.get("type") == kind), None)
+
+
+def readiness(obj: dict[str, Any]) -> tuple[bool, bool]:
+    """(ready, rolling out) from the operator's status."""
+    status = obj.get("status") or {}
+    ready = (condition(obj, ConditionType.READY) or {}).get("status") == "True"
+    progressing = (condition(obj, ConditionType.PROGRESSING) or {}).get("status") == "True"
+    stale = status.get("observedGeneration") not in (None, obj["metadata"].get("generation"))
+    return ready, progressing or stale
+
+
+@dataclass
+class _State:
+    memory: Memory = field(default_factory=Memory)
+    last: float | None = None
+
+
+class PlannerLoop:
+    def __init__(self, api_client: Any, executor: Executor, source_for: Callable[[str], MetricsSource],
+                 default_prometheus_url: str | None = None, namespace: str | None = None,
+                 clock: Callable[[], float] = time.time):
+        from kubernetes import client
+
+        self.custom = client.CustomObjectsApi(api_client)
+        self.core = client.CoreV1Api(api_client)
+        self.executor = executor
+        self.source_for = source_for
+        self.default_url = default_prometheus_url
+        self.namespace = namespace
+        self.clock = clock
+        self.state: dict[str, _State] = {}
+
+    def _list(self) -> list[dict[str, Any]]:
+        if self.namespace:
+            items = self.custom.list_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL)["items"]
+        else:
+            items = self.custom.list_cluster_custom_object(GROUP, VERSION, PLURAL)["items"]
+        return [o for o in items if (o.get("spec", {}).get("planner") or {}).get("enabled")]
+
+    def _models(self, obj: dict[str, Any], spec: DisaggDeploymentSpec) -> RoleModels:
+        name, gpu = resolve_model_name(spec), resolve_gpu(obj, spec)
+        profile = None
+        if spec.planner.profile_ref:
+            cm = self.core.read_namespaced_config_map(spec.planner.profile_ref.name, obj["metadata"]["namespace"])
+            profile = perfmodel.Profile.from_dict(yaml.safe_load((cm.data or {})[PROFILE_KEY]))
+        return RoleModels(perfmodel.PerfModel.analytic(name, gpu, spec.prefill.tensor_parallel_size, profile=profile),
+                          perfmodel.PerfModel.analytic(name, gpu, spec.decode.tensor_parallel_size, profile=profile))
+
+    def plan_one(self, obj: dict[str, Any], now: float | None = None) -> Decision:
+        """Observe, decide and apply for one deployment, now (the interval is the caller's business)."""
+        now = self.clock() if now is None else now
+        meta = obj["metadata"]
+        spec = DisaggDeploymentSpec.model_validate(obj["spec"])
+        ready, rolling = readiness(obj)
+        target = Target.from_spec(spec, ready=ready, rolling=rolling)
+        state = self.state.setdefault(meta["uid"], _State())
+        url = spec.planner.prometheus_url or self.default_url
+        if not url:
+            from .decide import Observation
+            obs = Observation.unavailable(now, "no Prometheus URL: set spec.planner.prometheusUrl or the planner's "
+                                               "--prometheus-url")
+        else:
+            obs = self.source_for(url).observe(meta["namespace"], meta["name"], spec.slo.percentile,
+                                               max(spec.planner.interval_seconds, 10))
+        decision, state.memory = decide(obs, target, state.memory, self._models(obj, spec), now)
+        state.last = now
+        self.executor.apply(obj, decision, target)
+        return decision
+
+    def step(self, now: float | None = None) -> list[tuple[str, str, Decision]]:
+        """One pass: plan every enabled deployment whose interval has passed."""
+        now = self.clock() if now is None else now
+        done = []
+        for obj in self._list():
+            meta = obj["metadata"]
+            state = self.state.get(meta["uid"])
+            interval = (obj["spec"].get("planner") or {}).get("intervalSeconds", 30)
+            if state and state.last is not None and now - state.last < interval:
+                continue
+            try:
+                done.append((meta["namespace"], meta["name"], self.plan_one(obj, now)))
+            except Exception as e:  # one broken deployment must not stop the others
+                log.exception('{"deployment": "%s/%s", "error": "%s"}', meta["namespace"], meta["name"], e)
+        return done
+
+    def run(self, stop: threading.Event, tick: float = 1.0) -> None:
+        while not stop.is_set():
+            self.step()
+            stop.wait(tick)

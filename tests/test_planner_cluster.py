@@ -1,0 +1,149 @@
+"""The planner on the local control plane: server-side apply under `disagg-planner`, status, events, and a
+user's later `kubectl apply` (client-side and server-side) of a manifest without replicas not undoing it.
+
+Metrics come from a real Prometheus scraping an exporter the test drives; the operator is not needed.
+"""
+
+import json
+from dataclasses import replace
+
+import pytest
+import yaml
+
+from disagg.api import metrics as m
+from disagg.api.names import GROUP
+from disagg.api.v1alpha1 import PLURAL, VERSION
+from disagg.e2e.prometheus import LocalPrometheus, MetricsExporter
+from disagg.e2e.testing import wait_for
+from disagg.planner import decide as dc
+from disagg.planner.apply import FIELD_MANAGER, Executor, PlannerMetrics, replicas_owner
+from disagg.planner.loop import PlannerLoop, resolve_gpu, resolve_model_name
+from disagg.planner.metrics_source import PrometheusSource
+
+pytestmark = pytest.mark.cluster
+NAME = "llama"
+
+
+def manifest(namespace, prometheus_url, image="disagg/worker:0.1.0"):
+    """What a user keeps in git: no replica counts (the planner owns them)."""
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "DisaggDeployment",
+            "metadata": {"name": NAME, "namespace": namespace},
+            "spec": {"model": {"name": "llama-3.1-8b", "source": "hf://meta-llama/Llama-3.1-8B-Instruct"},
+                     "engine": {"image": image},
+                     "prefill": {"tensorParallelSize": 1, "maxReplicas": 8},
+                     "decode": {"tensorParallelSize": 1, "maxReplicas": 8},
+                     "slo": {"ttftMs": 1000, "itlMs": 50, "percentile": 90},
+                     "planner": {"enabled": True, "intervalSeconds": 5, "gpuBudget": 16,
+                                 "scaleDownCooldownSeconds": 60, "prometheusUrl": prometheus_url}}}
+
+
+@pytest.fixture
+def metrics_world(namespace, tmp_path):
+    exporter = MetricsExporter(namespace, NAME)
+    prom = LocalPrometheus(tmp_path / "prometheus", [f"127.0.0.1:{exporter.port}"]).start()
+    yield exporter, prom
+    prom.stop()
+    exporter.close()
+
+
+def _get(api_client, namespace):
+    from kubernetes import client
+
+    return client.CustomObjectsApi(api_client).get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, NAME)
+
+
+def _replicas(obj):
+    return obj["spec"]["prefill"]["replicas"], obj["spec"]["decode"]["replicas"]
+
+
+def _kubectl_apply(cluster, doc, *flags):
+    return cluster.kubectl("apply", *flags, "-f", "-", input=yaml.safe_dump(doc), check=False)
+
+
+def test_decision_lands_and_a_users_apply_without_replicas_keeps_it(cluster, api_client, crd_installed, namespace,
+                                                                    metrics_world):
+    from kubernetes import client
+
+    exporter, prom = metrics_world
+    doc = manifest(namespace, prom.url)
+    out = _kubectl_apply(cluster, doc)  # client-side, as most users do
+    assert out.returncode == 0, out.stderr
+    assert _replicas(_get(api_client, namespace)) == (1, 1)  # schema defaults
+
+    # traffic that breaks both targets
+    exporter.traffic = replace(exporter.traffic, rate=20.0, ttft=3.0, itl=0.2, prefill_waiting=10)
+    source = PrometheusSource(prom.url, timeout=3)
+    wait_for(lambda: (lambda o: o.ttft and o.ttft > 2 and o.itl and o.itl > 0.1 and o.request_rate > 12)(
+        source.observe(namespace, NAME, 90, 10)), 60, "breaching traffic in Prometheus", interval=0.5)
+    metrics = PlannerMetrics()
+    loop = PlannerLoop(api_client, Executor(api_client, metrics), lambda url: source, namespace=namespace)
+    [(ns, name, decision)] = loop.step(now=1000.0)
+    assert (ns, name) == (namespace, NAME)
+    assert decision.metrics_ok and decision.prefill.replicas > 1 and decision.decode.replicas > 1
+    want = (decision.prefill.replicas, decision.decode.replicas)
+
+    obj = _get(api_client, namespace)
+    assert _replicas(obj) == want
+    assert replicas_owner(obj) == FIELD_MANAGER
+    planner = obj["status"]["planner"]
+    assert planner["replicasManagedBy"] == FIELD_MANAGER
+    assert (planner["prefillReplicas"], planner["decodeReplicas"]) == want and planner["reason"] == dc.SCALED
+    assert planner["inputs"]["ttft"] > 2 and planner["prediction"]["requestRate"] > 10
+    cond = next(c for c in obj["status"]["conditions"] if c["type"] == "PlannerActive")
+    assert cond["status"] == "True" and cond["reason"] == "MetricsAvailable"
+    events = client.CoreV1Api(api_client).list_namespaced_event(
+        namespace, field_selector=f"involvedObject.name={NAME}").items
+    assert any(e.reason == dc.SCALED and e.source.component == FIELD_MANAGER and "prefill 1->" in e.message
+               for e in events)
+    sample = metrics.registry.get_sample_value(m.PLANNER_DESIRED_REPLICAS,
+                                               {"namespace": namespace, "deployment": NAME, "role": "prefill"})
+    assert sample == want[0]
+
+    # the user re-applies the same manifest (a new image, still no replicas): client-side ...
+    out = _kubectl_apply(cluster, manifest(namespace, prom.url, image="disagg/worker:0.1.1"))
+    assert out.returncode == 0, out.stderr
+    obj = _get(api_client, namespace)
+    assert obj["spec"]["engine"]["image"] == "disagg/worker:0.1.1" and _replicas(obj) == want
+    # ... and server-side, as kubectl's own field manager
+    out = _kubectl_apply(cluster, manifest(namespace, prom.url, image="disagg/worker:0.1.2"), "--server-side")
+    assert out.returncode == 0, out.stderr
+    obj = _get(api_client, namespace)
+    assert obj["spec"]["engine"]["image"] == "disagg/worker:0.1.2" and _replicas(obj) == want
+    assert replicas_owner(obj) == FIELD_MANAGER
+
+    # a user who does put replicas in a server-side apply is told who owns them
+    with_replicas = manifest(namespace, prom.url, image="disagg/worker:0.1.2")
+    with_replicas["spec"]["prefill"]["replicas"] = 1
+    out = _kubectl_apply(cluster, with_replicas, "--server-side")
+    assert out.returncode != 0 and "conflict" in out.stderr.lower() and FIELD_MANAGER in out.stderr
+    assert _replicas(_get(api_client, namespace)) == want
+
+    # Prometheus goes away: the planner holds the size and says why
+    prom.stop()
+    [(_, _, held)] = loop.step(now=1010.0)
+    assert held.reason == dc.PROMETHEUS_UNREACHABLE and (held.prefill.replicas, held.decode.replicas) == want
+    obj = _get(api_client, namespace)
+    assert _replicas(obj) == want
+    assert obj["status"]["planner"]["reason"] == dc.PROMETHEUS_UNREACHABLE
+    cond = next(c for c in obj["status"]["conditions"] if c["type"] == "PlannerActive")
+    assert cond["status"] == "False" and cond["reason"] == dc.PROMETHEUS_UNREACHABLE and prom.url in cond["message"]
+    assert metrics.registry.get_sample_value(m.PLANNER_METRICS_AVAILABLE,
+                                             {"namespace": namespace, "deployment": NAME}) == 0
+    warnings = client.CoreV1Api(api_client).list_namespaced_event(
+        namespace, field_selector=f"involvedObject.name={NAME},type=Warning").items
+    assert any(e.reason == dc.PROMETHEUS_UNREACHABLE for e in warnings)
+    # within one interval nothing is re-planned
+    assert loop.step(now=1012.0) == []
+
+
+def test_model_and_gpu_are_resolved_from_the_spec():
+    from disagg.api.v1alpha1 import DisaggDeploymentSpec
+
+    spec = DisaggDeploymentSpec.model_validate({
+        "model": {"name": "whatever", "source": "hf://Qwen/Qwen2.5-7B-Instruct"},
+        "decode": {"nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB"}}})
+    assert resolve_model_name(spec) == "Qwen/Qwen2.5-7B-Instruct"
+    assert resolve_gpu({"metadata": {}}, spec) == "A100-SXM-80GB"
+    assert resolve_gpu({"metadata": {"annotations": {"serving.disagg.dev/gpu": "H200-SXM"}}}, spec) == "H200-SXM"
+    spec = DisaggDeploymentSpec.model_validate({"model": {"name": "Llama-3.1-70B-Instruct", "source": "pvc://m/x"}})
+    assert resolve_model_name(spec) == "meta-llama/Llama-3.1-70B-Instruct"
