@@ -368,10 +368,12 @@ def decide(obs: Observation, target: Target, memory: Memory, model: PerfModel | 
         memory = replace(memory, last_scale_up_prefill=now, last_scale_up_decode=now)
     ttft_obs = obs.ttft if obs.ttft is not None and math.isfinite(obs.ttft) else None
     itl_obs = obs.itl if obs.itl is not None and math.isfinite(obs.itl) else None
-    memory = _correct(obs, target, memory, model, ttft_obs, itl_obs)
-    memory = memory.remember(obs)
+    # plan with what was learnt up to the last interval; this interval's lesson applies from the next
+    # (so one sample cannot both trigger and size a change, and the decision stays monotone in load)
     corr = memory.correction
     planning = RoleModels.of(model).corrected(corr.prefill, corr.decode)
+    memory = _correct(obs, target, memory, model, ttft_obs, itl_obs)
+    memory = memory.remember(obs)
 
     # predicted load; never below what was just observed (scale up fast)
     last_rate = obs.request_rate

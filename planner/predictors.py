@@ -43,10 +43,11 @@ class MovingAverage:
 
 @dataclass(frozen=True)
 class HoltWinters:
-    """Additive Holt-Winters: level + trend (+ season of ``season`` intervals once two seasons are seen).
+    """Additive Holt-Winters: level + trend + a season of ``season`` intervals, once a season is seen.
 
-    With less history than two seasons (or ``season=0``) it is Holt's linear trend
-    method; with fewer than two points, the last value.
+    Seasonal from one whole season on (its trend starts at zero until a second season is
+    seen); before that (or with ``season=0``) Holt's linear trend method; with fewer than two
+    points, the last value.
     """
 
     alpha: float = 0.5
@@ -60,10 +61,11 @@ class HoltWinters:
         if n < 2:
             return LastValue().predict(history)
         m = self.season
-        if m >= 2 and n >= 2 * m:
-            first, second = history[:m], history[m:2 * m]
+        if m >= 2 and n > m:
+            first = history[:m]
             level = sum(first) / m
-            trend = (sum(second) - sum(first)) / (m * m)
+            # the trend from two whole seasons when there are two, else none yet
+            trend = (sum(history[m:2 * m]) - sum(first)) / (m * m) if n >= 2 * m else 0.0
             seasonal = [x - level for x in first]
             for t in range(m, n):
                 x, s = history[t], seasonal[t % m]
