@@ -55,6 +55,12 @@ def _simulate(args: argparse.Namespace) -> int:
     return simulate.run_cli(args, REPO)
 
 
+def _profile(args: argparse.Namespace) -> int:
+    from disagg.planner import profile
+
+    return profile.run_cli(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="disagg", description="Disaggregated LLM serving on Kubernetes.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -78,6 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     from disagg.planner.simulate import add_arguments as _simulate_arguments
     _simulate_arguments(p)
     p.set_defaults(func=_simulate)
+
+    p = sub.add_parser("profile", help="measure a running worker and write the planner's performance profile")
+    from disagg.planner.profile import add_arguments as _profile_arguments
+    _profile_arguments(p)
+    p.set_defaults(func=_profile)
 
     args = parser.parse_args(argv)
     return args.func(args)

@@ -27,7 +27,6 @@ log = logging.getLogger("disagg.planner")
 
 DEFAULT_GPU = "H100-SXM"
 DEFAULT_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
-PROFILE_KEY = "profile.yaml"
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 GPU_ANNOTATION = f"{GROUP}/gpu"
 
@@ -105,7 +104,7 @@ class PlannerLoop:
         profile = None
         if spec.planner.profile_ref:
             cm = self.core.read_namespaced_config_map(spec.planner.profile_ref.name, obj["metadata"]["namespace"])
-            profile = perfmodel.Profile.from_dict(yaml.safe_load((cm.data or {})[PROFILE_KEY]))
+            profile = perfmodel.Profile.from_dict(yaml.safe_load((cm.data or {})[perfmodel.PROFILE_KEY]))
         return RoleModels(perfmodel.PerfModel.analytic(name, gpu, spec.prefill.tensor_parallel_size, profile=profile),
                           perfmodel.PerfModel.analytic(name, gpu, spec.decode.tensor_parallel_size, profile=profile))
 

@@ -28,6 +28,7 @@ from typing import Any, Iterable, Sequence
 import yaml
 
 DATA = Path(__file__).resolve().parent / "data"
+PROFILE_KEY = "profile.yaml"  # key of a profile in its ConfigMap (spec.planner.profileRef)
 
 
 # ---------------------------------------------------------------- specs

@@ -1,0 +1,104 @@
+"""``disagg profile``: measure a running worker (any OpenAI-compatible completions endpoint, e.g. vLLM)
+and write the performance profile the planner plans with (a file, or a ConfigMap for ``profileRef``).
+
+Prefill: ``batch`` prompts of ``tokens`` random token ids sent together with ``max_tokens=1``; the point's
+seconds are the slowest time to first token (the batch finishes together). Random ids per request keep
+the prefix cache out of it. Decode: ``concurrency`` streams of ``decode_tokens`` tokens after a
+``context``-token prompt; the point's seconds are the median inter-token latency, at the mean context.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .perfmodel import PROFILE_KEY, Profile
+
+
+def _stream(url: str, model: str, prompt: list[int], max_tokens: int, timeout: float) -> list[float]:
+    """Send one streaming completion; return the arrival times of its tokens (seconds since sending)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    req = urllib.request.Request(f"{url.rstrip('/')}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    start = time.perf_counter()
+    times = []
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        for line in r:
+            if line.startswith(b"data: {"):
+                times.append(time.perf_counter() - start)
+    if not times:
+        raise RuntimeError(f"{url}: no tokens streamed back")
+    return times
+
+
+def measure(url: str, model: str, prompt_tokens: tuple[int, ...] = (128, 512, 2048, 8192),
+            batches: tuple[int, ...] = (1, 4), concurrencies: tuple[int, ...] = (1, 4, 16, 32),
+            context: int = 1024, decode_tokens: int = 64, vocab: int = 1000, seed: int = 0,
+            timeout: float = 600.0, gpu: str = "unknown", tensor_parallel_size: int = 1) -> Profile:
+    rng = random.Random(seed)
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(10, vocab) for _ in range(n)]
+
+    prefill = []
+    for n in prompt_tokens:
+        for b in batches:
+            prompts = [prompt(n) for _ in range(b)]
+            with ThreadPoolExecutor(b) as pool:
+                firsts = list(pool.map(lambda p: _stream(url, model, p, 1, timeout)[0], prompts))
+            prefill.append({"tokens": n, "batch": b, "seconds": max(firsts)})
+    decode = []
+    for c in concurrencies:
+        prompts = [prompt(context) for _ in range(c)]
+        with ThreadPoolExecutor(c) as pool:
+            runs = list(pool.map(lambda p: _stream(url, model, p, decode_tokens, timeout), prompts))
+        itls = [(t[-1] - t[0]) / (len(t) - 1) for t in runs if len(t) > 1]
+        decode.append({"concurrency": c, "context": context + decode_tokens / 2, "seconds": statistics.median(itls)})
+    return Profile(model, gpu, tensor_parallel_size, tuple(prefill), tuple(decode))
+
+
+def configmap(profile: Profile, name: str, namespace: str | None = None) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name}
+    if namespace:
+        meta["namespace"] = namespace
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta,
+            "data": {PROFILE_KEY: yaml.safe_dump(profile.to_dict(), sort_keys=False)}}
+
+
+def add_arguments(p: Any) -> None:
+    p.add_argument("--url", required=True, help="the worker's OpenAI-compatible base URL (http://host:8000)")
+    p.add_argument("--model", required=True, help="the model name the worker serves")
+    p.add_argument("--gpu", default="unknown", help="GPU the worker runs on (a data/gpus.yaml name)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--prompt-tokens", default="128,512,2048,8192")
+    p.add_argument("--batches", default="1,4")
+    p.add_argument("--concurrency", default="1,4,16,32")
+    p.add_argument("--context", type=int, default=1024, help="prompt tokens of the decode runs")
+    p.add_argument("--decode-tokens", type=int, default=64)
+    p.add_argument("--vocab", type=int, default=1000, help="random prompt token ids are drawn below this")
+    p.add_argument("--out", default="profile.yaml", help="profile file to write")
+    p.add_argument("--configmap", help="write a ConfigMap manifest with this name instead (for profileRef)")
+    p.add_argument("--namespace", help="namespace of the ConfigMap")
+
+
+def run_cli(args: Any) -> int:
+    ints = lambda s: tuple(int(x) for x in s.split(",") if x)  # noqa: E731
+    profile = measure(args.url, args.model, ints(args.prompt_tokens), ints(args.batches), ints(args.concurrency),
+                      args.context, args.decode_tokens, args.vocab, gpu=args.gpu,
+                      tensor_parallel_size=args.tensor_parallel_size)
+    doc = configmap(profile, args.configmap, args.namespace) if args.configmap else profile.to_dict()
+    Path(args.out).write_text(yaml.safe_dump(doc, sort_keys=False))
+    a, b, c = profile.prefill_coef
+    print(f"wrote {args.out}: prefill = {a * 1000:.2f} ms + {b * 1e6:.3f} us/token + {c * 1e9:.4f} ns/token^2; "
+          f"decode step = {profile.decode_coef[0] * 1000:.2f} ms + {profile.decode_coef[1] * 1000:.3f} ms/request + "
+          f"{profile.decode_coef[2] * 1e6:.4f} us/context token")
+    return 0

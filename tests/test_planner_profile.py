@@ -1,0 +1,107 @@
+"""`disagg profile` measuring a real HTTP server that streams completions with latencies the test sets:
+prefill time a + b x tokens (per batch), decode step c + d x concurrent streams."""
+
+import json
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import yaml
+
+from disagg.planner import perfmodel
+from disagg.planner.profile import measure
+
+PREFILL_BASE, PREFILL_PER_TOKEN = 0.05, 100e-6       # 50 ms + 100 us/token (slow enough to dwarf jitter)
+DECODE_BASE, DECODE_PER_STREAM = 0.02, 0.01           # 20 ms + 10 ms per concurrent stream
+
+
+class Worker:
+    """A completions endpoint whose prefill (serialised, like a GPU's compute) and decode (slower with
+    more concurrent streams) obey the constants above."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.compute = threading.Lock()
+        self.streams = 0
+        worker = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Connection", "close")
+                self.end_headers()
+                with worker.compute:  # prefill is compute-bound: one prompt at a time, a batch takes b x as long
+                    time.sleep(PREFILL_BASE + PREFILL_PER_TOKEN * len(body["prompt"]))
+                with worker.lock:
+                    worker.streams += 1
+                try:
+                    for i in range(body["max_tokens"]):
+                        if i:
+                            with worker.lock:
+                                n = worker.streams
+                            time.sleep(DECODE_BASE + DECODE_PER_STREAM * n)
+                        chunk = {"choices": [{"text": "x", "index": 0}]}
+                        self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                        self.wfile.flush()
+                    self.wfile.write(b"data: [DONE]\n\n")
+                finally:
+                    with worker.lock:
+                        worker.streams -= 1
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def worker():
+    w = Worker()
+    yield w
+    w.close()
+
+
+def test_profile_recovers_the_workers_latencies(worker):
+    profile = measure(worker.url, "tiny", prompt_tokens=(64, 512, 2048), batches=(1, 2), concurrencies=(1, 2, 4),
+                      context=64, decode_tokens=10)
+    for n in (256, 1024, 2048):
+        want = PREFILL_BASE + PREFILL_PER_TOKEN * n
+        assert profile.prefill_seconds([n]) == pytest.approx(want, rel=0.35, abs=0.03), n
+    slope = (profile.prefill_seconds([2048]) - profile.prefill_seconds([64])) / (2048 - 64)
+    assert slope == pytest.approx(PREFILL_PER_TOKEN, rel=0.35)
+    for c in (1, 4):
+        want = DECODE_BASE + DECODE_PER_STREAM * c
+        assert profile.decode_seconds(c, c * 70) == pytest.approx(want, rel=0.5), c
+    assert profile.decode_seconds(4, 280) > profile.decode_seconds(1, 70)
+    # and the planner's model uses it (floored by physics, which this slow worker is far above)
+    model = perfmodel.PerfModel.analytic("Qwen/Qwen2.5-1.5B-Instruct", "L40S", profile=profile)
+    assert model.ttft(1024) == pytest.approx(profile.prefill_seconds([1024]))
+
+
+def test_cli_writes_a_configmap_the_planner_can_load(worker, tmp_path):
+    exe = shutil.which("disagg", path=str(Path(sys.executable).parent))
+    out = tmp_path / "cm.yaml"
+    run = subprocess.run([exe, "profile", "--url", worker.url, "--model", "tiny", "--gpu", "L40S",
+                          "--prompt-tokens", "64,512,1024", "--batches", "1", "--concurrency", "1,2,3",
+                          "--context", "32", "--decode-tokens", "6", "--configmap", "tiny-profile",
+                          "--namespace", "team-a", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    cm = yaml.safe_load(out.read_text())
+    assert cm["kind"] == "ConfigMap" and cm["metadata"] == {"name": "tiny-profile", "namespace": "team-a"}
+    profile = perfmodel.Profile.from_dict(yaml.safe_load(cm["data"][perfmodel.PROFILE_KEY]))
+    assert profile.gpu == "L40S" and len(profile.prefill) == 3 and len(profile.decode) == 3
+    assert "prefill =" in run.stdout
