@@ -4,8 +4,8 @@ user's later `kubectl apply` (client-side and server-side) of a manifest without
 Metrics come from a real Prometheus scraping an exporter the test drives; the operator is not needed.
 """
 
-import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import yaml
@@ -147,3 +147,17 @@ def test_model_and_gpu_are_resolved_from_the_spec():
     assert resolve_gpu({"metadata": {"annotations": {"serving.disagg.dev/gpu": "H200-SXM"}}}, spec) == "H200-SXM"
     spec = DisaggDeploymentSpec.model_validate({"model": {"name": "Llama-3.1-70B-Instruct", "source": "pvc://m/x"}})
     assert resolve_model_name(spec) == "meta-llama/Llama-3.1-70B-Instruct"
+
+
+def test_planner_example_is_admitted_and_planned(cluster, api_client, crd_installed, namespace):
+    from disagg.api.v1alpha1 import DisaggDeployment
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "with-planner.yaml"
+    doc = yaml.safe_load(path.read_text())
+    dd = DisaggDeployment.model_validate(doc)
+    assert dd.spec.planner.enabled and "replicas" not in doc["spec"]["prefill"]
+    out = cluster.kubectl("apply", "-n", namespace, "-f", str(path), check=False)
+    assert out.returncode == 0, out.stderr
+    t = dc.Target.from_spec(dd.spec)
+    assert (t.prefill, t.decode, t.gpu_budget, t.predictor) == (1, 1, 16, "holt-winters")
+    assert resolve_model_name(dd.spec) == "meta-llama/Llama-3.1-8B-Instruct"
