@@ -15,7 +15,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--namespace", help="watch one namespace (default: all)")
     p.add_argument("--prometheus-url", default=None, help="Prometheus for deployments that name none")
     p.add_argument("--metrics-port", type=int, default=9091, help="port of the planner's own /metrics (0: off)")
-    p.add_argument("--tick", type=float, default=1.0, help="seconds between passes over the deployments")
+    p.add_argument("--tick", type=float, default=5.0, help="seconds between passes over the deployments")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
 

@@ -339,8 +339,11 @@ def fit_budget(prefill: int, decode: int, target: Target) -> tuple[int, int, boo
 # ---------------------------------------------------------------- the decision
 
 def _hold(target: Target, memory: Memory, reason: str, message: str, obs: Observation) -> tuple[Decision, Memory]:
-    p = max(target.prefill, target.floor_prefill)  # never zero, even when someone set it so
-    d = max(target.decode, target.floor_decode)
+    # the current size, within the hard limits only: never zero (even when someone set it so), never
+    # past maxReplicas or the GPU budget
+    p = min(max(target.prefill, target.floor_prefill), max(target.prefill_max, target.floor_prefill))
+    d = min(max(target.decode, target.floor_decode), max(target.decode_max, target.floor_decode))
+    p, d, _ = fit_budget(p, d, target)
     return Decision(RoleDecision(p, p, reason), RoleDecision(d, d, reason), reason, message, metrics_ok=False,
                     inputs=obs.inputs()), memory
 
