@@ -6,9 +6,9 @@ BIN := $(VENV)/bin
 # Reinstall the light environment whenever pyproject.toml changes.
 STAMP := $(VENV)/.installed-$(shell sha256sum pyproject.toml | cut -c1-16)
 
-.PHONY: test demo venv cluster-build cluster-up cluster-down crds prometheus
+.PHONY: test demo venv cluster-build cluster-up cluster-down crds prometheus worker-env
 
-test: venv cluster-build prometheus
+test: venv cluster-build prometheus worker-env
 	$(BIN)/python -m pytest
 
 demo: venv cluster-build
@@ -26,6 +26,12 @@ $(STAMP): pyproject.toml
 # cache outside the repository (reused when present).
 cluster-build:
 	bash e2e/localcluster/build.sh >/dev/null
+
+# The heavy worker environment (vLLM CPU build + NIXL, ~7 GB) for the router and
+# worker tests and local serving, built into a cache outside the repository
+# (reused when complete; workers/env/build.sh says how).
+worker-env:
+	bash workers/env/build.sh >/dev/null
 
 cluster-up: venv cluster-build
 	$(BIN)/disagg cluster up

@@ -1,0 +1,91 @@
+"""``python -m disagg.router``: runs the router.
+
+    python -m disagg.router --config router.yaml                   # a RouterConfig (static workers)
+    python -m disagg.router --model m --tokenizer hf://org/m --discovery endpointslices \\
+        --namespace ns --prefill-service x-prefill --decode-service x-decode [--policy kv-aware ...]
+
+The second form is what the operator runs in the router Deployment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import yaml
+from aiohttp import web
+
+from disagg.api.names import ROLE_DECODE, ROLE_PREFILL
+
+from .app import make_app
+from .config import RouterConfig
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m disagg.router")
+    p.add_argument("--config", help="YAML or JSON RouterConfig")
+    p.add_argument("--port", type=int)
+    p.add_argument("--model")
+    p.add_argument("--tokenizer")
+    p.add_argument("--policy")
+    p.add_argument("--overlap-weight", type=float)
+    p.add_argument("--max-load-skew", type=float)
+    p.add_argument("--disaggregation")
+    p.add_argument("--local-prefill-threshold-tokens", type=int)
+    p.add_argument("--discovery", choices=["static", "endpointslices"], default="static")
+    p.add_argument("--namespace", default="default")
+    p.add_argument("--prefill-service")
+    p.add_argument("--decode-service")
+    return p
+
+
+def config_from(args: argparse.Namespace) -> RouterConfig:
+    data: dict = {}
+    if args.config:
+        with open(args.config) as f:
+            data = yaml.safe_load(f) or {}
+    spec = dict(data.get("spec") or {})
+    for flag, key in (("policy", "policy"), ("overlap_weight", "overlapWeight"),
+                      ("max_load_skew", "maxLoadSkew"), ("disaggregation", "disaggregation"),
+                      ("local_prefill_threshold_tokens", "localPrefillThresholdTokens")):
+        if getattr(args, flag) is not None:
+            spec[key] = getattr(args, flag)
+    data["spec"] = spec
+    if args.model:
+        data["model"] = args.model
+    if args.tokenizer:
+        data["tokenizer"] = args.tokenizer.removeprefix("hf://")
+    if args.port is not None:
+        data["port"] = args.port
+    return RouterConfig.model_validate(data)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    config = config_from(args)
+    logging.basicConfig(level=logging.INFO, format='{"ts":"%(asctime)s","level":"%(levelname)s",'
+                                                  '"logger":"%(name)s","msg":"%(message)s"}')
+    discovery = None
+    if args.discovery == "endpointslices":
+        if not (args.prefill_service and args.decode_service):
+            print("--discovery endpointslices needs --prefill-service and --decode-service", file=sys.stderr)
+            return 2
+        from kubernetes import client, config as kconfig
+
+        from .discovery import EndpointSliceDiscovery
+
+        try:
+            kconfig.load_incluster_config()
+        except kconfig.ConfigException:
+            kconfig.load_kube_config()
+        discovery = EndpointSliceDiscovery(client.ApiClient(), args.namespace,
+                                           {ROLE_PREFILL: args.prefill_service, ROLE_DECODE: args.decode_service})
+    # a deep accept backlog: a burst of a thousand clients connecting at once must not be refused
+    web.run_app(make_app(config, discovery=discovery), host=config.host, port=config.port, access_log=None,
+                print=None, backlog=4096)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

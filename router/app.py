@@ -1,0 +1,141 @@
+"""HTTP routes: thin handlers over :class:`~.service.Router`; errors rendered in one place."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
+
+from . import errors
+from .config import RouterConfig
+from .metrics import RouterMetrics
+from .protocol import ChatCompletionRequest, CompletionRequest
+from .service import Router
+
+log = logging.getLogger("disagg.router")
+ROUTER_KEY = web.AppKey("router", Router)
+
+
+def _error(err: errors.RouterError) -> web.Response:
+    return web.json_response(errors.body(err), status=err.status)
+
+
+_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _describe(e: ValidationError) -> errors.BadRequest:
+    """The first problem, as ``field.path: message`` (pydantic's union-member tags dropped)."""
+    first = e.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]
+                     if not (isinstance(p, str) and (p in _UNION_TAGS or "-" in p or "[" in p)))
+    return errors.BadRequest(f"{where}: {first['msg']}" if where else first["msg"], param=where or None)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except errors.RouterError as e:
+        return _error(e)
+    except web.HTTPRequestEntityTooLarge:
+        limit = request.app[ROUTER_KEY].config.max_body_bytes
+        return _error(errors.BadRequest(f"The request body is larger than the router accepts "
+                                        f"({limit} bytes).", param=None))
+    except web.HTTPException as e:
+        if e.status >= 400:
+            return web.json_response(errors.body(_http(e)), status=e.status)
+        raise
+    except Exception:  # a bug: logged, and a 500 in the same shape (never a 400)
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        return _error(errors.RouterError("internal error in the router"))
+
+
+def _http(e: web.HTTPException) -> errors.RouterError:
+    err = errors.RouterError(e.reason)
+    err.status = e.status
+    err.type = "invalid_request_error" if e.status < 500 else "internal_error"
+    return err
+
+
+async def _parse(request: web.Request, model) -> tuple[object, dict]:
+    raw = await request.read()
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise errors.BadRequest(f"The body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise errors.BadRequest("The body must be a JSON object.")
+    try:
+        return model.model_validate(body), body
+    except ValidationError as e:
+        raise _describe(e) from None
+
+
+async def _serve(request: web.Request, endpoint: str, model) -> web.StreamResponse:
+    router = request.app[ROUTER_KEY]
+    req, body = await _parse(request, model)
+    result = await router.handle(endpoint, req, body)
+    if isinstance(result, dict):
+        return web.json_response(result)
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    try:
+        async for chunk in result:
+            await resp.write(chunk)
+    finally:
+        await result.aclose()
+    await resp.write_eof()
+    return resp
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, "/v1/completions", CompletionRequest)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, "/v1/chat/completions", ChatCompletionRequest)
+
+
+async def models(request: web.Request) -> web.Response:
+    cfg = request.app[ROUTER_KEY].config
+    return web.json_response({"object": "list", "data": [
+        {"id": cfg.model, "object": "model", "created": int(time.time()), "owned_by": "disagg"}]})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    router = request.app[ROUTER_KEY]
+    return web.Response(body=generate_latest(router.metrics.registry),
+                        headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def health(request: web.Request) -> web.Response:
+    router = request.app[ROUTER_KEY]
+    ready = bool(router.pool.healthy("decode"))
+    return web.json_response({"ready": ready}, status=200 if ready else 503)
+
+
+def make_app(config: RouterConfig, tokenizer=None, router: Router | None = None,
+             discovery=None) -> web.Application:
+    if router is None:
+        from .tokenizer import Tokenizer
+
+        router = Router(config, tokenizer or Tokenizer(config.tokenizer), RouterMetrics(), discovery=discovery)
+    app = web.Application(middlewares=[error_middleware], client_max_size=config.max_body_bytes)
+    app[ROUTER_KEY] = router
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/health", health)
+
+    async def lifecycle(app: web.Application):
+        await router.start()
+        yield
+        await router.close()
+
+    app.cleanup_ctx.append(lifecycle)
+    return app

@@ -1,0 +1,34 @@
+"""The router's configuration: the deployment's RouterSpec plus what it serves and where."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from disagg.api.v1alpha1 import RouterSpec
+
+
+class WorkerEndpoint(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    url: str = Field(pattern=r"^https?://", description="vLLM's base URL, e.g. http://10.0.0.5:8000")
+    kv_events: str | None = Field(None, description="ZMQ endpoint of its KV events, e.g. tcp://10.0.0.5:5557")
+
+
+class RouterConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1, description="Served model name (the `model` clients send).")
+    tokenizer: str = Field(min_length=1, description="Directory of the model's tokenizer and chat template.")
+    spec: RouterSpec = Field(default_factory=RouterSpec)
+    prefill: list[WorkerEndpoint] = Field(default_factory=list)
+    decode: list[WorkerEndpoint] = Field(default_factory=list)
+    block_size: int = Field(16, ge=1, description="KV block size of the workers, in tokens.")
+    max_model_len: int = Field(4096, ge=1, description="Context length; longer requests are refused (400).")
+    max_prefill_active: int = Field(8, ge=1, description="Active prefills per prefill worker above which "
+                                                         "prefill counts as saturated (conditional mode).")
+    prefill_timeout_s: float = Field(30, gt=0, description="A slower prefill falls back to local prefill.")
+    decode_attempts: int = Field(2, ge=1, description="Decode workers tried before the first token.")
+    health_interval_s: float = Field(2, gt=0, description="How often each worker's /health is checked.")
+    kv_events_topic: str = "kv-events"
+    max_body_bytes: int = Field(8 * 2**20, ge=1024)
+    host: str = "0.0.0.0"
+    port: int = Field(8080, ge=0, le=65535)

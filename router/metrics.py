@@ -1,0 +1,43 @@
+"""The router's Prometheus metrics (names from :mod:`disagg.api.metrics`), one registry per router."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from disagg.api import metrics as m
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+TOKEN_BUCKETS = (1, 8, 32, 128, 512, 2048, 8192, 32768, 131072)
+ROUTING_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.ttft = Histogram(m.ROUTER_TTFT_SECONDS, "Time to first token, as the client sees it.",
+                              ["path"], buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram(m.ROUTER_ITL_SECONDS, "Time between streamed tokens.",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram(m.ROUTER_E2E_SECONDS, "Request duration.", ["path"],
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.input_tokens = Histogram(m.ROUTER_INPUT_TOKENS, "Prompt tokens per request.",
+                                      buckets=TOKEN_BUCKETS, registry=r)
+        self.output_tokens = Histogram(m.ROUTER_OUTPUT_TOKENS, "Generated tokens per request.",
+                                       buckets=TOKEN_BUCKETS, registry=r)
+        self.requests = Counter(m.ROUTER_REQUESTS, "Requests by outcome and path.", ["outcome", "path"],
+                                registry=r)
+        self.fallbacks = Counter(m.ROUTER_FALLBACKS, "Fallbacks taken, by reason.", ["reason"], registry=r)
+        self.decisions = Counter(m.ROUTER_ROUTING_DECISIONS, "Routing decisions.", ["policy", "role", "worker"],
+                                 registry=r)
+        self.routing_seconds = Histogram(m.ROUTER_ROUTING_SECONDS, "Time to pick a worker (no tokenization).",
+                                         ["policy", "role"], buckets=ROUTING_BUCKETS, registry=r)
+        self.prompt_tokens = Counter(m.ROUTER_PROMPT_TOKENS, "Prompt tokens routed.", registry=r)
+        self.cached_prompt_tokens = Counter(m.ROUTER_CACHED_PROMPT_TOKENS,
+                                            "Prompt tokens the chosen prefilling worker already held.",
+                                            registry=r)
+        self.active = Gauge(m.ROUTER_ACTIVE_REQUESTS, "Requests in flight per worker.", ["role", "worker"],
+                            registry=r)
+        self.workers = Gauge(m.ROUTER_WORKERS, "Known workers.", ["role", "state"], registry=r)
+        self.indexed_blocks = Gauge(m.ROUTER_INDEXED_BLOCKS, "Blocks in the prefix index.", ["role"],
+                                    registry=r)
+        self.kv_event_batches = Counter(m.ROUTER_KV_EVENT_BATCHES, "KV event batches applied.", registry=r)

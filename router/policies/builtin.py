@@ -1,0 +1,61 @@
+"""The built-in policies: kv-aware (default), least-loaded, round-robin."""
+
+from __future__ import annotations
+
+from itertools import count
+
+from disagg.api.v1alpha1 import RouterSpec, RoutingPolicy
+
+from . import Candidate, Decision, Request, register
+
+
+def _require(candidates: list[Candidate]) -> None:
+    if not candidates:
+        raise LookupError("no candidate workers")
+
+
+@register(RoutingPolicy.ROUND_ROBIN.value)
+class RoundRobin:
+    def __init__(self, spec: RouterSpec):
+        self._turn = count()
+
+    def choose(self, candidates: list[Candidate], request: Request) -> Decision:
+        _require(candidates)
+        c = sorted(candidates, key=lambda c: c.name)[next(self._turn) % len(candidates)]
+        return Decision(c.name, request.overlap.get(c.name, 0), c.load)
+
+
+@register(RoutingPolicy.LEAST_LOADED.value)
+class LeastLoaded:
+    def __init__(self, spec: RouterSpec):
+        self._turn = count()
+
+    def choose(self, candidates: list[Candidate], request: Request) -> Decision:
+        _require(candidates)
+        low = min(c.load for c in candidates)
+        tied = sorted((c for c in candidates if c.load == low), key=lambda c: c.name)
+        c = tied[next(self._turn) % len(tied)]
+        return Decision(c.name, request.overlap.get(c.name, 0), c.load)
+
+
+@register(RoutingPolicy.KV_AWARE.value)
+class KVAware:
+    """cost = overlap_weight x uncached prompt blocks + load, among workers whose load is within
+    ``max_load_skew x (least load + 1)``; ties go to the less loaded, then in turn."""
+
+    def __init__(self, spec: RouterSpec):
+        self.overlap_weight = spec.overlap_weight
+        self.max_load_skew = spec.max_load_skew
+        self._turn = count()
+
+    def choose(self, candidates: list[Candidate], request: Request) -> Decision:
+        _require(candidates)
+        bound = self.max_load_skew * (min(c.load for c in candidates) + 1)
+        eligible = [c for c in candidates if c.load <= bound]
+        scored = sorted(
+            ((self.overlap_weight * (request.blocks - request.overlap.get(c.name, 0)) + c.load, c.load, c.name)
+             for c in eligible))
+        best_cost, best_load = scored[0][0], scored[0][1]
+        tied = [s for s in scored if s[0] == best_cost and s[1] == best_load]
+        cost, _, name = tied[next(self._turn) % len(tied)]
+        return Decision(name, request.overlap.get(name, 0), cost)

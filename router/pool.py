@@ -1,0 +1,54 @@
+"""The workers the router knows, their loads, and how they are discovered.
+
+Discovery is a static list (local runs, tests) or, in Kubernetes, the
+EndpointSlices of the deployment's prefill and decode Services.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from disagg.api.names import ROLE_DECODE, ROLE_PREFILL
+
+from .config import RouterConfig, WorkerEndpoint
+
+
+@dataclass
+class Worker:
+    name: str           # its base URL: unique, and what metrics label it with
+    role: str
+    url: str
+    kv_events: str | None = None
+    active: int = 0
+    healthy: bool = True
+
+
+@dataclass
+class Pool:
+    workers: dict[str, dict[str, Worker]] = field(
+        default_factory=lambda: {ROLE_PREFILL: {}, ROLE_DECODE: {}})
+
+    @classmethod
+    def static(cls, config: RouterConfig) -> Pool:
+        pool = cls()
+        pool.set(ROLE_PREFILL, config.prefill)
+        pool.set(ROLE_DECODE, config.decode)
+        return pool
+
+    def set(self, role: str, endpoints: list[WorkerEndpoint]) -> tuple[list[Worker], list[Worker]]:
+        """Replace a role's workers, keeping the state of those that stay; returns (added, removed)."""
+        current = self.workers[role]
+        wanted = {e.url.rstrip("/"): e for e in endpoints}
+        removed = [current.pop(name) for name in list(current) if name not in wanted]
+        added = []
+        for name, e in wanted.items():
+            if name not in current:
+                current[name] = Worker(name=name, role=role, url=name, kv_events=e.kv_events)
+                added.append(current[name])
+        return added, removed
+
+    def healthy(self, role: str, exclude: set[str] = frozenset()) -> list[Worker]:
+        return [w for w in self.workers[role].values() if w.healthy and w.name not in exclude]
+
+    def all(self) -> list[Worker]:
+        return [w for role in self.workers.values() for w in role.values()]

@@ -1,0 +1,372 @@
+"""The router's logic: pick workers, run prefill then decode, account for it all.
+
+Routes (:mod:`.app`) hand it validated requests; it returns a JSON body or an
+async iterator of SSE bytes, and raises :mod:`.errors` types for everything a
+client should see as an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import aiohttp
+import zmq.asyncio
+
+from disagg.api import metrics as m
+from disagg.api.names import ROLE_DECODE, ROLE_PREFILL
+from disagg.api.v1alpha1 import Disaggregation
+
+from . import policies
+from .config import RouterConfig
+from .errors import BadRequest, NoWorkers, NotFound, RouterError, UpstreamFailed, UpstreamRejected, sse
+from .events import Subscriber
+from .index import PrefixIndex, block_keys
+from .pool import Pool, Worker
+from .protocol import ChatCompletionRequest, CompletionRequest
+
+log = logging.getLogger("disagg.router")
+_USAGE_ONLY = re.compile(rb'"choices":\s*\[\]')
+REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                 "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+
+@dataclass
+class Plan:
+    decode: Worker
+    prefill: Worker | None
+    prompt_tokens: int
+    cached_tokens: int
+
+
+class _Upstream(Exception):
+    """A worker could not be reached or failed (5xx); the router may try elsewhere."""
+
+
+class Router:
+    def __init__(self, config: RouterConfig, tokenizer, metrics, pool: Pool | None = None, discovery=None):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.pool = pool or Pool.static(config)
+        self.policy = policies.create(config.spec.policy, config.spec)
+        self.index = {ROLE_PREFILL: PrefixIndex(), ROLE_DECODE: PrefixIndex()}
+        self._session: aiohttp.ClientSession | None = None
+        self._zmq: zmq.asyncio.Context | None = None
+        self._subscribers: dict[str, Subscriber] = {}
+        self._health_task: asyncio.Task | None = None
+        self._discovery = discovery
+        self._discovery_task: asyncio.Task | None = None
+
+    # ---------------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        self._session = aiohttp.ClientSession(
+            # keep-alive shorter than the workers' (uvicorn: 5 s), so a pooled connection is
+            # not reused just as the worker closes it
+            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=3),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
+        self._zmq = zmq.asyncio.Context()
+        for role, idx in self.index.items():
+            self._subscribers[role] = Subscriber(self._zmq, idx, self.config.kv_events_topic,
+                                                 self.metrics.kv_event_batches.inc)
+            self.metrics.indexed_blocks.labels(role).set_function(idx.blocks)
+        for w in self.pool.all():
+            self._watch(w)
+        self._health_task = asyncio.create_task(self._check_health())
+        if self._discovery is not None:
+            self._discovery_task = asyncio.create_task(self._discovery.run(self.update_workers))
+
+    def update_workers(self, role: str, endpoints) -> None:
+        """Replace a role's workers (discovery); departed workers leave the prefix index too."""
+        added, removed = self.pool.set(role, endpoints)
+        for w in added:
+            self._watch(w)
+        for w in removed:
+            self._subscribers[role].unwatch(w.name)
+        if added or removed:
+            log.info("%s workers: +%s -%s", role, [w.name for w in added], [w.name for w in removed])
+
+    async def close(self) -> None:
+        for task in (self._health_task, self._discovery_task):
+            if task:
+                task.cancel()
+        for sub in self._subscribers.values():
+            await sub.close()
+        if self._session:
+            await self._session.close()
+        if self._zmq:
+            self._zmq.term()
+
+    def _watch(self, w: Worker) -> None:
+        if w.kv_events:
+            self._subscribers[w.role].watch(w.name, w.kv_events)
+
+    async def _probe(self, w: Worker, timeout: float = 2) -> None:
+        try:
+            async with self._session.get(f"{w.url}/health", timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+                w.healthy = r.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            w.healthy = False
+
+    async def _check_health(self) -> None:
+        while True:
+            await asyncio.gather(*(self._probe(w) for w in self.pool.all()))
+            for role in self.index:
+                ws = self.pool.workers[role].values()
+                self.metrics.workers.labels(role, "healthy").set(sum(w.healthy for w in ws))
+                self.metrics.workers.labels(role, "unhealthy").set(sum(not w.healthy for w in ws))
+            await asyncio.sleep(self.config.health_interval_s)
+
+    # ---------------------------------------------------------------- routing
+    def _pick(self, role: str, keys: list[int], exclude: set[str] = frozenset()) -> tuple[Worker, int]:
+        workers = self.pool.healthy(role, exclude)
+        if not workers:
+            raise NoWorkers(f"no healthy {role} workers are available")
+        t0 = time.perf_counter()
+        overlap = self.index[role].match(keys) if self.config.spec.policy == "kv-aware" else {}
+        d = self.policy.choose([policies.Candidate(w.name, w.active) for w in workers],
+                               policies.Request(blocks=len(keys), overlap=overlap))
+        self.metrics.routing_seconds.labels(self.config.spec.policy, role).observe(time.perf_counter() - t0)
+        self.metrics.decisions.labels(self.config.spec.policy, role, d.worker).inc()
+        return self.pool.workers[role][d.worker], d.overlap_blocks
+
+    def plan(self, token_ids: list[int], exclude: set[str] = frozenset()) -> Plan:
+        keys = block_keys(token_ids, self.config.block_size)
+        bs = self.config.block_size
+        decode, decode_overlap = self._pick(ROLE_DECODE, keys, exclude)
+        mode = self.config.spec.disaggregation
+        prefills = self.pool.healthy(ROLE_PREFILL)
+        remote = bool(prefills) and mode != Disaggregation.NEVER
+        if remote and mode == Disaggregation.CONDITIONAL:
+            uncached = len(token_ids) - decode_overlap * bs
+            saturated = min(w.active for w in prefills) >= self.config.max_prefill_active
+            remote = uncached >= self.config.spec.local_prefill_threshold_tokens and not saturated
+        if not remote:
+            return Plan(decode, None, len(token_ids), min(decode_overlap * bs, len(token_ids)))
+        prefill, overlap = self._pick(ROLE_PREFILL, keys)
+        return Plan(decode, prefill, len(token_ids), min(overlap * bs, len(token_ids)))
+
+    # ---------------------------------------------------------------- requests
+    def validate(self, req: CompletionRequest | ChatCompletionRequest) -> list[int]:
+        if req.model != self.config.model:
+            raise NotFound(f"The model `{req.model}` does not exist; this router serves `{self.config.model}`.",
+                           param="model")
+        ids = self.tokenizer.prompt_ids(req)
+        limit = self.config.max_model_len
+        if len(ids) >= limit:
+            raise BadRequest(f"The prompt has {len(ids)} tokens; this model's context is {limit} tokens.",
+                             param="messages" if isinstance(req, ChatCompletionRequest) else "prompt")
+        if req.output_limit is not None and len(ids) + req.output_limit > limit:
+            raise BadRequest(f"max_tokens ({req.output_limit}) plus the prompt's {len(ids)} tokens exceed "
+                             f"this model's context of {limit} tokens.", param="max_tokens")
+        return ids
+
+    async def handle(self, endpoint: str, req: CompletionRequest | ChatCompletionRequest, body: dict):
+        """Non-streaming: the final JSON. Streaming: an async iterator of SSE bytes."""
+        start = time.monotonic()
+        try:
+            ids = self.validate(req)
+        except RouterError:
+            self.metrics.requests.labels(m.OUTCOME_CLIENT_ERROR, "none").inc()
+            raise
+        self.metrics.input_tokens.observe(len(ids))
+        try:
+            plan = self.plan(ids)
+        except NoWorkers:
+            # none looked healthy at the last check: ask the unhealthy ones again, once, before a 503
+            await asyncio.gather(*(self._probe(w, 1) for w in self.pool.all() if not w.healthy))
+            try:
+                plan = self.plan(ids)
+            except NoWorkers:
+                self.metrics.requests.labels(m.OUTCOME_NO_WORKERS, "none").inc()
+                raise
+        path, kv_params = await self._prefill(endpoint, plan, body)
+        self.metrics.prompt_tokens.inc(plan.prompt_tokens)
+        self.metrics.cached_prompt_tokens.inc(plan.cached_tokens)
+        decode_body = dict(body)
+        if kv_params is not None:
+            decode_body["kv_transfer_params"] = kv_params
+        if req.stream:
+            return await self._stream(endpoint, plan, decode_body, path, start, ids)
+        return await self._unary(endpoint, plan, decode_body, path, start, ids)
+
+    async def _prefill(self, endpoint: str, plan: Plan, body: dict) -> tuple[str, dict | None]:
+        if plan.prefill is None:
+            return m.PATH_LOCAL_PREFILL, None
+        pbody = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "max_completion_tokens")}
+        pbody.update(max_tokens=1, stream=False, kv_transfer_params=REMOTE_DECODE)
+        w = plan.prefill
+        self._account(w, +1)
+        try:
+            data = await self._post(w, endpoint, pbody, timeout=self.config.prefill_timeout_s)
+            params = data.get("kv_transfer_params")
+            if not params:
+                raise _Upstream(f"prefill worker {w.name} returned no kv_transfer_params")
+            return m.PATH_REMOTE_PREFILL, params
+        except TimeoutError:
+            reason = m.FALLBACK_PREFILL_TIMEOUT
+            log.warning("prefill on %s timed out; decode prefills locally", w.name)
+        except _Upstream as e:
+            reason = m.FALLBACK_PREFILL_ERROR
+            log.warning("prefill on %s failed (%s); decode prefills locally", w.name, e)
+        finally:
+            self._account(w, -1)
+        self.metrics.fallbacks.labels(reason).inc()
+        return m.PATH_FALLBACK, None
+
+    async def _post(self, w: Worker, endpoint: str, body: dict, timeout: float | None) -> dict:
+        try:
+            async with self._session.post(f"{w.url}{endpoint}", json=body,
+                                          timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+                if 400 <= r.status < 500:
+                    raise await _rejected(r)
+                if r.status != 200:
+                    raise _Upstream(f"HTTP {r.status}: {(await r.text())[:200]}")
+                return await r.json()
+        except aiohttp.ClientError as e:
+            if isinstance(e, TimeoutError):
+                raise TimeoutError(str(e)) from e
+            if isinstance(e, aiohttp.ClientConnectorError):   # nothing listens there: out until /health says so
+                w.healthy = False
+            raise _Upstream(str(e) or type(e).__name__) from e
+
+    def _account(self, w: Worker, delta: int) -> None:
+        w.active += delta
+        self.metrics.active.labels(w.role, w.name).set(w.active)
+
+    async def _unary(self, endpoint, plan, body, path, start, ids) -> dict:
+        tried: list[str] = []
+        w = plan.decode
+        while True:
+            cur = w
+            self._account(cur, +1)
+            try:
+                data = await self._post(cur, endpoint, body, timeout=None)
+                break
+            except _Upstream as e:
+                w = self._next_decode(cur, e, ids, tried, path)
+            finally:
+                self._account(cur, -1)
+        data.pop("kv_transfer_params", None)
+        elapsed = time.monotonic() - start
+        self.metrics.ttft.labels(path).observe(elapsed)
+        self.metrics.e2e.labels(path).observe(elapsed)
+        usage = data.get("usage") or {}
+        self.metrics.output_tokens.observe(usage.get("completion_tokens", 0))
+        self.metrics.requests.labels(m.OUTCOME_SUCCESS, path).inc()
+        return data
+
+    def _next_decode(self, failed: Worker, err: Exception, ids: list[int], tried: list[str], path: str) -> Worker:
+        """Another decode worker after one failed before any output, or a clean error. A worker that
+        refused connections is marked unhealthy; one that still looks healthy (say, a pooled
+        connection closed under us) may be tried again when there is no other."""
+        tried.append(failed.name)
+        log.warning("decode on %s failed before any output: %s", failed.name, err)
+        nxt = None
+        if len(tried) < self.config.decode_attempts:
+            keys = block_keys(ids, self.config.block_size)
+            for exclude in (set(tried), set()):
+                try:
+                    nxt = self._pick(ROLE_DECODE, keys, exclude)[0]
+                    break
+                except NoWorkers:
+                    continue
+        if nxt is None:
+            self.metrics.requests.labels(m.OUTCOME_UPSTREAM_ERROR, path).inc()
+            raise UpstreamFailed(f"the decode worker failed: {err}")
+        self.metrics.fallbacks.labels(m.FALLBACK_DECODE_RETRY).inc()
+        return nxt
+
+    async def _open_stream(self, w: Worker, endpoint: str, body: dict) -> aiohttp.ClientResponse:
+        try:
+            r = await self._session.post(f"{w.url}{endpoint}", json=body)
+        except aiohttp.ClientError as e:
+            if isinstance(e, aiohttp.ClientConnectorError):   # nothing listens there: out until /health says so
+                w.healthy = False
+            raise _Upstream(str(e) or type(e).__name__) from e
+        if r.status == 200:
+            return r
+        try:
+            if 400 <= r.status < 500:
+                raise await _rejected(r)
+            raise _Upstream(f"HTTP {r.status}: {(await r.text())[:200]}")
+        finally:
+            r.release()
+
+    async def _stream(self, endpoint, plan, body, path, start, ids) -> AsyncIterator[bytes]:
+        """Opens the decode stream (another worker if one fails before output), then relays events."""
+        opts = body.get("stream_options") or {}
+        client_wants_usage = bool(opts.get("include_usage"))
+        body = dict(body, stream_options={**opts, "include_usage": True})
+        tried: list[str] = []
+        w = plan.decode
+        while True:
+            self._account(w, +1)
+            try:
+                resp = await self._open_stream(w, endpoint, body)
+                break
+            except _Upstream as e:
+                self._account(w, -1)
+                w = self._next_decode(w, e, ids, tried, path)
+            except BaseException:
+                self._account(w, -1)
+                raise
+        return self._relay(resp, w, path, start, client_wants_usage)
+
+    async def _relay(self, resp, w: Worker, path: str, start: float, client_wants_usage: bool):
+        first = last = None
+        output_tokens = 0
+        outcome = m.OUTCOME_UPSTREAM_ERROR
+        event = b""
+        try:
+            async for line in resp.content:
+                event += line
+                if line not in (b"\n", b"\r\n"):
+                    continue
+                chunk, event = event, b""
+                if not chunk.startswith(b"data: "):
+                    continue
+                if chunk.startswith(b"data: [DONE]"):
+                    outcome = m.OUTCOME_SUCCESS
+                    yield chunk
+                    break
+                if _USAGE_ONLY.search(chunk):          # the usage-only chunk
+                    usage = json.loads(chunk[6:]).get("usage") or {}
+                    output_tokens = usage.get("completion_tokens", output_tokens)
+                    if client_wants_usage:
+                        yield chunk
+                    continue
+                now = time.monotonic()
+                if first is None:
+                    first = now
+                    self.metrics.ttft.labels(path).observe(now - start)
+                else:
+                    self.metrics.itl.observe(now - last)
+                last = now
+                yield chunk
+            else:
+                yield sse(UpstreamFailed(f"the decode worker {w.name} ended the stream early"))
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            yield sse(UpstreamFailed(f"the decode worker {w.name} failed mid-stream: {e}"))
+        finally:
+            resp.release()
+            self._account(w, -1)
+            self.metrics.requests.labels(outcome, path).inc()
+            if outcome == m.OUTCOME_SUCCESS:
+                self.metrics.e2e.labels(path).observe(time.monotonic() - start)
+                self.metrics.output_tokens.observe(output_tokens)
+
+
+async def _rejected(r: aiohttp.ClientResponse) -> UpstreamRejected:
+    """A worker's 4xx, passed on with its own message."""
+    try:
+        err = (await r.json(content_type=None)).get("error") or {}
+    except (ValueError, aiohttp.ClientError):
+        err = {}
+    return UpstreamRejected(r.status, err.get("message") or f"the worker refused the request (HTTP {r.status})",
+                            param=err.get("param"), type_=err.get("type"))

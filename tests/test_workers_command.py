@@ -1,0 +1,85 @@
+"""The worker entrypoint's settings -> vLLM command line, without running vLLM."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from pydantic import ValidationError
+
+from disagg.workers.command import build
+from disagg.workers.settings import WorkerSettings
+
+
+def _flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+@pytest.mark.parametrize("role,kv_role", [("prefill", "kv_producer"), ("decode", "kv_consumer")])
+def test_role_sets_nixl_connector_side_channel_and_kv_events(role, kv_role):
+    s = WorkerSettings(role=role, model="/m", served_model_name="tiny", port=8100, advertise_host="10.1.2.3",
+                       nixl_port=5611, kv_events_port=5571, kv_buffer_device="cpu", cpu=True, cpu_cores="1")
+    cmd = build(s, python="/env/bin/python")
+    assert cmd.argv[:4] == ["/env/bin/python", "-P", "-m", "vllm.entrypoints.openai.api_server"]
+    kv = json.loads(_flag(cmd.argv, "--kv-transfer-config"))
+    assert kv["kv_connector"] == "NixlConnector" and kv["kv_role"] == kv_role
+    assert kv["kv_buffer_device"] == "cpu"
+    events = json.loads(_flag(cmd.argv, "--kv-events-config"))
+    assert events["enable_kv_cache_events"] and events["endpoint"] == "tcp://*:5571"
+    assert cmd.env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "10.1.2.3"
+    assert cmd.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5611"
+    assert cmd.env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    assert "tcp" in cmd.env["UCX_TLS"].split(",")
+    assert {"--enforce-eager", "--enable-prefix-caching"} <= set(cmd.argv)
+    assert _flag(cmd.argv, "--dtype") == "float32" and _flag(cmd.argv, "--served-model-name") == "tiny"
+
+
+def test_cpu_offload_tier_combines_nixl_and_offloading_connectors():
+    cmd = build(WorkerSettings(role="decode", model="/m", offload_cpu_gib=2))
+    kv = json.loads(_flag(cmd.argv, "--kv-transfer-config"))
+    assert kv["kv_connector"] == "MultiConnector"
+    inner = kv["kv_connector_extra_config"]["connectors"]
+    assert [c["kv_connector"] for c in inner] == ["NixlConnector", "OffloadingConnector"]
+    assert inner[1]["kv_connector_extra_config"]["cpu_bytes_to_use"] == 2 * 2**30
+
+
+def test_settings_round_trip_through_the_environment_and_engine_args_go_last():
+    s = WorkerSettings(role="prefill", model="/m", engine_args=["--max-num-seqs", "4"], cpu=True,
+                       drain_seconds=7)
+    assert WorkerSettings.from_env(s.to_env()) == s
+    argv = build(s).argv
+    assert argv[-2:] == ["--max-num-seqs", "4"] and _flag(argv, "--shutdown-timeout") == "7"
+
+
+def test_bad_settings_name_the_field():
+    with pytest.raises(ValidationError, match="role"):
+        WorkerSettings.from_env({"DISAGG_ROLE": "router", "DISAGG_MODEL": "/m"})
+    with pytest.raises(ValidationError, match="nixl_port"):
+        WorkerSettings.from_env({"DISAGG_ROLE": "decode", "DISAGG_MODEL": "/m", "DISAGG_NIXL_PORT": "0"})
+
+
+def test_entrypoint_prints_the_command():
+    out = subprocess.run([sys.executable, "-m", "disagg.workers", "command", "--role", "decode", "--model", "/m"],
+                         capture_output=True, text=True, check=True)
+    assert "kv_consumer" in json.loads(out.stdout)["argv"]
+
+
+def test_operator_flags_and_engine_args_after_the_separator():
+    """The flags the operator renders into worker pods (operator/render.py worker_args)."""
+    env = {"POD_IP": "10.9.8.7", "PATH": "/usr/bin:/bin"}
+    out = subprocess.run(
+        [sys.executable, "-m", "disagg.workers", "command", "--role", "prefill", "--model", "hf://org/m",
+         "--served-model-name", "m", "--tensor-parallel-size", "2", "--port", "8000",
+         "--kv-connector", "NixlConnector", "--kv-buffer-device", "cuda", "--nixl-backends", "UCX,GDS",
+         "--nixl-side-channel-port", "5600", "--kv-events-port", "5557", "--kv-offload-cpu-gib", "0",
+         "--kv-offload-disk-gib", "0", "--", "--max-num-seqs", "8"],
+        capture_output=True, text=True, check=True, env=env)
+    cmd = json.loads(out.stdout)
+    argv = cmd["argv"]
+    assert "--model org/m" in argv and "--served-model-name m" in argv
+    assert argv.endswith("--tensor-parallel-size 2 --max-num-seqs 8")
+    assert '"backends":["UCX","GDS"]' in argv and "tcp://*:5557" in argv
+    assert cmd["env"]["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "10.9.8.7"
+    assert cmd["env"]["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5600"

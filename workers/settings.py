@@ -1,0 +1,74 @@
+"""A worker's settings: what the operator (or `disagg serve --local`) tells one
+prefill or decode pod, read from ``DISAGG_*`` environment variables or flags.
+
+The mapping to vLLM's own flags and environment lives in :mod:`.command`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from disagg.api.names import ROLE_DECODE, ROLE_PREFILL
+
+Role = Literal["prefill", "decode"]
+assert {ROLE_PREFILL, ROLE_DECODE} == {"prefill", "decode"}
+
+
+class WorkerSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Role = Field(description="prefill produces KV for others to pull; decode pulls it (or prefills locally).")
+    model: str = Field(min_length=1, description="Local path of the model (weights, config, tokenizer).")
+    served_model_name: str | None = Field(None, description="Name clients send as `model` (default: the path).")
+    host: str = Field("0.0.0.0", description="Address vLLM's HTTP server binds.")
+    port: int = Field(8000, ge=1, le=65535, description="vLLM's HTTP port (OpenAI API, /health, /metrics).")
+    advertise_host: str = Field("127.0.0.1", description="This pod's address as peers reach it (the pod IP): "
+                                                         "the NIXL side channel and the KV event endpoint.")
+    nixl_port: int = Field(5600, ge=1, le=65535, description="NIXL side-channel port (distinct per instance).")
+    kv_events_port: int = Field(5557, ge=1, le=65535, description="ZMQ PUB port of vLLM's KV events.")
+    kv_transfer: bool = Field(True, description="NIXL KV transfer on; off for an aggregated server "
+                                                "(disaggregation: never, or a reference in tests).")
+    kv_buffer_device: Literal["cuda", "cpu"] = Field("cuda", description="Where KV is staged for NIXL transfer.")
+    nixl_backends: list[str] = Field(default_factory=lambda: ["UCX"], min_length=1)
+    ucx_tls: str | None = Field(None, description="UCX transports (UCX_TLS); on CPU it must include tcp.")
+    kv_lease_seconds: int = Field(30, ge=1, description="How long a prefill keeps KV that nobody pulled.")
+    cpu: bool = Field(False, description="vLLM's CPU build: float32, eager mode, explicit OpenMP binding.")
+    cpu_cores: str | None = Field(None, description="Cores this instance's OpenMP threads bind to, e.g. '0' or "
+                                                    "'2-3' (VLLM_CPU_OMP_THREADS_BIND); distinct per instance.")
+    max_model_len: int | None = Field(None, ge=16)
+    kv_cache_bytes: int | None = Field(None, ge=1, description="KV cache size (--kv-cache-memory-bytes).")
+    block_size: int | None = Field(None, ge=1, description="KV block size in tokens (the router hashes the same).")
+    offload_cpu_gib: float = Field(0, ge=0, description="spec.kvCache.offload.cpuGiB: vLLM's offloading "
+                                                        "connector next to NIXL (MultiConnector).")
+    drain_seconds: int = Field(30, ge=0, description="On SIGTERM, how long in-flight requests may finish.")
+    engine_args: list[str] = Field(default_factory=list, description="Extra vLLM arguments, in order.")
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None, **overrides) -> WorkerSettings:
+        """Settings from ``DISAGG_<FIELD>`` variables (lists and booleans as JSON), then ``overrides``."""
+        environ = os.environ if environ is None else environ
+        values: dict = {}
+        for name, field in cls.model_fields.items():
+            raw = environ.get(f"DISAGG_{name.upper()}")
+            if raw is None:
+                continue
+            if name in ("engine_args", "nixl_backends"):
+                values[name] = json.loads(raw)
+            elif name in ("cpu", "kv_transfer"):
+                values[name] = raw.lower() in ("1", "true", "yes")
+            else:
+                values[name] = raw
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls.model_validate(values)
+
+    def to_env(self) -> dict[str, str]:
+        """The inverse of :meth:`from_env` (what the operator puts in a pod spec)."""
+        out = {}
+        for name, value in self.model_dump(exclude_none=True).items():
+            out[f"DISAGG_{name.upper()}"] = (json.dumps(value) if isinstance(value, (list, bool))
+                                             else str(value))
+        return out
