@@ -5,6 +5,10 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, TypeVar
 
+from kubernetes import client
+
+from disagg.api.names import LABEL_DEPLOYMENT, LABEL_ROLE
+
 T = TypeVar("T")
 
 
@@ -47,3 +51,44 @@ def dd_manifest(name: str = "demo", **spec: Any) -> dict[str, Any]:
         base[key] = {**base.get(key, {}), **value} if isinstance(value, dict) else value
     return {"apiVersion": "serving.disagg.dev/v1alpha1", "kind": "DisaggDeployment",
             "metadata": {"name": name}, "spec": base}
+
+
+GROUP, VERSION, PLURAL = "serving.disagg.dev", "v1alpha1", "disaggdeployments"
+
+
+class DD:
+    """Small client for one DisaggDeployment in a test namespace."""
+
+    def __init__(self, api_client, namespace, manifest):
+        self.custom = client.CustomObjectsApi(api_client)
+        self.core = client.CoreV1Api(api_client)
+        self.apps = client.AppsV1Api(api_client)
+        self.ns, self.name = namespace, manifest["metadata"]["name"]
+        self.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, manifest)
+
+    def get(self):
+        return self.custom.get_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, self.name)
+
+    def status(self):
+        return self.get().get("status") or {}
+
+    def condition(self, ctype):
+        return next((c for c in self.status().get("conditions", []) if c["type"] == ctype), None)
+
+    def patch_spec(self, spec):
+        self.custom.patch_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, self.name, {"spec": spec})
+
+    def pods(self, role=None):
+        sel = f"{LABEL_DEPLOYMENT}={self.name}" + (f",{LABEL_ROLE}={role}" if role else "")
+        return [p for p in self.core.list_namespaced_pod(self.ns, label_selector=sel).items
+                if not p.metadata.deletion_timestamp]
+
+    def wait_phase(self, phase, timeout=90):
+        return wait_for(lambda: self.status().get("phase") == phase and self.status(), timeout,
+                        f"{self.name} phase {phase} (status: {self.status()})")
+
+    def wait_condition(self, ctype, status, reason=None, timeout=90):
+        def check():
+            c = self.condition(ctype)
+            return c if c and c["status"] == status and (reason is None or c["reason"] == reason) else None
+        return wait_for(check, timeout, f"{ctype}={status} {reason or ''} on {self.name} (status: {self.status()})")

@@ -140,6 +140,9 @@ async def status_loop(name: str, namespace: str, body: kopf.Body, memo: kopf.Mem
                     return  # deleted
                 log.warning("status refresh of %s/%s failed: %s", namespace, name, e.reason)
                 settled, events = False, []
+            except Exception:  # a transient fault must not stop status reporting for this deployment
+                log.exception("status refresh of %s/%s failed", namespace, name)
+                settled, events = False, []
             for etype, reason, message in events:
                 kopf.event(body, type=etype, reason=reason, message=message)
             if await _woken(trigger, stopped, timeout=60 if settled else 5):

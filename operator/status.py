@@ -127,7 +127,7 @@ def compute(dd: DisaggDeployment, generation: int, previous: dict[str, Any] | No
         short = [f"{r} {roles[r]['ready']}/{roles[r]['desired']} ready" for r in ROLES
                  if roles[r]["ready"] < roles[r]["desired"]]
         was_ready = prev_conds.get(ConditionType.READY, {}).get("status") == "True"
-        if was_ready and short and bound_ok:
+        if was_ready and short:  # it served, and lost replicas since (a node gone, pods evicted)
             deg = (True, "ReplicasUnavailable", ", ".join(short))
         else:
             deg = (False, "AsExpected", "no faults observed")

@@ -176,7 +176,7 @@ class LocalCluster:
     def _stop(self, component: str, pid: int, bin_hint: str) -> None:
         if not _alive(pid) or bin_hint not in _cmdline(pid):
             return  # gone, or the pid now belongs to someone else
-        for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+        for sig, wait in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 30.0)):
             try:
                 os.killpg(pid, sig)
             except ProcessLookupError:

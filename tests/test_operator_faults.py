@@ -1,0 +1,106 @@
+"""The operator under faults: killed and restarted, a node of the gang lost, the API
+server restarted. Each test runs its own operator (under the least-privilege role)."""
+
+from __future__ import annotations
+
+import time
+
+from kubernetes import client
+
+from disagg.e2e.localcluster import nodepools
+from disagg.e2e.operator_fixture import running_operator
+from disagg.e2e.testing import DD, dd_manifest, wait_for
+
+
+def _children(api_client, namespace):
+    """(kind, name) -> resourceVersion of everything in the namespace the operator writes."""
+    apps, core = client.AppsV1Api(api_client), client.CoreV1Api(api_client)
+    custom = client.CustomObjectsApi(api_client)
+    out = {}
+    for d in apps.list_namespaced_deployment(namespace).items:
+        out[("Deployment", d.metadata.name)] = d.metadata.resource_version
+    for s in core.list_namespaced_service(namespace).items:
+        out[("Service", s.metadata.name)] = s.metadata.resource_version
+    for group, version, plural in (("scheduling.k8s.io", "v1beta1", "podgroups"),
+                                   ("scheduling.k8s.io", "v1beta1", "workloads"),
+                                   ("scheduling.k8s.io", "v1alpha3", "compositepodgroups"),
+                                   ("serving.disagg.dev", "v1alpha1", "disaggdeployments")):
+        for obj in custom.list_namespaced_custom_object(group, version, namespace, plural)["items"]:
+            out[(plural, obj["metadata"]["name"])] = obj["metadata"]["resourceVersion"]
+    return out
+
+
+def test_killed_mid_reconcile_converges_and_a_second_reconcile_writes_nothing(
+        api_client, namespace, operator_kubeconfig):
+    apps = client.AppsV1Api(api_client)
+    with running_operator(operator_kubeconfig):
+        dd = DD(api_client, namespace, dd_manifest("crash", decode={"replicas": 2}))
+        # stop it as soon as the first children exist, before it can finish
+        wait_for(lambda: apps.list_namespaced_deployment(namespace).items
+                 or client.CustomObjectsApi(api_client).list_namespaced_custom_object(
+                     "scheduling.k8s.io", "v1beta1", namespace, "podgroups")["items"], 60, "first children")
+    with running_operator(operator_kubeconfig):
+        dd.wait_phase("Ready")
+        before = _children(api_client, namespace)
+        rs = client.AppsV1Api(api_client).list_namespaced_replica_set(namespace).items
+        assert len(rs) == 3, "one ReplicaSet per Deployment: no duplicate rollout"
+        assert sorted(k for k in before if k[0] == "Deployment") == [
+            ("Deployment", "crash-decode"), ("Deployment", "crash-prefill"), ("Deployment", "crash-router")]
+    # a fresh operator resumes every deployment and reconciles it again: nothing may be written
+    with running_operator(operator_kubeconfig):
+        time.sleep(8)
+        assert _children(api_client, namespace) == before
+
+
+def test_losing_a_node_of_the_gang_degrades_then_recovers(api_client, namespace, operator_kubeconfig):
+    """Decode pinned to two dedicated 8-GPU nodes; one node is deleted: the pod garbage
+    collector removes its pod, the replacement cannot fit -> Degraded; a new node -> Ready."""
+    core = client.CoreV1Api(api_client)
+    pool = f"pool-{namespace[-6:]}"
+
+    def node(i):
+        n = nodepools.nodes(nodepools.PoolFile.model_validate({"pools": [{"name": "spare", "gpus": 8}]}))[0]
+        name = f"{pool}-{i}"
+        n["metadata"]["name"] = name
+        n["metadata"]["labels"] |= {"kubernetes.io/hostname": name, "test.disagg.dev/pool": pool}
+        return n
+
+    for i in (0, 1):
+        core.create_node(node(i))
+    try:
+        with running_operator(operator_kubeconfig):
+            dd = DD(api_client, namespace, dd_manifest(
+                "lose", decode={"replicas": 2, "tensorParallelSize": 8,
+                                "nodeSelector": {"test.disagg.dev/pool": pool}},
+                scheduling={"gang": {"minPrefill": 1, "minDecode": 2}}))
+            dd.wait_phase("Ready")
+            core.delete_node(f"{pool}-0")
+            try:
+                cond = dd.wait_condition("Degraded", "True", "ReplicasUnavailable", timeout=150)
+            except AssertionError as e:
+                pods = [(p.metadata.name, p.spec.node_name, p.status.phase) for p in dd.pods()]
+                raise AssertionError(f"{e}\npods: {pods}\nnodes: "
+                                     f"{[n.metadata.name for n in core.list_node().items if pool in n.metadata.name]}")
+            assert "decode 1/2 ready" in cond["message"]
+            assert dd.status()["phase"] == "Degraded"
+            core.create_node(node(2))
+            dd.wait_phase("Ready", timeout=120)
+            assert dd.condition("Degraded")["status"] == "False"
+    finally:
+        for i in (0, 1, 2):
+            try:
+                core.delete_node(f"{pool}-{i}")
+            except client.exceptions.ApiException:
+                pass
+
+
+def test_operator_recovers_from_an_api_server_restart(cluster, api_client, namespace, operator_kubeconfig):
+    with running_operator(operator_kubeconfig):
+        dd = DD(api_client, namespace, dd_manifest("restart"))
+        dd.wait_phase("Ready")
+        cluster.stop_component("kube-apiserver")
+        time.sleep(3)
+        cluster.start_component("kube-apiserver")
+        dd.patch_spec({"decode": {"replicas": 2}})
+        wait_for(lambda: dd.status().get("decode", {}).get("summary") == "2/2" and dd.status()["phase"] == "Ready",
+                 120, "the operator to act after the API server came back")
