@@ -55,6 +55,15 @@ def _simulate(args: argparse.Namespace) -> int:
     return simulate.run_cli(args, REPO)
 
 
+def _serve(args: argparse.Namespace) -> int:
+    if not args.local:
+        print("only `disagg serve --local` is available; in Kubernetes, apply a DisaggDeployment", file=sys.stderr)
+        return 2
+    from disagg.workers.local import serve_local
+
+    return serve_local(port=args.port, model=args.model, once=args.once)
+
+
 def _profile(args: argparse.Namespace) -> int:
     from disagg.planner import profile
 
@@ -89,6 +98,13 @@ def main(argv: list[str] | None = None) -> int:
     from disagg.planner.profile import add_arguments as _profile_arguments
     _profile_arguments(p)
     p.set_defaults(func=_profile)
+
+    p = sub.add_parser("serve", help="prefill + decode workers and the router on this machine (--local)")
+    p.add_argument("--local", action="store_true", help="run everything as local processes (CPU, tiny model)")
+    p.add_argument("--port", type=int, default=8080, help="the router's port")
+    p.add_argument("--model", help="model directory (default: the generated tiny model)")
+    p.add_argument("--once", action="store_true", help="exit after the first answer")
+    p.set_defaults(func=_serve)
 
     args = parser.parse_args(argv)
     return args.func(args)

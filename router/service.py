@@ -87,7 +87,10 @@ class Router:
         for w in added:
             self._watch(w)
         for w in removed:
-            self._subscribers[role].unwatch(w.name)
+            if role in self._subscribers:
+                self._subscribers[role].unwatch(w.name)
+            else:
+                self.index[role].cleared(w.name)
         if added or removed:
             log.info("%s workers: +%s -%s", role, [w.name for w in added], [w.name for w in removed])
 
@@ -103,7 +106,7 @@ class Router:
             self._zmq.term()
 
     def _watch(self, w: Worker) -> None:
-        if w.kv_events:
+        if w.kv_events and w.role in self._subscribers:   # subscribers exist once started
             self._subscribers[w.role].watch(w.name, w.kv_events)
 
     async def _probe(self, w: Worker, timeout: float = 2) -> None:

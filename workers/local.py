@@ -18,6 +18,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from disagg.api.metrics import VLLM_NIXL_BYTES_TRANSFERRED
+
 from .command import build
 from .settings import WorkerSettings
 
@@ -161,7 +163,10 @@ def serve_local(port: int = 8080, model: str | None = None, once: bool = False, 
             p.wait_ready()
         url = procs[2].url
         print(f"router: {url}/v1 (model 'tiny')", file=out, flush=True)
-        body = {"model": "tiny", "messages": [{"role": "user", "content": "Hello from disagg!"}],
+        # long enough for full KV blocks: NIXL moves whole blocks; a prompt shorter than one block is
+        # recomputed on decode and nothing moves
+        question = "Hello from disagg! Tell me how a prefill hands its KV cache to a decode worker. " * 3
+        body = {"model": "tiny", "messages": [{"role": "user", "content": question}],
                 "max_tokens": 32, "temperature": 0, "stream": True}
         req = urllib.request.Request(f"{url}/v1/chat/completions", data=_json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
@@ -177,7 +182,7 @@ def serve_local(port: int = 8080, model: str | None = None, once: bool = False, 
                 chunks += 1
                 text.append(event["choices"][0]["delta"].get("content") or "")
         end = time.monotonic()
-        moved = wait_metric(procs[1].url, "vllm:nixl_bytes_transferred_sum", 1, timeout=20)
+        moved = wait_metric(procs[1].url, VLLM_NIXL_BYTES_TRANSFERRED + "_sum", 1, timeout=30)
         print(f"answer: {''.join(text)!r}", file=out)
         print(f"TTFT: {(first - start) * 1000:.1f} ms   tokens/s: {(chunks - 1) / max(end - first, 1e-9):.1f}   "
               f"NIXL moved: {int(moved)} bytes", file=out, flush=True)
