@@ -96,10 +96,10 @@ class PrefixIndex:
             holders = self._holders.get(key)
             if not holders:
                 break
-            gone = live - holders
-            for worker in gone:
-                overlap[worker] = depth
-            if gone:
+            if not live <= holders:          # someone's prefix ends here (checked without allocating)
+                gone = live - holders
+                for worker in gone:
+                    overlap[worker] = depth
                 live -= gone
                 if not live:
                     break

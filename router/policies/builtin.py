@@ -51,11 +51,16 @@ class KVAware:
     def choose(self, candidates: list[Candidate], request: Request) -> Decision:
         _require(candidates)
         bound = self.max_load_skew * (min(c.load for c in candidates) + 1)
-        eligible = [c for c in candidates if c.load <= bound]
-        scored = sorted(
-            ((self.overlap_weight * (request.blocks - request.overlap.get(c.name, 0)) + c.load, c.load, c.name)
-             for c in eligible))
-        best_cost, best_load = scored[0][0], scored[0][1]
-        tied = [s for s in scored if s[0] == best_cost and s[1] == best_load]
-        cost, _, name = tied[next(self._turn) % len(tied)]
-        return Decision(name, request.overlap.get(name, 0), cost)
+        weight, blocks, overlap = self.overlap_weight, request.blocks, request.overlap
+        best: tuple[float, float] | None = None
+        tied: list[str] = []
+        for c in candidates:                 # one pass: this runs for every request
+            if c.load > bound:
+                continue
+            key = (weight * (blocks - overlap.get(c.name, 0)) + c.load, c.load)
+            if best is None or key < best:
+                best, tied = key, [c.name]
+            elif key == best:
+                tied.append(c.name)
+        name = tied[next(self._turn) % len(tied)]
+        return Decision(name, overlap.get(name, 0), best[0])
