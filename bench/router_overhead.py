@@ -1,0 +1,81 @@
+"""Router overhead: TTFT and streaming tokens/s through the router vs straight to the same vLLM server.
+
+One vLLM worker (CPU build, the tiny model, no NIXL) and the router in front of it (disaggregation
+never, so both paths run the same engine work). Requests alternate direct / routed, so drift hits
+both alike. Reported: TTFT p50 of each and the added TTFT, and routed tokens/s as a ratio of direct.
+On a 2-core machine the router, the client and vLLM (whose OpenMP threads spin) share the cores;
+read the figures with that.
+
+    .venv/bin/python bench/router_overhead.py [--requests 40] [--tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from disagg.workers.envpath import worker_python
+from disagg.workers.local import cpu_settings, free_port, router, worker
+from disagg.workers.tinymodel import ensure
+
+
+def stream(url: str, prompt: str, tokens: int) -> tuple[float, float]:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    start = time.perf_counter()
+    first, n = None, 0
+    with urllib.request.urlopen(req, timeout=120) as r:
+        for line in r:
+            if line.startswith(b"data: {"):
+                first = first or time.perf_counter()
+                n += 1
+    end = time.perf_counter()
+    return first - start, (n - 1) / (end - first)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=40)
+    ap.add_argument("--tokens", type=int, default=64)
+    args = ap.parse_args()
+    python = worker_python()
+    model = str(ensure(python))
+    logs = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
+    w = worker("vllm", cpu_settings("decode", model, "0-1", kv_transfer=False), python, logs)
+    port = free_port()
+    (logs / "router.json").write_text(json.dumps({
+        "model": "tiny", "tokenizer": model, "block_size": 32, "max_model_len": 1024, "port": port,
+        "host": "127.0.0.1", "spec": {"disaggregation": "never"}, "decode": [{"url": w.url}]}))
+    r = router(logs / "router.json", port, logs)
+    w.start(), r.start()
+    try:
+        w.wait_ready(), r.wait_ready()
+        for url in (w.url, r.url):           # warm both paths
+            stream(url, "warm up", 8)
+        direct, routed = [], []
+        for i in range(args.requests):
+            prompt = f"request {i}: the parser returns the value of"
+            direct.append(stream(w.url, prompt + " (d)", args.tokens))
+            routed.append(stream(r.url, prompt + " (r)", args.tokens))
+        d_ttft = statistics.median(t for t, _ in direct)
+        r_ttft = statistics.median(t for t, _ in routed)
+        d_rate = statistics.median(x for _, x in direct)
+        r_rate = statistics.median(x for _, x in routed)
+        print(f"{args.requests} requests each path, {args.tokens} tokens each")
+        print(f"TTFT p50: direct {d_ttft * 1000:.2f} ms, routed {r_ttft * 1000:.2f} ms, "
+              f"added {(r_ttft - d_ttft) * 1000:.2f} ms (ratio {r_ttft / d_ttft:.3f})")
+        print(f"stream tokens/s p50: direct {d_rate:.1f}, routed {r_rate:.1f}, ratio {r_rate / d_rate:.3f}")
+    finally:
+        r.stop()
+        w.stop()
+
+
+if __name__ == "__main__":
+    main()
