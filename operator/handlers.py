@@ -13,10 +13,11 @@ import kopf
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
-from disagg.api.names import GROUP, LABEL_DEPLOYMENT, LABEL_MANAGED_BY, LABEL_ROLE, MANAGED_BY
+from disagg.api.names import GROUP, LABEL_DEPLOYMENT, LABEL_GANG, LABEL_MANAGED_BY, LABEL_ROLE, MANAGED_BY
 from disagg.api.v1alpha1 import GPU_RESOURCE, PLURAL, VERSION, DisaggDeployment
 
 from . import capacity, children, render
+from . import gang as gangs
 from . import status as statuses
 
 log = logging.getLogger("disagg.operator")
@@ -101,7 +102,7 @@ def pods_by_deployment(namespace: str, name: str, labels: kopf.Labels, spec: kop
                             phase=status.get("phase", "Pending"), waiting_reason=waiting,
                             terminating=bool(meta.get("deletionTimestamp")),
                             template_hash=labels.get("pod-template-hash"),
-                            created=meta.get("creationTimestamp", ""))
+                            created=meta.get("creationTimestamp", ""), gang=labels.get(LABEL_GANG))
     return {(namespace, labels[LABEL_DEPLOYMENT]): view}
 
 
@@ -187,6 +188,12 @@ def refresh(clients: children.Clients, namespace: str, name: str, pods: list[sta
                                                              {"status": status})
     settled = status["phase"] == "Ready" and all(
         c["status"] == "False" for c in status["conditions"] if c["type"] in ("Progressing", "Degraded"))
+    current = gangs.render(name, dd.spec)
+    if settled and current.objects and not any(p.gang and p.gang != current.name for p in pods):
+        # a rollout onto a new gang has finished: delete the old gang's objects
+        keep = {o["metadata"]["name"] for o in current.objects}
+        for gone in children.prune_gangs(clients, namespace, name, keep, current.name):
+            events.append(("Normal", "GangObjectDeleted", f"deleted {gone}: no pod of it remains"))
     return settled, events
 
 

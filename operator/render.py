@@ -110,6 +110,13 @@ def _affinity(dd: DisaggDeployment, gang_name: str, role_spec: RoleSpec) -> dict
         {"weight": 100, "podAffinityTerm": term}]}}
 
 
+def _gang_min(dd: DisaggDeployment, role: str) -> int:
+    if dd.spec.scheduling.gang.backend == GangBackend.NONE:
+        return 0
+    gang = dd.spec.scheduling.gang
+    return gang.min_prefill if role == ROLE_PREFILL else gang.min_decode
+
+
 def worker_deployment(dd: DisaggDeployment, uid: str, role: str, gang: gangs.Gang) -> dict[str, Any]:
     role_spec: RoleSpec = getattr(dd.spec, role)
     name = names(dd.metadata.name)[role]
@@ -165,7 +172,10 @@ def worker_deployment(dd: DisaggDeployment, uid: str, role: str, gang: gangs.Gan
             "replicas": role_spec.replicas,
             "selector": {"matchLabels": selector(dd.metadata.name, role)},
             # Surge, never unavailability: a rollout never leaves zero ready workers of a role.
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            # The surge covers the role's gang minimum, so a new gang (after a topology or
+            # minimum change) can be placed while the old pods keep serving.
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {
+                "maxSurge": max(1, _gang_min(dd, role)), "maxUnavailable": 0}},
             "template": {"metadata": template_meta, "spec": pod_spec},
         },
     }

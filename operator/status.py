@@ -33,6 +33,7 @@ class PodView:
     terminating: bool = False
     template_hash: str | None = None
     created: str = ""
+    gang: str | None = None
 
 
 @dataclass

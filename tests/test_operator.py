@@ -220,3 +220,34 @@ def test_longest_allowed_name_gives_valid_children(api_client, namespace, operat
     dd.wait_phase("Ready")
     names = [d.metadata.name for d in dd.apps.list_namespaced_deployment(namespace).items]
     assert all(len(n) <= 63 for n in names) and f"{name}-prefill" in names
+
+
+def test_changing_the_topology_key_on_a_live_deployment(api_client, namespace, operator):
+    """Gang constraints are immutable in the API; changing the key makes a new gang, the
+    workers roll onto it without losing service, and the old gang objects are deleted."""
+    dd = DD(api_client, namespace, dd_manifest(
+        "retopo", prefill={"replicas": 1}, decode={"replicas": 2},
+        scheduling={"gang": {"minPrefill": 1, "minDecode": 2},
+                    "topology": {"key": nodepools.CLIQUE_LABEL, "mode": "required"}}))
+    dd.wait_phase("Ready")
+    custom = client.CustomObjectsApi(api_client)
+
+    def groups():
+        return sorted(g["metadata"]["name"] for g in custom.list_namespaced_custom_object(
+            "scheduling.k8s.io", "v1beta1", namespace, "podgroups")["items"])
+    old = groups()
+    dd.patch_spec({"scheduling": {"topology": {"key": nodepools.RACK_LABEL, "mode": "required"}}})
+
+    def converged():
+        pods = dd.pods("prefill") + dd.pods("decode")
+        gangs = {p.metadata.labels.get("serving.disagg.dev/gang") for p in pods}
+        return (len(pods) == 3 and len(gangs) == 1 and groups() and not set(groups()) & set(old)
+                and dd.status().get("phase") == "Ready" and gangs)
+    gang = wait_for(converged, 120, "workers on the new gang and old gang objects deleted")
+    composite = custom.list_namespaced_custom_object("scheduling.k8s.io", "v1alpha3", namespace,
+                                                     "compositepodgroups")["items"]
+    assert [c["spec"]["schedulingConstraints"]["topology"][0]["key"] for c in composite] == [nodepools.RACK_LABEL]
+    pods = dd.pods("prefill") + dd.pods("decode")
+    racks = {client.CoreV1Api(api_client).read_node(p.spec.node_name).metadata.labels[nodepools.RACK_LABEL]
+             for p in pods}
+    assert len(racks) == 1, f"gang {gang} spread over racks {racks}"
