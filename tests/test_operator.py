@@ -251,3 +251,39 @@ def test_changing_the_topology_key_on_a_live_deployment(api_client, namespace, o
     racks = {client.CoreV1Api(api_client).read_node(p.spec.node_name).metadata.labels[nodepools.RACK_LABEL]
              for p in pods}
     assert len(racks) == 1, f"gang {gang} spread over racks {racks}"
+
+
+@pytest.fixture(scope="module")
+def other_gang_crds(cluster):
+    """CRDs of the coscheduling and Volcano PodGroups (their schedulers do not run here)."""
+    from pathlib import Path
+
+    crds = Path(__file__).resolve().parent.parent / "e2e" / "crds"
+    cluster.kubectl("apply", "--server-side", "-f", str(crds))
+    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
+                    "crd/podgroups.scheduling.x-k8s.io", "crd/podgroups.scheduling.volcano.sh")
+
+
+@pytest.mark.parametrize("backend", ["coscheduling", "volcano"])
+def test_other_gang_backends_render_valid_objects(api_client, namespace, operator, other_gang_crds, backend):
+    dd = DD(api_client, namespace, dd_manifest(f"gang-{backend}", decode={"replicas": 2},
+                                               scheduling={"gang": {"backend": backend, "minPrefill": 1,
+                                                                    "minDecode": 2}}))
+    custom = client.CustomObjectsApi(api_client)
+    group, version = {"coscheduling": ("scheduling.x-k8s.io", "v1alpha1"),
+                      "volcano": ("scheduling.volcano.sh", "v1beta1")}[backend]
+    items = wait_for(lambda: custom.list_namespaced_custom_object(group, version, namespace, "podgroups")["items"],
+                     60, f"{backend} PodGroups accepted by the API server")
+    pods = wait_for(lambda: len(dd.pods("decode")) == 2 and dd.pods("prefill") + dd.pods("decode"), 60, "pods")
+    if backend == "volcano":
+        assert [(i["spec"]["minMember"], i["spec"]["minTaskMember"]) for i in items] == [(3, {"prefill": 1,
+                                                                                             "decode": 2})]
+        assert {p.spec.scheduler_name for p in pods} == {"volcano"}
+        assert {p.metadata.annotations["volcano.sh/task-spec"] for p in pods} == {"prefill", "decode"}
+    else:
+        assert sorted(i["spec"]["minMember"] for i in items) == [1, 2]
+        assert {p.metadata.labels["scheduling.x-k8s.io/pod-group"] for p in pods} == {
+            i["metadata"]["name"] for i in items}
+    # nobody runs that scheduler here: the pods wait, and the status says the gang is not placed
+    assert all(p.spec.node_name is None for p in pods)
+    dd.wait_condition("GangScheduled", "False")
