@@ -1,0 +1,111 @@
+"""The operator's desired state, without a cluster: gang objects per backend, topology,
+rollout strategy, names, and the contract with the worker and router entrypoints."""
+
+import pytest
+
+from disagg.api.v1alpha1 import DisaggDeployment
+from disagg.e2e.testing import dd_manifest
+from disagg.operator import gang as gangs
+from disagg.operator import render
+
+
+def _dd(name="demo", **spec):
+    manifest = dd_manifest(name, **spec)
+    manifest["metadata"]["namespace"] = "ns"
+    return DisaggDeployment.model_validate(manifest)
+
+
+def _by_kind(objs):
+    out = {}
+    for o in objs:
+        out.setdefault(o["kind"], []).append(o)
+    return out
+
+
+def test_workload_api_gang_is_per_role_through_a_composite():
+    dd = _dd(prefill={"replicas": 3}, decode={"replicas": 4},
+             scheduling={"gang": {"minPrefill": 2, "minDecode": 3},
+                         "topology": {"key": "nvidia.com/gpu.clique", "mode": "required"}})
+    g = gangs.render("demo", dd.spec)
+    kinds = _by_kind(g.objects)
+    (composite,) = kinds["CompositePodGroup"]
+    assert composite["spec"]["schedulingPolicy"]["gang"]["minGroupCount"] == 2
+    assert composite["spec"]["schedulingConstraints"] == {"topology": [{"key": "nvidia.com/gpu.clique"}]}
+    mins = {pg["spec"]["workloadRef"]["templateName"]: pg["spec"]["schedulingPolicy"]["gang"]["minCount"]
+            for pg in kinds["PodGroup"]}
+    assert mins == {"prefill": 2, "decode": 3}
+    assert all(pg["spec"]["parentCompositePodGroupName"] == composite["metadata"]["name"] for pg in kinds["PodGroup"])
+    assert g.pod_fields["decode"]["spec"]["schedulingGroup"]["podGroupName"] == g.group_names["decode"]
+
+
+def test_a_role_with_no_minimum_stays_out_of_the_gang():
+    g = gangs.render("demo", _dd(scheduling={"gang": {"minPrefill": 0, "minDecode": 1}}).spec)
+    kinds = _by_kind(g.objects)
+    assert "CompositePodGroup" not in kinds and [pg["spec"]["workloadRef"]["templateName"]
+                                                 for pg in kinds["PodGroup"]] == ["decode"]
+    assert "schedulingGroup" not in g.pod_fields["prefill"]["spec"]
+
+
+def test_gang_names_change_with_what_they_encode():
+    a = gangs.render("demo", _dd(scheduling={"topology": {"key": "nvidia.com/gpu.clique"}}).spec)
+    b = gangs.render("demo", _dd(scheduling={"topology": {"key": "topology.kubernetes.io/zone"}}).spec)
+    assert a.name != b.name and a.name == gangs.render(
+        "demo", _dd(scheduling={"topology": {"key": "nvidia.com/gpu.clique"}}).spec).name
+
+
+@pytest.mark.parametrize("backend,mode,expect", [
+    ("workload-api", "required", None),
+    ("workload-api", "preferred", "preferredDuringSchedulingIgnoredDuringExecution"),
+    ("volcano", "required", "requiredDuringSchedulingIgnoredDuringExecution"),
+])
+def test_topology_uses_the_scheduler_constraint_or_pod_affinity(backend, mode, expect):
+    dd = _dd(scheduling={"gang": {"backend": backend, "minPrefill": 1, "minDecode": 1},
+                         "topology": {"key": "topology.disagg.dev/rack", "mode": mode}})
+    objs, _ = render.children(dd, "uid")
+    dep = next(o for o in objs if o["kind"] == "Deployment" and o["metadata"]["name"] == "demo-decode")
+    affinity = dep["spec"]["template"]["spec"].get("affinity")
+    if expect is None:
+        assert affinity is None
+    else:
+        (term,) = [t.get("podAffinityTerm", t) for t in affinity["podAffinity"][expect]]
+        assert term["topologyKey"] == "topology.disagg.dev/rack"
+
+
+def test_rollout_surges_at_least_the_gang_minimum_and_never_goes_unavailable():
+    dd = _dd(decode={"replicas": 4}, scheduling={"gang": {"minPrefill": 1, "minDecode": 3}})
+    objs, _ = render.children(dd, "uid")
+    strategy = {o["metadata"]["name"]: o["spec"]["strategy"]["rollingUpdate"] for o in objs if o["kind"] == "Deployment"}
+    assert strategy["demo-decode"] == {"maxSurge": 3, "maxUnavailable": 0}
+    assert strategy["demo-prefill"] == {"maxSurge": 1, "maxUnavailable": 0}
+
+
+def test_every_child_is_owned_labelled_and_hashed():
+    objs, _ = render.children(_dd(), "the-uid")
+    for o in objs:
+        assert o["metadata"]["ownerReferences"][0]["uid"] == "the-uid"
+        assert o["metadata"]["labels"]["serving.disagg.dev/deployment"] == "demo"
+        assert render.HASH_ANNOTATION in o["metadata"]["annotations"]
+        assert len(o["metadata"]["name"]) <= 63
+
+
+def test_worker_args_are_what_the_worker_entrypoint_accepts():
+    from disagg.workers.__main__ import _parser, settings_from
+
+    dd = _dd(engine={"args": ["--max-model-len", "4096"]}, decode={"replicas": 1, "tensorParallelSize": 2})
+    for role in ("prefill", "decode"):
+        args = render.worker_args(dd, role)
+        split = args.index("--")
+        parsed = _parser().parse_args(args[:split])
+        settings = settings_from(parsed, args[split + 1:])
+        assert settings.role == role and settings.port == render.HTTP_PORT
+        assert "--max-model-len" in settings.engine_args
+
+
+def test_router_args_are_what_the_router_entrypoint_accepts():
+    from disagg.router.__main__ import _parser, config_from
+
+    dd = _dd(router={"policy": "least-loaded", "overlapWeight": 2.5})
+    dep = render.router_deployment(dd, "uid")
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    config = config_from(_parser().parse_args(args))
+    assert config.model == "tiny" and str(config.spec.policy) == "least-loaded"
