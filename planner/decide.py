@@ -115,6 +115,7 @@ class Target:
     interval: float = 30.0
     cooldown: float = 300.0
     startup: float = 90.0              # seconds from asking for a replica to it serving (model load)
+    season: int = 0                    # intervals in the traffic's cycle (holt-winters); 0: none
     predictor: str = "moving-average"
     ready: bool = True
     rolling: bool = False
@@ -133,8 +134,9 @@ class Target:
             prefill_max=spec.prefill.max_replicas or MAX_REPLICAS,
             decode_max=spec.decode.max_replicas or MAX_REPLICAS,
             gpu_budget=spec.planner.gpu_budget, interval=spec.planner.interval_seconds,
-            cooldown=spec.planner.scale_down_cooldown_seconds, predictor=spec.planner.predictor,
-            ready=ready, rolling=rolling)
+            cooldown=spec.planner.scale_down_cooldown_seconds, startup=spec.planner.replica_startup_seconds,
+            season=(spec.planner.season_seconds or 0) // spec.planner.interval_seconds,
+            predictor=spec.planner.predictor, ready=ready, rolling=rolling)
 
     @property
     def floor_prefill(self) -> int:
@@ -172,11 +174,11 @@ class Memory:
     last_scale_up_prefill: float | None = None
     last_scale_up_decode: float | None = None
 
-    def remember(self, obs: Observation) -> Memory:
+    def remember(self, obs: Observation, keep: int = HISTORY) -> Memory:
         def push(series: tuple[float, ...], value: float | None) -> tuple[float, ...]:
             if value is None or not math.isfinite(value):
                 return series
-            return (series + (float(value),))[-HISTORY:]
+            return (series + (float(value),))[-keep:]
 
         return replace(self, rate=push(self.rate, obs.request_rate),
                        input_mean=push(self.input_mean, obs.input_tokens_mean),
@@ -376,13 +378,14 @@ def decide(obs: Observation, target: Target, memory: Memory, model: PerfModel | 
     corr = memory.correction
     planning = RoleModels.of(model).corrected(corr.prefill, corr.decode)
     memory = _correct(obs, target, memory, model, ttft_obs, itl_obs)
-    memory = memory.remember(obs)
+    season = season_intervals or target.season
+    memory = memory.remember(obs, max(HISTORY, 2 * season + 2))
 
     # predicted load; never below what was just observed (scale up fast)
     last_rate = obs.request_rate
     # over the time a new replica takes to start, and the interval after (what a decision now can serve)
     horizon = math.ceil(target.startup / target.interval) + 1
-    rate = max(_predict(target.predictor, memory.rate, season_intervals, horizon), last_rate)
+    rate = max(_predict(target.predictor, memory.rate, season, horizon), last_rate)
     in_mean = max(memory.input_mean[-1] if memory.input_mean else 0.0, 1.0)
     in_p = max(memory.input_p[-1] if memory.input_p else in_mean, in_mean)
     out_mean = max(memory.output_mean[-1] if memory.output_mean else 0.0, 1.0)

@@ -167,11 +167,30 @@ def test_target_from_the_api_spec():
         "decode": {"replicas": 3, "minReplicas": 2},
         "scheduling": {"gang": {"minPrefill": 1, "minDecode": 1}},
         "slo": {"ttftMs": 500, "itlMs": 40, "percentile": 99},
-        "planner": {"enabled": True, "gpuBudget": 16, "scaleDownCooldownSeconds": 120, "predictor": "holt-winters"}})
+        "planner": {"enabled": True, "gpuBudget": 16, "scaleDownCooldownSeconds": 120, "predictor": "holt-winters",
+                    "replicaStartupSeconds": 120, "seasonSeconds": 86400}})
     t = dc.Target.from_spec(spec)
     assert (t.prefill, t.decode, t.prefill_tp, t.decode_tp) == (2, 3, 2, 1)
     assert (t.floor_prefill, t.floor_decode, t.prefill_max, t.gpu_budget) == (1, 2, 6, 16)
     assert (t.ttft_target, t.itl_target, t.percentile, t.cooldown, t.predictor) == (0.5, 0.04, 99, 120, "holt-winters")
+    assert (t.startup, t.season) == (120, 86400 // 30)
+    default = dc.Target.from_spec(api.DisaggDeploymentSpec.model_validate({
+        "model": {"name": "m", "source": "hf://x/y"}, "slo": {"ttftMs": 500, "itlMs": 40}}))
+    assert (default.startup, default.season) == (90, 0)
+
+
+def test_a_season_from_the_spec_lets_the_planner_see_a_burst_coming():
+    """Four quiet intervals then a burst, every eight: after one cycle, the seasonal planner is ready
+    for the burst before it arrives; the trend-only one is not."""
+    cycle = [1.0] * 4 + [30.0] * 4
+    history = cycle * 2 + [1.0] * 3  # the next burst starts in one or two intervals
+    sized = {}
+    for season in (0, 8):
+        t = target(prefill=1, decode=1, predictor="holt-winters", season=season, interval=30, startup=30)
+        mem = dc.Memory(rate=tuple(history[:-1]))
+        d, _ = dc.decide(obs(rate=history[-1]), t, mem, MODEL, now=0)
+        sized[season] = d.prefill.replicas + d.decode.replicas
+    assert sized[8] > sized[0]
 
 
 # ---------------------------------------------------------------- properties

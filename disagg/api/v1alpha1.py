@@ -313,6 +313,13 @@ class PlannerSpec(_Model):
     scale_down_cooldown_seconds: int = Field(300, ge=0, le=86400,
                                              description="Seconds after a scale-up before any scale-down.")
     profile_ref: ProfileRef | None = Field(None, description="Measured performance profile to plan with.")
+    replica_startup_seconds: int = Field(90, ge=0, le=3600,
+                                         description="Seconds a new replica takes to serve (scheduling, image, "
+                                                     "model load); the planner sizes for the load over this "
+                                                     "horizon and for the backlog that builds meanwhile.")
+    season_seconds: int | None = Field(None, ge=60, le=604_800,
+                                       description="Period of the traffic's cycle (for example 86400 for daily) "
+                                                   "for the holt-winters predictor; unset: level and trend only.")
 
 
 class OffloadSpec(_Model):
