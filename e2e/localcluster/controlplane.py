@@ -91,8 +91,11 @@ class Endpoint:
 
 
 class LocalCluster:
-    def __init__(self, name: str = "default", state_dir: Path | None = None):
+    def __init__(self, name: str = "default", state_dir: Path | None = None, audit_writes: bool = False):
+        """`audit_writes`: log every write request (create/update/patch/delete) to <state>/audit.log,
+        so benchmarks can count what a client writes."""
         self.name = name
+        self.audit_writes = audit_writes
         self.dir = Path(state_dir) if state_dir else cache_root() / "clusters" / name
         self.pki = PKI(self.dir / "pki")
         self.logs = self.dir / "logs"
@@ -261,8 +264,24 @@ class LocalCluster:
             "--authorization-mode=Node,RBAC", "--allow-privileged=true",
             f"--feature-gates={FEATURE_GATES}", f"--runtime-config={RUNTIME_CONFIG}",
             "--enable-priority-and-fairness=false", "--v=1",
+            *self._audit_flags(),
         ])
         self._wait("kube-apiserver /readyz", lambda: self._readyz(p["apiserver"]), timeout, "kube-apiserver")
+
+    @property
+    def audit_log(self) -> Path:
+        return self.dir / "audit.log"
+
+    def _audit_flags(self) -> list[str]:
+        if not self.audit_writes:
+            return []
+        policy = self.dir / "audit-policy.yaml"
+        policy.write_text(
+            "apiVersion: audit.k8s.io/v1\nkind: Policy\nomitStages: [RequestReceived]\nrules:\n"
+            "  - level: Metadata\n    verbs: [create, update, patch, delete, deletecollection]\n"
+            "  - level: None\n")
+        return [f"--audit-policy-file={policy}", f"--audit-log-path={self.audit_log}", "--audit-log-format=json",
+                "--audit-log-maxsize=0"]
 
     def _start_kube_controller_manager(self, state: dict[str, Any], bins: Path, timeout: float) -> None:
         p, pki = state["ports"], self.pki.dir
