@@ -13,6 +13,7 @@ Mooncake trace (12k-token prompts on average). The planner and the reactive auto
 size fit for the first minute's traffic; static-peak is sized with the same performance model for the
 busiest 30 s of the trace. The planner uses Holt-Winters on the periodic traces (season = the burst
 cycle; diurnal's period is the whole hour, so there it is Holt's trend), moving average elsewhere.
+step-slow replays step on simulated hardware 1.5x slower than the data sheet all three plan with.
 
     .venv/bin/python bench/planner_compare.py [--out DIR] [--quick]
 """
@@ -44,6 +45,8 @@ def scenarios(quick: bool) -> list[tuple[str, traces.Trace, sm.SimConfig, int]]:
         ("diurnal", traces.synthetic("diurnal", duration=hour, rate=12.0), replace(syn, predictor="holt-winters"), 0),
         ("bursty", traces.synthetic("bursty", duration=hour, rate=12.0), replace(syn, predictor="holt-winters"),
          int(bursty_cycle // syn.interval)),
+        # the same step, on hardware 1.5x slower than its data sheet: only online correction notices
+        ("step-slow", traces.synthetic("step", duration=hour, rate=12.0), replace(syn, reality=1.5), 0),
     ]
     return out
 
