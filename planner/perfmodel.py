@@ -365,7 +365,7 @@ class OnlineCorrection:
     def _update(self, current: float, observed: float, predicted: float) -> float:
         if not (observed > 0 and predicted > 0 and math.isfinite(observed) and math.isfinite(predicted)):
             return current
-        ratio = observed / predicted * current  # predicted was made with `current` applied
+        ratio = min(max(observed / predicted * current, self.lo), self.hi)  # predicted had `current` applied
         log = (1 - self.alpha) * math.log(current) + self.alpha * math.log(ratio)
         return min(max(math.exp(log), self.lo), self.hi)
 

@@ -154,4 +154,10 @@ def test_online_correction_converges_and_is_clamped():
     # missing or absurd observations do not move it; one wild sample is clamped
     assert corr.observe(None, 1.0, math.nan, 1.0) == corr
     wild = pm.OnlineCorrection(alpha=1.0).observe(1e9, 1e-9, 1e-12, 1.0)
-    assert wild.prefill == wild.hi and wild.decode == wild.lo
+    assert wild.prefill == pytest.approx(wild.hi) and wild.decode == pytest.approx(wild.lo)
+
+
+def test_online_correction_survives_denormal_and_huge_samples():
+    corr = pm.OnlineCorrection()
+    assert corr.observe(5e-324, 2.0, 1e308, 1e-308).prefill >= corr.lo
+    assert corr.observe(5e-324, 2.0, 1e308, 1e-308).decode <= corr.hi
