@@ -10,8 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kubernetes import client, config
-from kubernetes.dynamic import DynamicClient
-from kubernetes.dynamic.exceptions import NotFoundError, ResourceNotFoundError
+from kubernetes.client.exceptions import ApiException
 
 from disagg.api.names import LABEL_DEPLOYMENT, LABEL_GANG
 
@@ -19,6 +18,17 @@ from . import gang as gangs
 from .render import HASH_ANNOTATION
 
 FIELD_MANAGER = "disagg-operator"
+APPLY = "application/apply-patch+yaml"
+# Every kind the operator writes, with its plural: a fixed table instead of API
+# discovery, whose cache goes stale when CRDs (say, Volcano's) appear later.
+PLURALS = {
+    ("v1", "Service"): "services", ("v1", "ServiceAccount"): "serviceaccounts",
+    ("apps/v1", "Deployment"): "deployments",
+    ("rbac.authorization.k8s.io/v1", "Role"): "roles", ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
+    (gangs.WORKLOAD_API, "Workload"): "workloads", (gangs.WORKLOAD_API, "PodGroup"): "podgroups",
+    (gangs.COMPOSITE_API, "CompositePodGroup"): "compositepodgroups",
+    (gangs.COSCHEDULING_API, "PodGroup"): "podgroups", (gangs.VOLCANO_API, "PodGroup"): "podgroups",
+}
 GANG_KINDS = [(gangs.WORKLOAD_API, "PodGroup"), (gangs.COMPOSITE_API, "CompositePodGroup"),
               (gangs.WORKLOAD_API, "Workload"), (gangs.COSCHEDULING_API, "PodGroup"),
               (gangs.VOLCANO_API, "PodGroup")]
@@ -31,7 +41,6 @@ class ChildConflict(Exception):
 @dataclass
 class Clients:
     api: client.ApiClient
-    dyn: DynamicClient
     core: client.CoreV1Api
     custom: client.CustomObjectsApi
 
@@ -42,31 +51,67 @@ class Clients:
             api = client.ApiClient()
         except config.ConfigException:
             api = config.new_client_from_config(config_file=os.environ.get("KUBECONFIG"))
-        return cls(api=api, dyn=DynamicClient(api), core=client.CoreV1Api(api), custom=client.CustomObjectsApi(api))
+        return cls(api=api, core=client.CoreV1Api(api), custom=client.CustomObjectsApi(api))
 
-    def resource(self, api_version: str, kind: str):
-        return self.dyn.resources.get(api_version=api_version, kind=kind)
+    # Uniform get/apply/list/delete over the kinds in PLURALS (core kinds through CoreV1Api).
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            if api_version == "v1":
+                read = getattr(self.core, f"read_namespaced_{_snake(kind)}")
+                return self.api.sanitize_for_serialization(read(name, namespace))
+            group, version = api_version.split("/")
+            return self.custom.get_namespaced_custom_object(group, version, namespace, PLURALS[(api_version, kind)],
+                                                            name)
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def apply(self, manifest: dict[str, Any]) -> None:
+        api_version, kind, meta = manifest["apiVersion"], manifest["kind"], manifest["metadata"]
+        opts = {"field_manager": FIELD_MANAGER, "force": True, "_content_type": APPLY}
+        if api_version == "v1":
+            patch = getattr(self.core, f"patch_namespaced_{_snake(kind)}")
+            patch(meta["name"], meta["namespace"], manifest, **opts)
+            return
+        group, version = api_version.split("/")
+        self.custom.patch_namespaced_custom_object(group, version, meta["namespace"], PLURALS[(api_version, kind)],
+                                                   meta["name"], manifest, **opts)
+
+    def list(self, api_version: str, kind: str, namespace: str, selector: str) -> list[dict[str, Any]] | None:
+        """Objects of that kind matching the selector; None when the API is not installed."""
+        group, version = api_version.split("/")
+        try:
+            return self.custom.list_namespaced_custom_object(group, version, namespace, PLURALS[(api_version, kind)],
+                                                             label_selector=selector)["items"]
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
+        group, version = api_version.split("/")
+        self.custom.delete_namespaced_custom_object(group, version, namespace, PLURALS[(api_version, kind)], name)
+
+
+def _snake(kind: str) -> str:
+    return "".join(f"_{c.lower()}" if c.isupper() else c for c in kind).lstrip("_")
 
 
 def apply(clients: Clients, manifests: list[dict[str, Any]], owner_uid: str) -> int:
     """Apply each manifest unless the live object already has its hash. Returns the number of writes."""
     writes = 0
     for m in manifests:
-        res = clients.resource(m["apiVersion"], m["kind"])
         meta = m["metadata"]
-        try:
-            live = res.get(name=meta["name"], namespace=meta.get("namespace"))
-        except NotFoundError:
-            live = None
+        live = clients.get(m["apiVersion"], m["kind"], meta["namespace"], meta["name"])
         if live is not None:
-            owners = [o for o in (live.metadata.ownerReferences or []) if o.get("controller")]
+            owners = [o for o in live["metadata"].get("ownerReferences") or [] if o.get("controller")]
             if owners and owners[0]["uid"] != owner_uid:
                 raise ChildConflict(f"{m['kind']} {meta['name']} is controlled by {owners[0]['kind']} "
                                     f"{owners[0]['name']}, not by this DisaggDeployment")
-            if (live.metadata.annotations or {}).get(HASH_ANNOTATION) == meta["annotations"][HASH_ANNOTATION]:
+            if (live["metadata"].get("annotations") or {}).get(HASH_ANNOTATION) == meta["annotations"][HASH_ANNOTATION]:
                 continue
-        res.server_side_apply(body=m, name=meta["name"], namespace=meta.get("namespace"),
-                              field_manager=FIELD_MANAGER, force_conflicts=True)
+        clients.apply(m)
         writes += 1
     return writes
 
@@ -79,12 +124,8 @@ def prune_gangs(clients: Clients, namespace: str, dd_name: str, keep: set[str], 
         return []
     deleted = []
     for api_version, kind in GANG_KINDS:
-        try:
-            res = clients.resource(api_version, kind)
-        except ResourceNotFoundError:
-            continue  # that scheduler's API is not installed
-        for obj in res.get(namespace=namespace, label_selector=f"{LABEL_DEPLOYMENT}={dd_name}").items:
-            if obj.metadata.name not in keep:
-                res.delete(name=obj.metadata.name, namespace=namespace)
-                deleted.append(f"{kind}/{obj.metadata.name}")
+        for obj in clients.list(api_version, kind, namespace, f"{LABEL_DEPLOYMENT}={dd_name}") or []:
+            if obj["metadata"]["name"] not in keep:
+                clients.delete(api_version, kind, namespace, obj["metadata"]["name"])
+                deleted.append(f"{kind}/{obj['metadata']['name']}")
     return deleted

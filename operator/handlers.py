@@ -21,6 +21,8 @@ from . import gang as gangs
 from . import status as statuses
 
 log = logging.getLogger("disagg.operator")
+# A gang unplaced for this long gets its capacity explained (free GPUs per domain).
+CAPACITY_AFTER_SECONDS = 5
 
 
 @kopf.on.login()
@@ -37,6 +39,7 @@ def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     settings.watching.server_timeout = 300
     memo.clients = children.Clients.create()
     memo.triggers = {}
+    memo.applied = {}  # (namespace, name) -> (last applied generation, error applying the next one)
 
 
 def _parse(body: kopf.Body) -> DisaggDeployment:
@@ -59,11 +62,19 @@ def reconcile(body: kopf.Body, uid: str, name: str, namespace: str, memo: kopf.M
         _wake(memo, namespace, name)
         raise kopf.TemporaryError(f"Secret {dd.spec.model.secret_ref.name} not found", delay=5)
     manifests, gang = render.children(dd, uid)
+    generation = body["metadata"].get("generation", 0)
     try:
         writes = children.apply(clients, manifests, uid)
     except children.ChildConflict as e:
+        memo.applied[(namespace, name)] = (generation - 1, str(e))
         kopf.warn(body, reason="ChildConflict", message=str(e))
+        _wake(memo, namespace, name)
         raise kopf.TemporaryError(str(e), delay=30) from e
+    except ApiException as e:
+        memo.applied[(namespace, name)] = (generation - 1, f"{e.status} {e.reason}")
+        _wake(memo, namespace, name)
+        raise
+    memo.applied[(namespace, name)] = (generation, None)
     if writes:
         kopf.info(body, reason="Applied", message=f"applied {writes} of {len(manifests)} child objects "
                                                  f"(gang {gang.name or 'none'})")
@@ -135,7 +146,8 @@ async def status_loop(name: str, namespace: str, body: kopf.Body, memo: kopf.Mem
             pods = list(pods_by_deployment.get(key, []))
             deps = list(deployments_by_deployment.get(key, []))
             try:
-                settled, events = await asyncio.to_thread(refresh, memo.clients, namespace, name, pods, deps)
+                applied = memo.applied.get(key)
+                settled, events = await asyncio.to_thread(refresh, memo.clients, namespace, name, pods, deps, applied)
             except ApiException as e:
                 if e.status == 404:
                     return  # deleted
@@ -166,7 +178,8 @@ async def _woken(trigger: asyncio.Event, stopped: kopf.DaemonStopped, timeout: f
 
 
 def refresh(clients: children.Clients, namespace: str, name: str, pods: list[statuses.PodView],
-            deps: list[tuple[str, statuses.DeploymentView]]) -> tuple[bool, list[tuple[str, str, str]]]:
+            deps: list[tuple[str, statuses.DeploymentView]],
+            applied: tuple[int, str | None] | None = None) -> tuple[bool, list[tuple[str, str, str]]]:
     """Recompute and (if changed) write status. Returns (settled, events)."""
     obj = clients.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
     try:
@@ -174,12 +187,17 @@ def refresh(clients: children.Clients, namespace: str, name: str, pods: list[sta
     except ValidationError:
         return True, []
     obs = statuses.Observed(pods=pods, deployments={role: view for role, view in deps})
+    if applied:
+        obs.applied_generation, obs.apply_error = applied
     if dd.spec.model.secret_ref and _secret_missing(clients, namespace, dd.spec.model.secret_ref.name):
         obs.blocked = ("SecretNotFound", f"spec.model.secretRef: Secret {dd.spec.model.secret_ref.name!r} not "
                                          f"found in namespace {namespace}; workers are not started until it exists")
     gang = dd.spec.scheduling.gang
     bound = {r: sum(1 for p in pods if p.role == r and p.node and not p.terminating) for r in ("prefill", "decode")}
-    if bound["prefill"] < gang.min_prefill or bound["decode"] < gang.min_decode:
+    waiting_since = statuses.gang_pending_since(obs, dd)
+    if (bound["prefill"] < gang.min_prefill or bound["decode"] < gang.min_decode) and waiting_since \
+            and statuses.age_seconds(waiting_since) >= CAPACITY_AFTER_SECONDS:
+        # Only for a gang that has waited a while: listing every node and pod is not free at fleet scale.
         obs.gang_fits, obs.gang_message = _capacity(clients, dd)
     previous = obj.get("status") or {}
     status, events = statuses.compute(dd, obj["metadata"]["generation"], previous, obs, render.endpoint(dd))

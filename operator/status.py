@@ -53,6 +53,8 @@ class Observed:
     gang_message: str | None = None     # why the gang waits (capacity or scheduler message)
     gang_fits: bool | None = None       # capacity verdict, when computed
     blocked: tuple[str, str] | None = None  # (reason, message) that stops the rollout, e.g. SecretNotFound
+    applied_generation: int | None = None   # last generation whose children were applied (None: unknown)
+    apply_error: str | None = None          # why applying the current generation failed
 
 
 def _now() -> str:
@@ -107,7 +109,7 @@ def compute(dd: DisaggDeployment, generation: int, previous: dict[str, Any] | No
                                   f"{gang.min_prefill}, decode {roles[ROLE_DECODE]['scheduled']}/{gang.min_decode}")
     else:
         since = gang_pending_since(obs, dd)
-        waited = _age_seconds(since, now) if since else 0
+        waited = age_seconds(since, now) if since else 0
         detail = obs.gang_message or "waiting for the scheduler to place the minimum set"
         if waited > gang.timeout_seconds:
             reason = "GangTimeout"
@@ -122,6 +124,8 @@ def compute(dd: DisaggDeployment, generation: int, previous: dict[str, Any] | No
     # Degraded
     if obs.blocked:
         deg = (True, obs.blocked[0], obs.blocked[1])
+    elif obs.apply_error:
+        deg = (True, "ApplyFailed", f"generation {generation} could not be applied: {obs.apply_error}")
     elif faults:
         deg = (True, faults[0][2], "; ".join(f"{reason} on {role} pod {name}" for role, name, reason in faults))
     else:
@@ -136,6 +140,8 @@ def compute(dd: DisaggDeployment, generation: int, previous: dict[str, Any] | No
 
     # Progressing
     moving = []
+    if obs.applied_generation is not None and obs.applied_generation < generation:
+        moving.append(f"generation {generation} not applied yet")
     for role in ROLES:
         r, dep = roles[role], obs.deployments.get(role)
         if dep is None:
@@ -189,9 +195,10 @@ def compute(dd: DisaggDeployment, generation: int, previous: dict[str, Any] | No
     return status, events
 
 
-def _age_seconds(since: str, now: str) -> float:
-    parse = lambda s: dt.datetime.strptime(s, "%Y-%m-%dT%H:%M:%SZ")  # noqa: E731
-    return (parse(now) - parse(since)).total_seconds()
+def age_seconds(since: str, now: str | None = None) -> float:
+    def parse(stamp: str) -> dt.datetime:
+        return dt.datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ")
+    return (parse(now or _now()) - parse(since)).total_seconds()
 
 
 def changed(old: dict[str, Any] | None, new: dict[str, Any]) -> bool:

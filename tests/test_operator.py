@@ -25,14 +25,16 @@ def _empty_clique(api_client):
 
 def test_creates_children_reaches_ready_and_deletes_cascade(api_client, namespace, operator):
     dd = DD(api_client, namespace, dd_manifest("small", decode={"replicas": 2}))
-    status = dd.wait_phase("Ready")
+    dd.wait_phase("Ready")
+    dd.wait_condition("Progressing", "False", "Complete")
+    status = dd.status()
     assert status["prefill"] == {"desired": 1, "scheduled": 1, "ready": 1, "updated": 1, "summary": "1/1"}
     assert status["decode"]["summary"] == "2/2" and status["router"]["summary"] == "1/1"
     assert status["endpoint"] == f"http://small.{namespace}.svc:80/v1"
     assert status["observedGeneration"] == dd.get()["metadata"]["generation"]
     conds = {c["type"]: c for c in status["conditions"]}
     assert conds["Ready"]["status"] == "True" and conds["GangScheduled"]["status"] == "True"
-    assert conds["Progressing"]["status"] == "False" and conds["Degraded"]["status"] == "False"
+    assert conds["Progressing"]["status"] == "False" and conds["Degraded"]["status"] == "False", conds
 
     uid = dd.get()["metadata"]["uid"]
     deployments = dd.apps.list_namespaced_deployment(namespace).items
