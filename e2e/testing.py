@@ -63,6 +63,9 @@ class DD:
         self.custom = client.CustomObjectsApi(api_client)
         self.core = client.CoreV1Api(api_client)
         self.apps = client.AppsV1Api(api_client)
+        if isinstance(manifest, str):  # an existing object, by name
+            self.ns, self.name = namespace, manifest
+            return
         self.ns, self.name = namespace, manifest["metadata"]["name"]
         self.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, manifest)
 

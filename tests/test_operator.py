@@ -289,3 +289,31 @@ def test_other_gang_backends_render_valid_objects(api_client, namespace, operato
     # nobody runs that scheduler here: the pods wait, and the status says the gang is not placed
     assert all(p.spec.node_name is None for p in pods)
     dd.wait_condition("GangScheduled", "False")
+
+
+def test_operator_follows_the_planners_replicas(cluster, api_client, namespace, operator):
+    """The planner owns replicas (server-side apply as `disagg-planner`); the operator scales the
+    workers to follow, and a user's later apply of a manifest without replicas changes nothing."""
+    import yaml
+
+    from disagg.planner.apply import APPLY, FIELD_MANAGER, replicas_owner
+
+    manifest = dd_manifest("planned", planner={"enabled": True}, slo={"ttftMs": 500, "itlMs": 50})
+    del manifest["spec"]["prefill"]["replicas"], manifest["spec"]["decode"]["replicas"]
+    manifest["metadata"]["namespace"] = namespace
+    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(manifest))
+    dd = DD(api_client, namespace, "planned")  # created by kubectl above
+    dd.wait_phase("Ready")
+    body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "DisaggDeployment",
+            "metadata": {"name": "planned", "namespace": namespace},
+            "spec": {"prefill": {"replicas": 2}, "decode": {"replicas": 3}}}
+    dd.custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "planned", body,
+                                             field_manager=FIELD_MANAGER, force=True, _content_type=APPLY)
+    assert replicas_owner(dd.get()) == FIELD_MANAGER
+    wait_for(lambda: dd.status().get("prefill", {}).get("summary") == "2/2"
+             and dd.status().get("decode", {}).get("summary") == "3/3", 90, "workers scaled to the planner's sizes")
+    assert dd.apps.read_namespaced_deployment("planned-decode", namespace).spec.replicas == 3
+    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(manifest))
+    time.sleep(2)
+    assert dd.get()["spec"]["decode"]["replicas"] == 3
+    assert dd.apps.read_namespaced_deployment("planned-decode", namespace).spec.replicas == 3
