@@ -31,6 +31,7 @@ from .pool import Pool, Worker
 from .protocol import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger("disagg.router")
+TOKENIZE_INLINE_CHARS = 16384
 _USAGE_ONLY = re.compile(rb'"choices":\s*\[\]')
 REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                  "remote_block_ids": None, "remote_host": None, "remote_port": None}
@@ -173,7 +174,9 @@ class Router:
         """Non-streaming: the final JSON. Streaming: an async iterator of SSE bytes."""
         start = time.monotonic()
         try:
-            ids = self.validate(req)
+            # long prompts tokenize off the event loop, so they do not stall every other stream
+            big = len(raw_text(req)) > TOKENIZE_INLINE_CHARS
+            ids = await asyncio.to_thread(self.validate, req) if big else self.validate(req)
         except RouterError:
             self.metrics.requests.labels(m.OUTCOME_CLIENT_ERROR, "none").inc()
             raise
@@ -363,6 +366,12 @@ class Router:
             if outcome == m.OUTCOME_SUCCESS:
                 self.metrics.e2e.labels(path).observe(time.monotonic() - start)
                 self.metrics.output_tokens.observe(output_tokens)
+
+
+def raw_text(req: CompletionRequest | ChatCompletionRequest) -> str | list:
+    if isinstance(req, ChatCompletionRequest):
+        return "".join(m.text() for m in req.messages)
+    return req.prompt
 
 
 async def _rejected(r: aiohttp.ClientResponse) -> UpstreamRejected:

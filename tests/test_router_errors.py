@@ -50,13 +50,14 @@ GOOD = {"model": "tiny", "prompt": "hello", "max_tokens": 4}
     (json.dumps({**GOOD, "n": 3}).encode(), 400, "n", "1"),
     (json.dumps({**GOOD, "prompt": ""}).encode(), 400, "prompt", "at least 1"),
     (json.dumps({**GOOD, "prompt": "word " * 400}).encode(), 400, "prompt", "context is 256 tokens"),
+    (json.dumps({**GOOD, "prompt": "word " * 5000}).encode(), 400, "prompt", "context is 256 tokens"),
     (json.dumps({**GOOD, "max_tokens": 250, "prompt": "word " * 20}).encode(), 400, "max_tokens", "exceed"),
     (json.dumps({**GOOD, "kv_transfer_params": {"do_remote_prefill": True}}).encode(), 400,
      "kv_transfer_params", "None"),
     (json.dumps({**GOOD, "prompt": "x" * 100_000}).encode(), 400, None, "larger than the router accepts"),
     (json.dumps({**GOOD, "model": "gpt-9"}).encode(), 404, "model", "gpt-9"),
 ], ids=["malformed", "not-object", "no-model", "max-tokens", "temperature", "n", "empty-prompt",
-        "prompt-too-long", "prompt-plus-output-too-long", "kv-params-from-client", "oversized-body",
+        "prompt-too-long", "long-prompt-tokenized-off-loop", "prompt-plus-output-too-long", "kv-params-from-client", "oversized-body",
         "unknown-model"])
 def test_bad_completion_requests(url, body, status, param, words):
     code, err = _post(url, "/v1/completions", body)
