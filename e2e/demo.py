@@ -30,7 +30,7 @@ def run(cluster_name: str = "default") -> int:
     print(f"starting the local control plane {cluster_name!r} (reused if already up) ...")
     cluster.up()
     cluster.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
+    cluster.kubectl("wait", "--for=condition=Established", "--timeout=300s",
                     "crd/disaggdeployments.serving.disagg.dev")
     _show("GPU node pools (kubectl get nodes -L nvidia.com/gpu.clique,topology.kubernetes.io/zone)",
           cluster.kubectl("get", "nodes", "-L", "nvidia.com/gpu.clique,topology.kubernetes.io/zone").stdout)

@@ -36,7 +36,7 @@ def api_client(cluster):
 def crd_installed(cluster):
     """The DisaggDeployment CRD, applied from crds/ and Established."""
     cluster.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
+    cluster.kubectl("wait", "--for=condition=Established", "--timeout=300s",
                     "crd/disaggdeployments.serving.disagg.dev")
     return True
 

@@ -262,7 +262,7 @@ def other_gang_crds(cluster):
 
     crds = Path(__file__).resolve().parent.parent / "e2e" / "crds"
     cluster.kubectl("apply", "--server-side", "-f", str(crds))
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
+    cluster.kubectl("wait", "--for=condition=Established", "--timeout=300s",
                     "crd/podgroups.scheduling.x-k8s.io", "crd/podgroups.scheduling.volcano.sh")
 
 
