@@ -168,12 +168,14 @@ async def _woken(trigger: asyncio.Event, stopped: kopf.DaemonStopped, timeout: f
     """Wait for a change, the daemon's stop (deletion, shutdown) or the timeout; True on a change."""
 
     async def until_stopped() -> None:
-        await stopped
+        await stopped.wait()
 
     waits = {asyncio.ensure_future(trigger.wait()), asyncio.ensure_future(until_stopped())}
     done, pending = await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     for task in pending:
         task.cancel()
+    for task in done:
+        task.result()  # surface a failure here rather than spinning on it
     return trigger.is_set() and not stopped
 
 
