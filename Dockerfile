@@ -1,0 +1,33 @@
+# Images of disagg. Two targets:
+#   docker build --target control-plane -t disagg/control-plane:0.1.0 .   # operator, planner, router
+#   docker build --target worker -t disagg/worker:0.1.0 .                 # vLLM + NIXL + the worker entrypoint
+# (Built and linted by the Helm/e2e work; not built in this repository's CI, which has no Docker engine.)
+
+FROM python:3.11-slim AS control-plane
+RUN useradd --uid 10001 --no-create-home --shell /usr/sbin/nologin disagg
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY disagg disagg
+COPY operator operator
+COPY planner planner
+COPY router router
+COPY workers workers
+COPY e2e e2e
+RUN pip install --no-cache-dir . && rm -rf /root/.cache
+USER 10001
+ENTRYPOINT ["python", "-m"]
+CMD ["disagg.operator"]
+
+ARG VLLM_IMAGE=vllm/vllm-openai:v0.32.0
+FROM ${VLLM_IMAGE} AS worker
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY disagg disagg
+COPY operator operator
+COPY planner planner
+COPY router router
+COPY workers workers
+COPY e2e e2e
+RUN pip install --no-cache-dir . nixl==1.5.1 && useradd --uid 10001 --no-create-home disagg
+USER 10001
+ENTRYPOINT ["python", "-m", "disagg.workers"]
