@@ -3,6 +3,9 @@
 #   docker build --target worker -t disagg/worker:0.1.0 .                 # vLLM + NIXL + the worker entrypoint
 # (Built and linted by the Helm/e2e work; not built in this repository's CI, which has no Docker engine.)
 
+# Global: an ARG used by FROM must come before the first FROM.
+ARG VLLM_IMAGE=vllm/vllm-openai:v0.32.0
+
 FROM python:3.11-slim AS control-plane
 RUN useradd --uid 10001 --no-create-home --shell /usr/sbin/nologin disagg
 WORKDIR /app
@@ -18,7 +21,6 @@ USER 10001
 ENTRYPOINT ["python", "-m"]
 CMD ["disagg.operator"]
 
-ARG VLLM_IMAGE=vllm/vllm-openai:v0.32.0
 FROM ${VLLM_IMAGE} AS worker
 WORKDIR /app
 COPY pyproject.toml README.md ./
