@@ -6,16 +6,20 @@
 # Global: an ARG used by FROM must come before the first FROM.
 ARG VLLM_IMAGE=vllm/vllm-openai:v0.32.0
 
+# The package source, once; both targets install it.
+FROM scratch AS source
+COPY pyproject.toml README.md /src/
+COPY disagg /src/disagg
+COPY operator /src/operator
+COPY planner /src/planner
+COPY router /src/router
+COPY workers /src/workers
+COPY e2e /src/e2e
+
 FROM python:3.11-slim AS control-plane
 RUN useradd --uid 10001 --no-create-home --shell /usr/sbin/nologin disagg
 WORKDIR /app
-COPY pyproject.toml README.md ./
-COPY disagg disagg
-COPY operator operator
-COPY planner planner
-COPY router router
-COPY workers workers
-COPY e2e e2e
+COPY --from=source /src/ ./
 RUN pip install --no-cache-dir . && rm -rf /root/.cache
 USER 10001
 ENTRYPOINT ["python", "-m"]
@@ -23,13 +27,7 @@ CMD ["disagg.operator"]
 
 FROM ${VLLM_IMAGE} AS worker
 WORKDIR /app
-COPY pyproject.toml README.md ./
-COPY disagg disagg
-COPY operator operator
-COPY planner planner
-COPY router router
-COPY workers workers
-COPY e2e e2e
+COPY --from=source /src/ ./
 RUN pip install --no-cache-dir . nixl==1.5.1 && useradd --uid 10001 --no-create-home disagg
 USER 10001
 ENTRYPOINT ["python", "-m", "disagg.workers"]
