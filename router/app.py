@@ -78,10 +78,11 @@ async def _parse(request: web.Request, model) -> tuple[object, dict]:
 async def _serve(request: web.Request, endpoint: str, model) -> web.StreamResponse:
     router = request.app[ROUTER_KEY]
     req, body = await _parse(request, model)
-    result = await router.handle(endpoint, req, body)
+    result, route = await router.handle(endpoint, req, body)
     if isinstance(result, dict):
-        return web.json_response(result)
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        return web.json_response(result, headers=route.headers())
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                       **route.headers()})
     await resp.prepare(request)
     try:
         async for chunk in result:

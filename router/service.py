@@ -45,6 +45,25 @@ class Plan:
     cached_tokens: int
 
 
+@dataclass
+class Route:
+    """Which way a request went, returned to the client as ``x-disagg-*`` headers so that a
+    fallback is never silent: path (remote_prefill, local_prefill, fallback), the workers, and
+    the fallback reason."""
+    path: str
+    decode: str
+    prefill: str | None = None
+    fallback: str | None = None
+
+    def headers(self) -> dict[str, str]:
+        h = {"x-disagg-path": self.path, "x-disagg-decode": self.decode}
+        if self.prefill:
+            h["x-disagg-prefill"] = self.prefill
+        if self.fallback:
+            h["x-disagg-fallback"] = self.fallback
+        return h
+
+
 class _Upstream(Exception):
     """A worker could not be reached or failed (5xx); the router may try elsewhere."""
 
@@ -170,8 +189,10 @@ class Router:
                              f"this model's context of {limit} tokens.", param="max_tokens")
         return ids
 
-    async def handle(self, endpoint: str, req: CompletionRequest | ChatCompletionRequest, body: dict):
-        """Non-streaming: the final JSON. Streaming: an async iterator of SSE bytes."""
+    async def handle(self, endpoint: str, req: CompletionRequest | ChatCompletionRequest,
+                     body: dict) -> tuple[dict | AsyncIterator[bytes], Route]:
+        """Non-streaming: the final JSON. Streaming: an async iterator of SSE bytes. Either with the
+        route the request took (settled before the first byte)."""
         start = time.monotonic()
         try:
             # long prompts tokenize off the event loop, so they do not stall every other stream
@@ -191,19 +212,20 @@ class Router:
             except NoWorkers:
                 self.metrics.requests.labels(m.OUTCOME_NO_WORKERS, "none").inc()
                 raise
-        path, kv_params = await self._prefill(endpoint, plan, body)
+        route = Route(m.PATH_LOCAL_PREFILL, plan.decode.name, plan.prefill.name if plan.prefill else None)
+        kv_params = await self._prefill(endpoint, plan, body, route)
         self.metrics.prompt_tokens.inc(plan.prompt_tokens)
         self.metrics.cached_prompt_tokens.inc(plan.cached_tokens)
         decode_body = dict(body)
         if kv_params is not None:
             decode_body["kv_transfer_params"] = kv_params
         if req.stream:
-            return await self._stream(endpoint, plan, decode_body, path, start, ids)
-        return await self._unary(endpoint, plan, decode_body, path, start, ids)
+            return await self._stream(endpoint, plan, decode_body, route, start, ids), route
+        return await self._unary(endpoint, plan, decode_body, route, start, ids), route
 
-    async def _prefill(self, endpoint: str, plan: Plan, body: dict) -> tuple[str, dict | None]:
+    async def _prefill(self, endpoint: str, plan: Plan, body: dict, route: Route) -> dict | None:
         if plan.prefill is None:
-            return m.PATH_LOCAL_PREFILL, None
+            return None
         pbody = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "max_completion_tokens")}
         pbody.update(max_tokens=1, stream=False, kv_transfer_params=REMOTE_DECODE)
         w = plan.prefill
@@ -213,7 +235,8 @@ class Router:
             params = data.get("kv_transfer_params")
             if not params:
                 raise _Upstream(f"prefill worker {w.name} returned no kv_transfer_params")
-            return m.PATH_REMOTE_PREFILL, params
+            route.path = m.PATH_REMOTE_PREFILL
+            return params
         except TimeoutError:
             reason = m.FALLBACK_PREFILL_TIMEOUT
             log.warning("prefill on %s timed out; decode prefills locally", w.name)
@@ -223,7 +246,8 @@ class Router:
         finally:
             self._account(w, -1)
         self.metrics.fallbacks.labels(reason).inc()
-        return m.PATH_FALLBACK, None
+        route.path, route.fallback = m.PATH_FALLBACK, reason
+        return None
 
     async def _post(self, w: Worker, endpoint: str, body: dict, timeout: float | None) -> dict:
         try:
@@ -245,7 +269,7 @@ class Router:
         w.active += delta
         self.metrics.active.labels(w.role, w.name).set(w.active)
 
-    async def _unary(self, endpoint, plan, body, path, start, ids) -> dict:
+    async def _unary(self, endpoint, plan, body, route: Route, start, ids) -> dict:
         tried: list[str] = []
         w = plan.decode
         while True:
@@ -255,11 +279,13 @@ class Router:
                 data = await self._post(cur, endpoint, body, timeout=None)
                 break
             except _Upstream as e:
-                w = self._next_decode(cur, e, ids, tried, path)
+                w = self._next_decode(cur, e, ids, tried, route)
+                body = self._without_remote_kv(body, route)
             finally:
                 self._account(cur, -1)
         data.pop("kv_transfer_params", None)
         elapsed = time.monotonic() - start
+        path = route.path
         self.metrics.ttft.labels(path).observe(elapsed)
         self.metrics.e2e.labels(path).observe(elapsed)
         usage = data.get("usage") or {}
@@ -267,7 +293,7 @@ class Router:
         self.metrics.requests.labels(m.OUTCOME_SUCCESS, path).inc()
         return data
 
-    def _next_decode(self, failed: Worker, err: Exception, ids: list[int], tried: list[str], path: str) -> Worker:
+    def _next_decode(self, failed: Worker, err: Exception, ids: list[int], tried: list[str], route: Route) -> Worker:
         """Another decode worker after one failed before any output, or a clean error. A worker that
         refused connections is marked unhealthy; one that still looks healthy (say, a pooled
         connection closed under us) may be tried again when there is no other."""
@@ -283,10 +309,21 @@ class Router:
                 except NoWorkers:
                     continue
         if nxt is None:
-            self.metrics.requests.labels(m.OUTCOME_UPSTREAM_ERROR, path).inc()
+            self.metrics.requests.labels(m.OUTCOME_UPSTREAM_ERROR, route.path).inc()
             raise UpstreamFailed(f"the decode worker failed: {err}")
         self.metrics.fallbacks.labels(m.FALLBACK_DECODE_RETRY).inc()
+        route.decode = nxt.name
         return nxt
+
+    def _without_remote_kv(self, body: dict, route: Route) -> dict:
+        """The retry after a decode failure prefills locally: the failure may be the KV pull itself
+        (the prefill worker died or dropped the blocks), and asking again for the same blocks would
+        fail again or wait out NIXL's timeout."""
+        if "kv_transfer_params" not in body:
+            return body
+        self.metrics.fallbacks.labels(m.FALLBACK_KV_TRANSFER).inc()
+        route.path, route.fallback = m.PATH_FALLBACK, m.FALLBACK_KV_TRANSFER
+        return {k: v for k, v in body.items() if k != "kv_transfer_params"}
 
     async def _open_stream(self, w: Worker, endpoint: str, body: dict) -> aiohttp.ClientResponse:
         try:
@@ -304,7 +341,7 @@ class Router:
         finally:
             r.release()
 
-    async def _stream(self, endpoint, plan, body, path, start, ids) -> AsyncIterator[bytes]:
+    async def _stream(self, endpoint, plan, body, route: Route, start, ids) -> AsyncIterator[bytes]:
         """Opens the decode stream (another worker if one fails before output), then relays events."""
         opts = body.get("stream_options") or {}
         client_wants_usage = bool(opts.get("include_usage"))
@@ -318,11 +355,12 @@ class Router:
                 break
             except _Upstream as e:
                 self._account(w, -1)
-                w = self._next_decode(w, e, ids, tried, path)
+                w = self._next_decode(w, e, ids, tried, route)
+                body = self._without_remote_kv(body, route)
             except BaseException:
                 self._account(w, -1)
                 raise
-        return self._relay(resp, w, path, start, client_wants_usage)
+        return self._relay(resp, w, route.path, start, client_wants_usage)
 
     async def _relay(self, resp, w: Worker, path: str, start: float, client_wants_usage: bool):
         first = last = None

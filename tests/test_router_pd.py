@@ -52,6 +52,9 @@ def pd(reference, tiny_model, worker_python, tmp_path_factory):
     port = free_port()
     config = {"model": "tiny", "tokenizer": tiny_model, "block_size": 32, "max_model_len": 1024, "port": port,
               "host": "127.0.0.1", "spec": {"disaggregation": "always"}, "health_interval_s": 60,
+              # vLLM CPU workers sometimes stall for one NIXL lease (30 s) on a loaded 2-core machine; the
+              # test checks the P/D path, so a slow prefill must not turn into a (correct) fallback
+              "prefill_timeout_s": 120,
               "prefill": [{"url": f"http://127.0.0.1:{prefill_s.port}",
                            "kv_events": f"tcp://127.0.0.1:{prefill_s.kv_events_port}"}],
               "decode": [{"url": f"http://127.0.0.1:{decode_s.port}",
@@ -106,6 +109,11 @@ def test_kv_blocks_moved_over_nixl_and_every_request_prefilled_remotely(pd):
     assert routed[f'{m.ROUTER_REQUESTS}{{outcome="success",path="{m.PATH_REMOTE_PREFILL}"}}'] >= 8
     assert metric_sum(routed, m.ROUTER_REQUESTS) == metric_sum(
         {k: v for k, v in routed.items() if m.PATH_REMOTE_PREFILL in k}, m.ROUTER_REQUESTS)
+    # the route is in the response headers, so a client can tell a fallback from a P/D request
+    client = OpenAI(base_url=f"{pd['router'].url}/v1", api_key="unused")
+    raw = client.completions.with_raw_response.create(model="tiny", prompt=PROMPTS[0], max_tokens=4, temperature=0)
+    assert raw.headers["x-disagg-path"] == m.PATH_REMOTE_PREFILL and "x-disagg-fallback" not in raw.headers
+    assert (raw.headers["x-disagg-prefill"], raw.headers["x-disagg-decode"]) == (pd["prefill"].url, pd["decode"].url)
     # the prefill worker's KV events reached the router's index
     assert routed[f'{m.ROUTER_INDEXED_BLOCKS}{{role="prefill"}}'] > 0 or \
         metric_sum(routed, m.ROUTER_KV_EVENT_BATCHES) > 0
@@ -124,3 +132,5 @@ def test_prefill_killed_mid_run_requests_complete_by_local_prefill(pd):
     after = scrape(pd["router"].url)
     assert metric_sum(after, m.ROUTER_FALLBACKS) > before
     assert after.get(f'{m.ROUTER_REQUESTS}{{outcome="success",path="{m.PATH_FALLBACK}"}}', 0) >= 1
+    raw = client.completions.with_raw_response.create(model="tiny", prompt=PROMPTS[0], max_tokens=4, temperature=0)
+    assert raw.headers["x-disagg-path"] != m.PATH_REMOTE_PREFILL, dict(raw.headers)

@@ -25,3 +25,4 @@ def test_serve_local_answers_and_reports(tiny_model, worker_python, tmp_path):
     ttft, rate, moved = float(stats[1]), float(stats[2]), int(stats[3])
     assert ttft > 0 and rate > 0 and moved > 0
     assert re.search(r"^answer: ['\"]", out.stdout, re.M)
+    assert re.search(r"^path: remote_prefill \(prefill http://\S+ -> decode http://\S+\)$", out.stdout, re.M)

@@ -18,7 +18,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from disagg.api.metrics import VLLM_NIXL_BYTES_TRANSFERRED
+from disagg.api.metrics import PATH_REMOTE_PREFILL, VLLM_NIXL_BYTES_TRANSFERRED
 
 from .command import build
 from .settings import WorkerSettings
@@ -30,7 +30,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def scrape(url: str, timeout: float = 5) -> dict[str, float]:
+def scrape(url: str, timeout: float = 30) -> dict[str, float]:
     """A /metrics page as {series: value}, series keyed as they print ('name{labels}')."""
     text = urllib.request.urlopen(f"{url}/metrics", timeout=timeout).read().decode()
     out: dict[str, float] = {}
@@ -132,6 +132,29 @@ def router(config_path: Path, port: int, log_dir: Path) -> LocalProcess:
                         {}, f"http://127.0.0.1:{port}", log_dir)
 
 
+def _chat(url: str, question: str):
+    """One streamed chat request: (route headers, first-token time, end, chunks, texts, start)."""
+    import json as _json
+
+    body = {"model": "tiny", "messages": [{"role": "user", "content": question}],
+            "max_tokens": 32, "temperature": 0, "stream": True}
+    req = urllib.request.Request(f"{url}/v1/chat/completions", data=_json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    start, first, chunks, text = time.monotonic(), None, 0, []
+    with urllib.request.urlopen(req, timeout=120) as r:
+        route = {k.lower(): v for k, v in r.headers.items() if k.lower().startswith("x-disagg-")}
+        for line in r:
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                continue
+            event = _json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(event["error"]["message"])
+            first = first or time.monotonic()
+            chunks += 1
+            text.append(event["choices"][0]["delta"].get("content") or "")
+    return route, first, time.monotonic(), chunks, text, start
+
+
 def serve_local(port: int = 8080, model: str | None = None, once: bool = False, log_dir: Path | None = None,
                 out=sys.stdout) -> int:
     """`disagg serve --local`: a prefill and a decode worker (one core each) and the router on this
@@ -166,23 +189,18 @@ def serve_local(port: int = 8080, model: str | None = None, once: bool = False, 
         # long enough for full KV blocks: NIXL moves whole blocks; a prompt shorter than one block is
         # recomputed on decode and nothing moves
         question = "Hello from disagg! Tell me how a prefill hands its KV cache to a decode worker. " * 3
-        body = {"model": "tiny", "messages": [{"role": "user", "content": question}],
-                "max_tokens": 32, "temperature": 0, "stream": True}
-        req = urllib.request.Request(f"{url}/v1/chat/completions", data=_json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        start, first, chunks, text = time.monotonic(), None, 0, []
-        with urllib.request.urlopen(req, timeout=120) as r:
-            for line in r:
-                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                    continue
-                event = _json.loads(line[6:])
-                if "error" in event:
-                    raise RuntimeError(event["error"]["message"])
-                first = first or time.monotonic()
-                chunks += 1
-                text.append(event["choices"][0]["delta"].get("content") or "")
-        end = time.monotonic()
-        moved = wait_metric(procs[1].url, VLLM_NIXL_BYTES_TRANSFERRED + "_sum", 1, timeout=30)
+        for attempt in range(1, 4):
+            route, first, end, chunks, text, start = _chat(url, question)
+            print(f"path: {route.get('x-disagg-path')} (prefill {route.get('x-disagg-prefill', '-')} -> decode "
+                  f"{route.get('x-disagg-decode')})", file=out, flush=True)
+            if route.get("x-disagg-path") == PATH_REMOTE_PREFILL:
+                break
+            # a cold worker (first request after start on a busy machine) can time out or fail once
+            print(f"attempt {attempt}: the router fell back ({route.get('x-disagg-fallback', 'no prefill')}); "
+                  f"see {log_dir}", file=out, flush=True)
+        else:
+            return 1
+        moved = wait_metric(procs[1].url, VLLM_NIXL_BYTES_TRANSFERRED + "_sum", 1, timeout=60)
         print(f"answer: {''.join(text)!r}", file=out)
         print(f"TTFT: {(first - start) * 1000:.1f} ms   tokens/s: {(chunks - 1) / max(end - first, 1e-9):.1f}   "
               f"NIXL moved: {int(moved)} bytes", file=out, flush=True)

@@ -37,6 +37,7 @@ OUTCOME_NO_WORKERS = "no_workers"
 FALLBACK_PREFILL_ERROR = "prefill_error"
 FALLBACK_PREFILL_TIMEOUT = "prefill_timeout"
 FALLBACK_DECODE_RETRY = "decode_retry"
+FALLBACK_KV_TRANSFER = "kv_transfer_failed"    # decode could not pull the prefilled KV: it prefills itself
 
 # ---- vLLM's own metrics, as the router, tests and planner read them from workers' /metrics
 VLLM_NIXL_BYTES_TRANSFERRED = "vllm:nixl_bytes_transferred"        # histogram (bytes per transfer)
