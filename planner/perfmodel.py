@@ -11,6 +11,11 @@ Sources, in order of preference:
 3. online correction: scale factors learnt from observed versus predicted latency
    (:class:`OnlineCorrection`).
 
+A :class:`Calibration` (kernel timings from ``bench/gpu_kernels_calibrate.py`` on a real
+GPU) replaces the data-sheet efficiencies of the analytic default for that GPU.
+Tensor-parallel all-reduces (:meth:`PerfModel.tp_comm_time`) are opt-in
+(``PerfModel(tp_comm=True)``, as the configurator plans): the planner's sizing predates them.
+
 Whatever the source, no estimate is faster than physics allows: prefill never
 exceeds TP x peak FLOP/s and a decode step never reads faster than TP x HBM
 bandwidth (the *physical floor*, applied last).
@@ -53,10 +58,16 @@ class ModelShape:
     vocab: int
     params: float
     dtype_bytes: int = 2
+    attention_head_dim: int = 0   # config.json head_dim when it is not hidden / heads (Qwen3); 0: hidden / heads
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.attention_head_dim or self.hidden // self.heads
+
+    @property
+    def q_dim(self) -> int:
+        """Width of the attention's queries (heads x head_dim; the hidden size for most models)."""
+        return self.heads * self.head_dim
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -74,7 +85,7 @@ class ModelShape:
 
     def attention_flops(self, new_tokens: float, cached_tokens: float = 0.0) -> float:
         """QK^T and AV for ``new_tokens`` attending causally to ``cached + earlier new`` tokens."""
-        return 4.0 * self.layers * self.hidden * new_tokens * (cached_tokens + (new_tokens + 1) / 2.0)
+        return 4.0 * self.layers * self.q_dim * new_tokens * (cached_tokens + (new_tokens + 1) / 2.0)
 
 
 @dataclass(frozen=True)
@@ -91,6 +102,7 @@ class Efficiency:
     decode_mbu: float = 0.7
     step_overhead_seconds: float = 0.003
     memory_utilization: float = 0.9
+    tp_allreduce_latency_seconds: float = 8e-6   # one small all-reduce across a TP group (custom all-reduce)
 
 
 @cache
@@ -98,12 +110,26 @@ def _load(name: str) -> dict[str, Any]:
     return yaml.safe_load((DATA / name).read_text())
 
 
-def gpu(name: str) -> GPUSpec:
+def _resolve(kind: str, specs: dict[str, Any], name: str) -> str:
+    """A data-file key from its exact name, any case, or one of its ``aliases``."""
+    if name in specs:
+        return name
+    low = name.lower()
+    for key, s in specs.items():
+        if key.lower() == low or low in (str(a).lower() for a in s.get("aliases", ())):
+            return key
+    known = sorted(set(specs) | {str(a) for s in specs.values() for a in s.get("aliases", ())})
+    raise KeyError(f"unknown {kind} {name!r}; known: {', '.join(known)}")
+
+
+def gpu(name: str, precision: str = "bf16") -> GPUSpec:
+    """A GPU by name or alias (``h200`` is ``H200-SXM``); ``precision="fp8"`` plans with its FP8 tensor rate."""
     specs = _load("gpus.yaml")["gpus"]
-    if name not in specs:
-        raise KeyError(f"unknown GPU {name!r}; known: {', '.join(sorted(specs))}")
-    s = specs[name]
-    return GPUSpec(name, float(s["flops_bf16"]), float(s["hbm_bandwidth"]), float(s["memory_bytes"]),
+    key = _resolve("GPU", specs, name)
+    s = specs[key]
+    if precision not in ("bf16", "fp8"):
+        raise ValueError(f"unknown precision {precision!r}; known: bf16, fp8")
+    return GPUSpec(key, float(s[f"flops_{precision}"]), float(s["hbm_bandwidth"]), float(s["memory_bytes"]),
                    float(s["nvlink_bandwidth"]))
 
 
@@ -113,21 +139,51 @@ def model(name: str) -> ModelShape:
         raise KeyError(f"unknown model {name!r}; known: {', '.join(sorted(specs))}")
     s = specs[name]
     return ModelShape(name, int(s["layers"]), int(s["hidden"]), int(s["heads"]), int(s["kv_heads"]),
-                      int(s["intermediate"]), int(s["vocab"]), float(s["params"]), int(s.get("dtype_bytes", 2)))
+                      int(s["intermediate"]), int(s["vocab"]), float(s["params"]), int(s.get("dtype_bytes", 2)),
+                      int(s.get("head_dim", 0)))
+
+
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "fp8": 1}
+
+
+def model_from_config(config: str | Path | dict[str, Any], name: str | None = None) -> ModelShape:
+    """A model's shape from its Hugging Face ``config.json`` (a path, its directory or the parsed dict).
+
+    The parameter count is computed from the shape (embeddings, attention, gated MLP, the LM head unless
+    tied), as config.json does not carry it. Multimodal configs are read from their ``text_config``.
+    """
+    if not isinstance(config, dict):
+        path = Path(config)
+        if path.is_dir():
+            path = path / "config.json"
+        config = json.loads(path.read_text())
+        name = name or config.get("_name_or_path") or path.parent.name
+    c = config.get("text_config", config)
+    hidden, layers, heads = int(c["hidden_size"]), int(c["num_hidden_layers"]), int(c["num_attention_heads"])
+    kv_heads = int(c.get("num_key_value_heads") or heads)
+    head_dim = int(c.get("head_dim") or hidden // heads)
+    inter, vocab = int(c["intermediate_size"]), int(c["vocab_size"])
+    per_layer = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2 + 3 * hidden * inter
+    embed = vocab * hidden * (1 if c.get("tie_word_embeddings", config.get("tie_word_embeddings")) else 2)
+    dtype = _DTYPE_BYTES.get(str(c.get("torch_dtype") or config.get("torch_dtype") or "bfloat16"), 2)
+    return ModelShape(name or str(c.get("model_type", "model")), layers, hidden, heads, kv_heads, inter, vocab,
+                      float(layers * per_layer + embed), dtype,
+                      head_dim if head_dim != hidden // heads else 0)
 
 
 def interconnect(name: str) -> Interconnect:
+    """An interconnect by name or alias (``infiniband`` is ``infiniband-ndr``)."""
     specs = _load("gpus.yaml")["interconnects"]
-    if name not in specs:
-        raise KeyError(f"unknown interconnect {name!r}; known: {', '.join(sorted(specs))}")
-    s = specs[name]
-    return Interconnect(name, float(s["bandwidth"]), float(s["latency_seconds"]), float(s["efficiency"]))
+    key = _resolve("interconnect", specs, name)
+    s = specs[key]
+    return Interconnect(key, float(s["bandwidth"]), float(s["latency_seconds"]), float(s["efficiency"]))
 
 
 def default_efficiency() -> Efficiency:
     s = _load("gpus.yaml")["efficiency"]
     return Efficiency(float(s["prefill_mfu"]), float(s["decode_mbu"]), float(s["step_overhead_seconds"]),
-                      float(s["memory_utilization"]))
+                      float(s["memory_utilization"]),
+                      float(s.get("tp_allreduce_latency_seconds", Efficiency.tp_allreduce_latency_seconds)))
 
 
 def known_gpus() -> list[str]:
@@ -214,13 +270,92 @@ class Profile:
         return cls.from_dict(json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text))
 
 
+# ---------------------------------------------------------------- kernel calibration
+
+@dataclass(frozen=True)
+class Calibration:
+    """Kernel timings on one real GPU (``bench/gpu_kernels_calibrate.py`` writes them), which replace the
+    data-sheet efficiencies of the analytic model for that GPU.
+
+    ``gemm`` points: ``{phase, m, k, n, seconds}`` (``m`` tokens through a ``k x n`` weight shard);
+    ``attention`` points: ``{phase, batch, q_tokens, context, heads, kv_heads, head_dim, seconds}``.
+    Prefill MFU = FLOPs of the prefill kernels / their time / peak FLOP/s; decode MBU = bytes the decode
+    kernels must read (weights, KV cache) / their time / peak HBM bandwidth. Both are computed here from the
+    raw timings, never trusted from the file, and capped at 1 (physics).
+    """
+
+    gpu: str
+    device: str
+    measured_at: str
+    dtype_bytes: int
+    gemm: tuple[dict[str, Any], ...]
+    attention: tuple[dict[str, Any], ...]
+    source: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def _points(self, phase: str) -> list[tuple[float, float, float]]:
+        """(flops, bytes, seconds) of each kernel timed for ``phase``."""
+        b = self.dtype_bytes
+        out = []
+        for g in self.gemm:
+            if g.get("phase", "prefill") == phase:
+                m, k, n = float(g["m"]), float(g["k"]), float(g["n"])
+                out.append((2 * m * k * n, (k * n + m * k + m * n) * b, float(g["seconds"])))
+        for a in self.attention:
+            if a.get("phase", "prefill") == phase:
+                bt, q, ctx = float(a["batch"]), float(a["q_tokens"]), float(a["context"])
+                hd, h, kvh = float(a["head_dim"]), float(a["heads"]), float(a["kv_heads"])
+                flops = 4 * bt * h * hd * q * (ctx - q + (q + 1) / 2)
+                nbytes = bt * (2 * kvh * hd * ctx + 2 * h * hd * q) * b
+                out.append((flops, nbytes, float(a["seconds"])))
+        return [p for p in out if p[2] > 0]
+
+    def prefill_mfu(self, hw: GPUSpec) -> float | None:
+        pts = self._points("prefill")
+        if not pts:
+            return None
+        return min(sum(f for f, _, _ in pts) / sum(t for _, _, t in pts) / hw.flops, 1.0)
+
+    def decode_mbu(self, hw: GPUSpec) -> float | None:
+        pts = self._points("decode")
+        if not pts:
+            return None
+        return min(sum(b for _, b, _ in pts) / sum(t for _, _, t in pts) / hw.hbm_bandwidth, 1.0)
+
+    def efficiency(self, hw: GPUSpec, base: Efficiency | None = None) -> Efficiency:
+        """``base`` (the data file's) with the measured prefill MFU and decode MBU in place."""
+        base = base or default_efficiency()
+        if _resolve("GPU", _load("gpus.yaml")["gpus"], self.gpu) != hw.name:
+            raise ValueError(f"calibration was measured on {self.gpu} ({self.device}), not {hw.name}")
+        return replace(base, prefill_mfu=self.prefill_mfu(hw) or base.prefill_mfu,
+                       decode_mbu=self.decode_mbu(hw) or base.decode_mbu)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.source, "gpu": self.gpu, "device": self.device, "measuredAt": self.measured_at,
+                "dtypeBytes": self.dtype_bytes, "gemm": list(self.gemm), "attention": list(self.attention)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Calibration:
+        missing = [k for k in ("gpu", "measuredAt") if k not in d]
+        if missing:
+            raise ValueError(f"calibration file lacks {', '.join(missing)} (which GPU, and when)")
+        return cls(str(d["gpu"]), str(d.get("device", "")), str(d["measuredAt"]), int(d.get("dtypeBytes", 2)),
+                   tuple(dict(g) for g in d.get("gemm", ())), tuple(dict(a) for a in d.get("attention", ())),
+                   {k: v for k, v in d.items() if k not in ("gemm", "attention")})
+
+    @classmethod
+    def load(cls, path: str | Path) -> Calibration:
+        text = Path(path).read_text()
+        return cls.from_dict(json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text))
+
+
 # ---------------------------------------------------------------- the model
 
 @dataclass(frozen=True)
 class PerfModel:
     """Latency of one replica (``tp`` GPUs) of ``shape`` on ``hw``.
 
-    ``prefill_scale``/``decode_scale`` are online corrections (1.0 = uncorrected).
+    ``prefill_scale``/``decode_scale`` are online corrections (1.0 = uncorrected). ``tp_comm`` adds the
+    tensor-parallel all-reduces (two per layer) to every step.
     """
 
     shape: ModelShape
@@ -231,11 +366,23 @@ class PerfModel:
     profile: Profile | None = None
     prefill_scale: float = 1.0
     decode_scale: float = 1.0
+    tp_comm: bool = False
 
     @classmethod
     def analytic(cls, model_name: str, gpu_name: str, tp: int = 1, link: str = "infiniband-ndr",
-                 profile: Profile | None = None) -> PerfModel:
-        return cls(model(model_name), gpu(gpu_name), tp, interconnect(link), default_efficiency(), profile)
+                 profile: Profile | None = None, calibration: Calibration | None = None) -> PerfModel:
+        hw = gpu(gpu_name)
+        eff = calibration.efficiency(hw) if calibration is not None else default_efficiency()
+        return cls(model(model_name), hw, tp, interconnect(link), eff, profile)
+
+    # -- tensor parallelism ------------------------------------------------
+    def tp_comm_time(self, tokens: float) -> float:
+        """Two all-reduces per layer of ``tokens`` x hidden 16-bit activations across the TP group (ring over
+        the GPU's NVLink: 2(tp-1)/tp of the bytes each way, plus a fixed latency). 0 unless ``tp_comm``."""
+        if not self.tp_comm or self.tp <= 1 or tokens <= 0:
+            return 0.0
+        ring = 2.0 * (self.tp - 1) / self.tp * tokens * self.shape.hidden * 2 / (self.hw.nvlink_bandwidth * 0.8)
+        return 2 * self.shape.layers * (self.eff.tp_allreduce_latency_seconds + ring)
 
     def corrected(self, prefill_scale: float = 1.0, decode_scale: float = 1.0) -> PerfModel:
         return replace(self, prefill_scale=prefill_scale, decode_scale=decode_scale)
@@ -266,7 +413,8 @@ class PerfModel:
             reads = self.shape.weight_bytes + self.shape.kv_bytes_per_token * sum(c for _, c in batch)
             est = max(flops / (self.tp * self.hw.flops * self.eff.prefill_mfu),
                       reads / (self.tp * self.hw.hbm_bandwidth * self.eff.decode_mbu)) + self.eff.step_overhead_seconds
-        return max(est * self.prefill_scale, floor)
+        comm = self.tp_comm_time(sum(n for n, _ in batch))
+        return max(est * self.prefill_scale + comm, floor)
 
     def ttft(self, prompt_tokens: float, cached_tokens: float = 0.0, batch: int = 1) -> float:
         """Prefill latency of ``batch`` identical prompts run together (no queueing, no transfer)."""
@@ -280,7 +428,7 @@ class PerfModel:
     # -- decode ---------------------------------------------------------
     def decode_floor(self, concurrency: float, context_total: float) -> float:
         reads = self.shape.weight_bytes + self.shape.kv_bytes_per_token * context_total
-        flops = self.shape.matmul_flops_per_token * concurrency + 4.0 * self.shape.layers * self.shape.hidden * context_total
+        flops = self.shape.matmul_flops_per_token * concurrency + 4.0 * self.shape.layers * self.shape.q_dim * context_total
         return max(reads / (self.tp * self.hw.hbm_bandwidth), flops / (self.tp * self.hw.flops))
 
     def decode_step_time(self, concurrency: float, context_total: float) -> float:
@@ -294,10 +442,48 @@ class PerfModel:
         else:
             reads = self.shape.weight_bytes + self.shape.kv_bytes_per_token * context_total
             flops = (self.shape.matmul_flops_per_token * concurrency
-                     + 4.0 * self.shape.layers * self.shape.hidden * context_total)
+                     + 4.0 * self.shape.layers * self.shape.q_dim * context_total)
             est = max(reads / (self.tp * self.hw.hbm_bandwidth * self.eff.decode_mbu),
                       flops / (self.tp * self.hw.flops * self.eff.prefill_mfu)) + self.eff.step_overhead_seconds
-        return max(est * self.decode_scale, floor)
+        return max(est * self.decode_scale + self.tp_comm_time(concurrency), floor)
+
+    def mixed_step_floor(self, concurrency: float, context_total: float,
+                         prefill: Sequence[tuple[float, float]] = (), prefill_fraction: float = 1.0) -> float:
+        """Physical lower bound of :meth:`mixed_step_time`: its FLOPs at TP x peak, its reads at TP x HBM."""
+        flops, reads = self._mixed_work(concurrency, context_total, prefill, prefill_fraction)
+        return max(flops / (self.tp * self.hw.flops), reads / (self.tp * self.hw.hbm_bandwidth))
+
+    def _mixed_work(self, concurrency: float, context_total: float, prefill: Sequence[tuple[float, float]],
+                    prefill_fraction: float) -> tuple[float, float]:
+        s = self.shape
+        flops = (s.matmul_flops_per_token * concurrency + 4.0 * s.layers * s.q_dim * context_total
+                 + prefill_fraction * sum(self.prefill_flops(n, c) for n, c in prefill))
+        reads = s.weight_bytes + s.kv_bytes_per_token * (context_total + prefill_fraction * sum(c for _, c in prefill))
+        return flops, reads
+
+    def mixed_step_time(self, concurrency: float, context_total: float,
+                        prefill: Sequence[tuple[float, float]] = (), prefill_fraction: float = 1.0) -> float:
+        """One engine step that decodes ``concurrency`` requests (``context_total`` tokens in all) and, in the
+        same pass over the weights, prefills ``prefill_fraction`` of the ``(new, cached)`` prompts in
+        ``prefill`` (chunked prefill, the aggregated engine's way: a prompt is spread over steps)."""
+        new = prefill_fraction * sum(n for n, _ in prefill)
+        if concurrency <= 0 and new <= 0:
+            return 0.0
+        if new <= 0:
+            return self.decode_step_time(concurrency, context_total)
+        floor = self.mixed_step_floor(concurrency, context_total, prefill, prefill_fraction)
+        if self.profile is not None:
+            intercept = self.profile.prefill_coef[0]
+            part_p = prefill_fraction * (self.profile.prefill_seconds([n for n, _ in prefill]) - intercept)
+            part_d = self.profile.decode_seconds(concurrency, context_total) if concurrency > 0 else intercept
+            est = part_p * self.prefill_scale + part_d * self.decode_scale
+        else:
+            flops, reads = self._mixed_work(concurrency, context_total, prefill, prefill_fraction)
+            compute = flops / (self.tp * self.hw.flops * self.eff.prefill_mfu)
+            memory = reads / (self.tp * self.hw.hbm_bandwidth * self.eff.decode_mbu)
+            scale = self.prefill_scale if compute >= memory else self.decode_scale
+            est = (max(compute, memory) + self.eff.step_overhead_seconds) * scale
+        return max(est + self.tp_comm_time(concurrency + new), floor)
 
     def itl(self, concurrency: float, context_tokens: float) -> float:
         """Inter-token latency at ``concurrency`` requests of ``context_tokens`` each."""
