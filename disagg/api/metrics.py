@@ -42,6 +42,7 @@ FALLBACK_KV_TRANSFER = "kv_transfer_failed"    # decode could not pull the prefi
 # ---- vLLM's own metrics, as the router, tests and planner read them from workers' /metrics
 VLLM_NIXL_BYTES_TRANSFERRED = "vllm:nixl_bytes_transferred"        # histogram (bytes per transfer)
 VLLM_NIXL_FAILED_TRANSFERS = "vllm:nixl_num_failed_transfers"      # counter
+VLLM_NIXL_XFER_TIME_SECONDS = "vllm:nixl_xfer_time_seconds"        # histogram (seconds per transfer)
 VLLM_PREFIX_CACHE_QUERIES = "vllm:prefix_cache_queries"            # counter, tokens
 VLLM_PREFIX_CACHE_HITS = "vllm:prefix_cache_hits"                  # counter, tokens
 VLLM_PROMPT_TOKENS = "vllm:prompt_tokens"                          # counter

@@ -1,0 +1,367 @@
+"""The Helm chart (charts/disagg): lint, what renders with which values, RBAC equal to operator/rbac.yaml,
+secure pod defaults, CRDs and dashboards in sync with their sources, metric names from
+disagg.api.metrics, the alert rules checked and unit-tested by promtool, and the rendered objects and
+the examples accepted by the local API server."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from disagg.api import metrics as m
+
+REPO = Path(__file__).resolve().parent.parent
+CHART = REPO / "charts" / "disagg"
+MONITORING = "monitoring.coreos.com/v1"
+MONITOR_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
+# operator/rbac.yaml's rules for the optional gang backends: in the chart only when switched on
+OPTIONAL_GROUPS = {"scheduling.x-k8s.io": "coscheduling", "scheduling.volcano.sh": "volcano"}
+
+
+@pytest.fixture(scope="module")
+def helm() -> Path:
+    from disagg.e2e.localcluster import binaries
+
+    return binaries() / "helm"
+
+
+def render(helm: Path, *args: str, namespace: str = "disagg-system", release: str = "disagg") -> list[dict]:
+    out = subprocess.run([str(helm), "template", release, str(CHART), "--namespace", namespace, *args],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def kinds(objs: list[dict]) -> list[str]:
+    return sorted(o["kind"] for o in objs)
+
+
+def one(objs: list[dict], kind: str, name_part: str = "") -> dict:
+    found = [o for o in objs if o["kind"] == kind and name_part in o["metadata"]["name"]]
+    assert len(found) == 1, f"{kind} *{name_part}*: {[o['metadata']['name'] for o in found]}"
+    return found[0]
+
+
+def operator_rules() -> list[dict]:
+    return yaml.safe_load((REPO / "operator" / "rbac.yaml").read_text())["rules"]
+
+
+def norm(rules: list[dict]) -> list[dict]:
+    return [{k: list(r[k]) for k in ("apiGroups", "resources", "verbs")} for r in rules]
+
+
+# ---------------------------------------------------------------- static checks
+
+
+def test_helm_lint_is_clean(helm):
+    for args in ([], ["--set", "operator.enabled=false"], ["--set", "gangBackends.volcano=true"]):
+        out = subprocess.run([str(helm), "lint", "--strict", str(CHART), *args], capture_output=True, text=True)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert not re.search(r"\[(INFO|WARNING|ERROR)\]", out.stdout), out.stdout
+
+
+def test_chart_crds_equal_crds_dir():
+    ours = {p.name: p.read_bytes() for p in (CHART / "crds").glob("*")}
+    source = {p.name: p.read_bytes() for p in (REPO / "crds").glob("*")}
+    assert ours == source, "charts/disagg/crds/ differs from crds/: cp crds/* charts/disagg/crds/"
+
+
+def test_dashboards_are_what_the_generator_writes():
+    out = subprocess.run([sys.executable, str(CHART / "dashboards" / "generate.py"), "--check"],
+                         capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+
+
+def test_values_schema_refuses_unknown_and_bad_values(helm):
+    for bad, says in ((["--set", "operatr.enabled=false"], "operatr"),
+                      (["--set", "monitoring.prometheusRule.slo.ttftSeconds=0.3"], "ttftSeconds"),
+                      (["--set", "image.pullPolicy=Sometimes"], "pullPolicy"),
+                      (["--set", "monitoring.podMonitors.interval=soon"], "interval")):
+        out = subprocess.run([str(helm), "template", "x", str(CHART), *bad], capture_output=True, text=True)
+        assert out.returncode != 0 and says in out.stderr, (bad, out.stderr)
+
+
+# ---------------------------------------------------------------- what renders
+
+
+def test_defaults_render_no_monitors_without_the_prometheus_operator(helm):
+    objs = render(helm)
+    assert kinds(objs) == sorted(["ServiceAccount", "ClusterRole", "ClusterRole", "ClusterRole",
+                                  "ClusterRoleBinding", "Service", "Deployment"] + ["ConfigMap"] * 4)
+    assert not MONITOR_KINDS & set(kinds(objs))
+    dashboards = [o for o in objs if o["kind"] == "ConfigMap"]
+    for cm in dashboards:
+        assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+        (text,) = cm["data"].values()
+        assert json.loads(text)["uid"].startswith("disagg-")
+    assert {json.loads(next(iter(c["data"].values())))["uid"] for c in dashboards} == {
+        "disagg-overview", "disagg-prefill-decode", "disagg-router", "disagg-planner"}
+
+
+def test_monitors_render_when_the_prometheus_operator_is_there(helm):
+    objs = render(helm, "--api-versions", MONITORING)
+    assert [k for k in kinds(objs) if k in MONITOR_KINDS] == ["PodMonitor", "PodMonitor", "PrometheusRule",
+                                                              "ServiceMonitor"]
+    sm = one(objs, "ServiceMonitor")
+    assert [e["port"] for e in sm["spec"]["endpoints"]] == ["metrics", "planner-metrics"]
+    assert all(e["honorLabels"] for e in sm["spec"]["endpoints"])
+    svc = one(objs, "Service")
+    assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    assert [p["name"] for p in svc["spec"]["ports"]] == ["metrics", "planner-metrics"]
+    pod_ports = {p["name"] for c in one(objs, "Deployment")["spec"]["template"]["spec"]["containers"]
+                 for p in c["ports"]}
+    assert {p["targetPort"] for p in svc["spec"]["ports"]} <= pod_ports
+    workers, routers = one(objs, "PodMonitor", "workers"), one(objs, "PodMonitor", "routers")
+    targets = lambda pm: [r["targetLabel"] for r in pm["spec"]["podMetricsEndpoints"][0]["relabelings"]]  # noqa: E731
+    assert targets(workers) == ["deployment", "role"]
+    # the router's own series carry `role`: a `role` target label would rename theirs to exported_role
+    assert targets(routers) == ["deployment"]
+    assert routers["spec"]["selector"]["matchExpressions"][0]["values"] == ["router"]
+    assert workers["spec"]["selector"]["matchExpressions"][0]["values"] == ["prefill", "decode"]
+
+    off = render(helm, "--api-versions", MONITORING, "--set", "monitoring.serviceMonitor.enabled=false",
+                 "--set", "monitoring.podMonitors.enabled=false", "--set", "monitoring.prometheusRule.enabled=false",
+                 "--set", "monitoring.dashboards.enabled=false")
+    assert not MONITOR_KINDS & set(kinds(off)) and "ConfigMap" not in kinds(off)
+
+
+def test_operator_switched_off_renders_everything_but_the_operator_pod(helm):
+    objs = render(helm, "--api-versions", MONITORING, "--set", "operator.enabled=false")
+    assert "Deployment" not in kinds(objs) and "ServiceMonitor" not in kinds(objs) and "Service" not in kinds(objs)
+    sa = one(objs, "ServiceAccount")
+    binding = one(objs, "ClusterRoleBinding")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"],
+                                    "namespace": "disagg-system"}]
+    assert {"PodMonitor", "PrometheusRule", "ClusterRole"} <= set(kinds(objs))
+
+
+def test_planner_switched_off_leaves_one_container(helm):
+    objs = render(helm, "--api-versions", MONITORING, "--set", "planner.enabled=false")
+    pod = one(objs, "Deployment")["spec"]["template"]["spec"]
+    assert [c["name"] for c in pod["containers"]] == ["operator"]
+    assert [p["name"] for p in one(objs, "Service")["spec"]["ports"]] == ["metrics"]
+    assert [e["port"] for e in one(objs, "ServiceMonitor")["spec"]["endpoints"]] == ["metrics"]
+
+
+def test_operator_pod_runs_the_images_entrypoints_with_values(helm):
+    objs = render(helm, "--set", "image.repository=registry.example/disagg/cp", "--set", "image.tag=1.2.3",
+                  "--set", "planner.prometheusUrl=http://prom.monitoring:9090",
+                  "--set", "operator.watchNamespaces={team-a}")
+    pod = one(objs, "Deployment")["spec"]["template"]["spec"]
+    op, planner = pod["containers"]
+    assert op["image"] == planner["image"] == "registry.example/disagg/cp:1.2.3"
+    assert op["args"][0] == "disagg.operator" and "--namespace=team-a" in op["args"]
+    assert planner["args"][0] == "disagg.planner"
+    assert "--prometheus-url=http://prom.monitoring:9090" in planner["args"] and "--namespace=team-a" in planner["args"]
+    assert {"name": "DISAGG_OPERATOR_METRICS_PORT", "value": "8000"} in op["env"]
+    assert pod["serviceAccountName"] == one(objs, "ServiceAccount")["metadata"]["name"]
+    digest = "sha256:" + "a" * 64
+    pod = one(render(helm, "--set", f"image.digest={digest}"), "Deployment")["spec"]["template"]["spec"]
+    assert pod["containers"][0]["image"] == f"disagg/control-plane@{digest}"
+    # the default tag is the chart's appVersion (the Dockerfile's control-plane image the operator runs too)
+    from disagg.operator.render import CONTROL_PLANE_IMAGE
+
+    default = one(render(helm), "Deployment")["spec"]["template"]["spec"]["containers"][0]["image"]
+    assert default == CONTROL_PLANE_IMAGE
+
+
+def test_secure_pod_defaults(helm):
+    pod = one(render(helm), "Deployment")["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] != 0
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    for c in pod["containers"]:
+        sc = c["securityContext"]
+        assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+        assert sc["capabilities"] == {"drop": ["ALL"]} and sc["runAsNonRoot"] is True
+        assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert c["resources"]["limits"]["memory"] and c["resources"]["requests"]["cpu"]
+        assert {"name": "tmp", "mountPath": "/tmp"} in c["volumeMounts"]  # the one writable place
+
+
+# ---------------------------------------------------------------- RBAC
+
+
+def test_rbac_equals_operator_rbac_without_switched_off_backends(helm):
+    rules = operator_rules()
+    role = one(render(helm), "ClusterRole", "operator")
+    expected = [r for r in rules if not set(r["apiGroups"]) & OPTIONAL_GROUPS.keys()]
+    assert len(expected) == len(rules) - 2
+    assert norm(role["rules"]) == norm(expected)
+    assert not any(set(r["apiGroups"]) & OPTIONAL_GROUPS.keys() for r in role["rules"])
+
+    both = one(render(helm, "--set", "gangBackends.coscheduling=true", "--set", "gangBackends.volcano=true"),
+               "ClusterRole", "operator")
+    assert norm(both["rules"]) == norm(rules)
+    volcano = one(render(helm, "--set", "gangBackends.volcano=true"), "ClusterRole", "operator")
+    assert norm(volcano["rules"]) == norm([r for r in rules if "scheduling.x-k8s.io" not in r["apiGroups"]])
+
+
+def test_nothing_else_is_granted_to_the_operator(helm):
+    objs = render(helm)
+    sa = one(objs, "ServiceAccount")["metadata"]["name"]
+    bound = [b for b in objs if b["kind"] in ("ClusterRoleBinding", "RoleBinding")
+             and any(s.get("name") == sa for s in b["subjects"])]
+    assert [b["roleRef"]["name"] for b in bound] == [one(objs, "ClusterRole", "operator")["metadata"]["name"]]
+    # the aggregated user roles never grant more than DisaggDeployments
+    for role in (o for o in objs if o["kind"] == "ClusterRole" and "aggregate" in str(o["metadata"]["labels"])):
+        assert {g for r in role["rules"] for g in r["apiGroups"]} == {"serving.disagg.dev"}
+
+
+# ---------------------------------------------------------------- metric names and rules
+
+
+NAME = re.compile(r"(?<![\w:])(disagg_[a-z0-9_]+|vllm:[a-z0-9_:]+)")
+KNOWN = {v for k, v in vars(m).items() if k.isupper() and isinstance(v, str) and
+         (v.startswith(m.PREFIX) or v.startswith("vllm:"))}
+
+
+def metric_names(text: str) -> set[str]:
+    return set(NAME.findall(text))
+
+
+def unknown(names: set[str]) -> set[str]:
+    def known(name: str) -> bool:
+        if name in KNOWN:
+            return True
+        for suffix in ("_bucket", "_sum", "_count", "_total", "_created"):
+            if name.endswith(suffix) and name.removesuffix(suffix) in KNOWN:
+                return True
+        return False
+    return {n for n in names if not known(n)}
+
+
+def rule_groups(helm: Path, *args: str) -> list[dict]:
+    return one(render(helm, "--api-versions", MONITORING, *args), "PrometheusRule")["spec"]["groups"]
+
+
+def test_every_metric_name_in_dashboards_and_rules_is_in_disagg_api_metrics(helm):
+    dashboards = {p.name: p.read_text() for p in (CHART / "dashboards").glob("*.json")}
+    assert len(dashboards) == 4
+    for name, text in dashboards.items():
+        names = metric_names(text)
+        assert names, name
+        assert not unknown(names), f"{name}: not in disagg/api/metrics.py: {sorted(unknown(names))}"
+    rules = yaml.safe_dump(rule_groups(helm))
+    names = metric_names(rules)
+    assert {m.ROUTER_WORKERS, m.PLANNER_METRICS_AVAILABLE, m.VLLM_NIXL_FAILED_TRANSFERS + "_total"} <= names
+    assert not unknown(names), sorted(unknown(names))
+    assert not unknown({"disagg_router_ttft_seconds_bucket"}) and unknown({"disagg_router_ttft_secs"})
+
+
+@pytest.fixture(scope="module")
+def promtool() -> str:
+    path = shutil.which("promtool") or ("/usr/bin/promtool" if Path("/usr/bin/promtool").exists() else None)
+    if not path:
+        pytest.skip("promtool is not installed: `make prometheus` installs Debian's prometheus package")
+    return path
+
+
+def test_promtool_checks_every_rule(helm, promtool, tmp_path):
+    for args in ([], ["--set", "monitoring.prometheusRule.slo.ttftSeconds=0.5",
+                      "--set", "monitoring.prometheusRule.slo.itlSeconds=0.025",
+                      "--set", "monitoring.prometheusRule.slo.objective=0.99",
+                      "--set", "monitoring.prometheusRule.burnRate.fast.factor=14.4"]):
+        groups = rule_groups(helm, *args)
+        path = tmp_path / "rules.yaml"
+        path.write_text(yaml.safe_dump({"groups": groups}))
+        out = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True)
+        assert out.returncode == 0, out.stdout + out.stderr
+        alerts = {r["alert"] for g in groups for r in g["rules"] if "alert" in r}
+        assert alerts == {"DisaggTTFTSLOBurnFast", "DisaggTTFTSLOBurnSlow", "DisaggITLSLOBurnFast",
+                          "DisaggITLSLOBurnSlow", "DisaggNoReadyDecode", "DisaggNoReadyPrefill",
+                          "DisaggNIXLTransferFailures", "DisaggPlannerMetricsUnavailable"}
+    exprs = " ".join(str(r["expr"]) for g in groups for r in g["rules"])
+    assert 'le=~"0.5|0.5.0"' in exprs and "(14.4 * (1 - 0.99))" in exprs
+    off = rule_groups(helm, "--set", "monitoring.prometheusRule.alerts.noReadyPrefill.enabled=false")
+    assert "DisaggNoReadyPrefill" not in {r.get("alert") for g in off for r in g["rules"]}
+
+
+def test_promtool_unit_tests_fire_the_alerts(helm, promtool, tmp_path):
+    """charts/disagg/promtool/alerts_test.yaml: no ready decode, no ready prefill, NIXL failures, TTFT burn
+    and planner without metrics fire (and do not where they should not)."""
+    groups = rule_groups(helm)
+    for g in groups:
+        for r in g["rules"]:
+            r.pop("annotations", None)   # promtool compares annotations too; their templates are checked above
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": groups}))
+    shutil.copy(CHART / "promtool" / "alerts_test.yaml", tmp_path)
+    out = subprocess.run([promtool, "test", "rules", "alerts_test.yaml"], capture_output=True, text=True,
+                         cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    tested = set(re.findall(r"alertname: (\w+)", (CHART / "promtool" / "alerts_test.yaml").read_text()))
+    assert {"DisaggNoReadyDecode", "DisaggNIXLTransferFailures"} <= tested
+
+
+# ---------------------------------------------------------------- the local API server
+
+
+@pytest.fixture(scope="module")
+def monitoring_crds(cluster):
+    """Minimal CRDs of the Prometheus Operator's kinds (e2e/crds/monitoring)."""
+    cluster.kubectl("apply", "--server-side", "-f", str(REPO / "e2e" / "crds" / "monitoring"))
+    cluster.kubectl("wait", "--for=condition=Established", "--timeout=300s",
+                    *(f"crd/{p}.monitoring.coreos.com" for p in ("servicemonitors", "podmonitors", "prometheusrules")))
+    return True
+
+
+def dry_run(cluster, objs: list[dict], namespace: str) -> subprocess.CompletedProcess:
+    text = "---\n".join(yaml.safe_dump(o) for o in objs)
+    return cluster.kubectl("apply", "--server-side", "--dry-run=server", "--validate=strict",
+                           "--field-manager=chart-test", "-n", namespace, "-f", "-", input=text, check=False)
+
+
+@pytest.mark.cluster
+def test_api_server_accepts_everything_the_chart_renders(helm, cluster, crd_installed, monitoring_crds, namespace):
+    for args in ([], ["--set", "gangBackends.coscheduling=true", "--set", "gangBackends.volcano=true",
+                      "--set", "operator.watchNamespaces={a,b}", "--set", "planner.prometheusUrl=http://p:9090"],
+                 ["--set", "operator.enabled=false", "--set", "rbac.aggregateToDefaultRoles=false"]):
+        objs = render(helm, "--api-versions", MONITORING, *args, namespace=namespace, release="chart-test")
+        assert MONITOR_KINDS <= set(kinds(objs)) or "operator.enabled=false" in args
+        out = dry_run(cluster, objs, namespace)
+        assert out.returncode == 0, f"{args}: {out.stderr}"
+        assert "unknown field" not in out.stderr.lower() and "warning" not in out.stderr.lower(), out.stderr
+        assert out.stdout.count("serverside-applied (server dry run)") == len(objs), out.stdout
+
+
+@pytest.mark.cluster
+def test_api_server_refuses_a_misspelt_monitor_field(cluster, monitoring_crds, namespace, helm):
+    """The minimal monitoring CRDs are strict enough to catch a wrong field name."""
+    objs = render(helm, "--api-versions", MONITORING, namespace=namespace, release="chart-test")
+    pm = one(objs, "PodMonitor", "workers")
+    pm["spec"]["podMetricsEndpoints"][0]["relabelling"] = pm["spec"]["podMetricsEndpoints"][0].pop("relabelings")
+    out = dry_run(cluster, [pm], namespace)
+    assert out.returncode != 0 and "relabelling" in out.stderr, out.stderr
+
+
+EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
+
+
+def test_examples_cover_small_large_and_planned():
+    specs = {p.name: yaml.safe_load(p.read_text())["spec"] for p in EXAMPLES}
+    small = specs["small.yaml"]
+    assert small["prefill"]["tensorParallelSize"] == small["decode"]["tensorParallelSize"] == 1
+    large = [s for s in specs.values() if s["prefill"].get("tensorParallelSize", 1) > 1
+             and s["decode"].get("tensorParallelSize", 1) > 1 and s["scheduling"].get("topology", {}).get("key")]
+    assert large, "no example with TP on each side and a topology key"
+    planned = [s for s in specs.values() if s.get("planner", {}).get("enabled") and s.get("slo")]
+    assert planned, "no example with the planner on and SLOs"
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("example", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_example_applies_cleanly(cluster, crd_installed, namespace, example):
+    out = cluster.kubectl("apply", "--server-side", "--validate=strict", "-n", namespace, "-f", str(example),
+                          check=False)
+    assert out.returncode == 0, out.stderr
+    assert "warning" not in out.stderr.lower(), out.stderr
+    name = yaml.safe_load(example.read_text())["metadata"]["name"]
+    got = json.loads(cluster.kubectl("get", "dd", name, "-n", namespace, "-o", "json").stdout)
+    assert got["spec"]["model"] == yaml.safe_load(example.read_text())["spec"]["model"]
