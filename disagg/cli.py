@@ -70,6 +70,12 @@ def _profile(args: argparse.Namespace) -> int:
     return profile.run_cli(args)
 
 
+def _configure(args: argparse.Namespace) -> int:
+    from disagg.configurator import cli
+
+    return cli.run_cli(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="disagg", description="Disaggregated LLM serving on Kubernetes.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -98,6 +104,12 @@ def main(argv: list[str] | None = None) -> int:
     from disagg.planner.profile import add_arguments as _profile_arguments
     _profile_arguments(p)
     p.set_defaults(func=_profile)
+
+    p = sub.add_parser("configure", help="aggregated vs disaggregated layouts for a model, GPUs and SLO: "
+                                         "frontiers, CSV, PNG and the best layout's DisaggDeployment (--serve: web page)")
+    from disagg.configurator.cli import add_arguments as _configure_arguments
+    _configure_arguments(p)
+    p.set_defaults(func=_configure)
 
     p = sub.add_parser("serve", help="prefill + decode workers and the router on this machine (--local)")
     p.add_argument("--local", action="store_true", help="run everything as local processes (CPU, tiny model)")

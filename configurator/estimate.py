@@ -1,0 +1,558 @@
+"""Layouts, their estimates and the Pareto frontiers (aggregated and disaggregated).
+
+Every latency comes from the shared performance model (:mod:`disagg.planner.perfmodel`); this module adds
+only the serving arithmetic on top of it: how many requests a layout carries at a given decode batch
+(Little's law), how long a prompt waits for prefill (an M/G/1 queue per prefill worker, or the chunk
+budget of an aggregated engine), the KV transfer, and the Pareto frontier of output tokens/s per GPU
+against tokens/s per user.
+
+Points (one per layout and decode batch):
+
+* aggregated: ``workers`` replicas of TP ``t``, each running ``b`` requests with chunked prefill: every step
+  decodes ``b`` requests and prefills ``b / OSL`` of a prompt in the same pass over the weights;
+  ITL = that step; TTFT = the rest of the running step + the wait for chunk budget + the step(s) that
+  prefill the prompt.
+* disaggregated ``xPyD``: ``x`` prefill workers of TP ``tp_p``, ``y`` decode workers of TP ``tp_d``, ``b``
+  requests per decode worker; ITL = a decode step at ``b``; the request rate follows from Little's law
+  (``b = rate/y x OSL x ITL``) and the least ``x`` is taken whose TTFT at the SLO percentile (M/G/1 wait +
+  prefill + KV transfer over the interconnect + the first decode step) meets the target. The unit ``xPyD``
+  is replicated to fill the GPU budget (per-GPU figures are those of one unit).
+
+tokens/s/GPU counts output tokens per second per GPU used; tokens/s/user is 1 / mean ITL. The SLO
+percentile applies to TTFT (queueing tail) and ITL (the decode batch one z-score above its mean).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from statistics import NormalDist
+from typing import Any, Iterable
+
+from disagg.planner import perfmodel as pm
+
+TP_SIZES = (1, 2, 4, 8, 16)
+BATCHES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
+CHUNKS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768)   # aggregated prefill chunk budgets tried
+MAX_UTILIZATION = 0.95   # no prefill queue is planned fuller than this
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What the user asks (CLI flags and the web form carry the same fields)."""
+
+    model: str
+    gpu: str
+    gpus: int
+    isl: int = 3000
+    osl: int = 150
+    ttft_ms: float = 500.0
+    itl_ms: float = 50.0
+    percentile: float = 90.0
+    interconnect: str = "infiniband"
+    prefix_reuse: float = 0.0
+    precision: str = "bf16"
+    max_batch: int = 512
+    max_batched_tokens: int = 8192
+    max_tp: int = 8
+    calibration: str | None = None
+    profile: str | None = None
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.gpus < 1:
+            problems.append("gpus must be at least 1")
+        if self.isl < 1 or self.osl < 1:
+            problems.append("isl and osl must be at least 1 token")
+        if not (self.ttft_ms > 0 and self.itl_ms > 0):
+            problems.append("ttft-ms and itl-ms must be positive")
+        if not 50 <= self.percentile < 100:
+            problems.append("percentile must be in [50, 100)")
+        if not 0 <= self.prefix_reuse < 1:
+            problems.append("prefix-reuse must be in [0, 1)")
+        if self.max_batch < 1 or self.max_batched_tokens < 1 or self.max_tp < 1:
+            problems.append("max-batch, max-batched-tokens and max-tp must be at least 1")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @classmethod
+    def from_mapping(cls, d: dict[str, Any]) -> Inputs:
+        """From a web form or JSON body (strings allowed; unknown keys refused)."""
+        names = {f for f in cls.__dataclass_fields__}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"unknown inputs: {', '.join(sorted(unknown))}")
+        kinds = {"gpus": int, "isl": int, "osl": int, "ttft_ms": float, "itl_ms": float, "percentile": float,
+                 "prefix_reuse": float, "max_batch": int, "max_batched_tokens": int, "max_tp": int}
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            if v is None or v == "":
+                continue
+            try:
+                out[k] = kinds[k](v) if k in kinds else str(v)
+            except (TypeError, ValueError):
+                raise ValueError(f"{k}: not a number: {v!r}") from None
+        return cls(**out)
+
+
+# ---------------------------------------------------------------- resolving names
+
+def resolve_model(spec: str) -> tuple[pm.ModelShape, str]:
+    """A model shape and where its weights come from, by known name (any case, with or without the
+    organisation) or from a config.json (file or directory)."""
+    known = pm.known_models()
+    low = spec.lower()
+    for name in known:
+        if low in (name.lower(), name.split("/")[-1].lower()):
+            return pm.model(name), f"hf://{name}"
+    path = Path(spec).expanduser()
+    if path.exists():
+        shape = pm.model_from_config(path)
+        if "/" in shape.name and not Path(shape.name).is_absolute() and not shape.name.startswith("."):
+            source = f"hf://{shape.name}"
+        else:
+            source = str((path if path.is_dir() else path.parent).resolve())
+        return shape, source
+    raise KeyError(f"unknown model {spec!r}: not a known name ({', '.join(known)}) nor a config.json")
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The resolved inputs: model shape, GPU, link and efficiencies, and a perf model per TP size."""
+
+    inputs: Inputs
+    shape: pm.ModelShape
+    source: str
+    hw: pm.GPUSpec
+    link: pm.Interconnect
+    eff: pm.Efficiency
+    profile: pm.Profile | None = None
+    calibration: pm.Calibration | None = None
+    notes: tuple[str, ...] = ()
+    scales: dict[int, tuple[float, float]] = field(default_factory=dict, compare=False)
+
+    @classmethod
+    def of(cls, inputs: Inputs) -> Setup:
+        shape, source = resolve_model(inputs.model)
+        if inputs.precision == "fp8":
+            shape = replace(shape, dtype_bytes=1)
+        hw = pm.gpu(inputs.gpu, inputs.precision)
+        link = pm.interconnect(inputs.interconnect)
+        if link.name == "nvlink":  # KV moves over this GPU's own NVLink generation
+            link = replace(link, bandwidth=hw.nvlink_bandwidth)
+        notes = []
+        eff = pm.default_efficiency()
+        calibration = None
+        if inputs.calibration:
+            calibration = pm.Calibration.load(inputs.calibration)
+            eff = calibration.efficiency(hw, eff)
+            notes.append(f"calibrated on {calibration.device or calibration.gpu} at {calibration.measured_at}: "
+                         f"prefill MFU {eff.prefill_mfu:.2f}, decode MBU {eff.decode_mbu:.2f}")
+        profile = None
+        if inputs.profile:
+            profile = _load_profile(inputs.profile)
+            if profile.gpu not in ("", "unknown"):
+                try:
+                    same = pm.gpu(profile.gpu).name == hw.name
+                except KeyError:
+                    same = False
+                if not same:
+                    raise ValueError(f"profile was measured on {profile.gpu}, not {hw.name}")
+            if profile.model.lower().split("/")[-1] != shape.name.lower().split("/")[-1]:
+                notes.append(f"profile is for model {profile.model!r}; planning {shape.name} with it")
+            notes.append(f"measured profile at TP {profile.tensor_parallel_size} replaces the analytic estimate; "
+                         "other TP sizes are scaled by its ratio to the analytic one")
+        setup = cls(inputs, shape, source, hw, link, eff, profile, calibration, tuple(notes))
+        return setup
+
+    def model(self, tp: int) -> pm.PerfModel:
+        base = pm.PerfModel(self.shape, self.hw, tp, self.link, self.eff, tp_comm=True)
+        p = self.profile
+        if p is None:
+            return base
+        if tp == p.tensor_parallel_size:
+            return replace(base, profile=p)
+        if tp not in self.scales:  # measured / analytic at the profile's TP, applied to this TP
+            at = pm.PerfModel(self.shape, self.hw, p.tensor_parallel_size, self.link, self.eff, tp_comm=True)
+            measured = replace(at, profile=p)
+            isl, ctx = self.inputs.isl, self.inputs.isl + self.inputs.osl / 2
+            self.scales[tp] = (measured.ttft(isl) / at.ttft(isl), measured.itl(16, ctx) / at.itl(16, ctx))
+        ps, ds = self.scales[tp]
+        return base.corrected(ps, ds)
+
+    def tp_sizes(self) -> list[int]:
+        """TP sizes whose shards divide the heads, fit a node, and leave KV room for one full request."""
+        out = []
+        need = self.inputs.isl + self.inputs.osl
+        for tp in TP_SIZES:
+            if tp > min(self.inputs.max_tp, self.inputs.gpus) or self.shape.heads % tp:
+                continue
+            if self.model(tp).kv_capacity_tokens() >= need:
+                out.append(tp)
+        return out
+
+
+def _load_profile(path: str) -> pm.Profile:
+    import yaml
+
+    text = Path(path).read_text()
+    doc = yaml.safe_load(text)
+    if isinstance(doc, dict) and doc.get("kind") == "ConfigMap":  # `disagg profile --configmap` output
+        doc = yaml.safe_load(doc["data"][pm.PROFILE_KEY])
+    return pm.Profile.from_dict(doc)
+
+
+# ---------------------------------------------------------------- one layout
+
+@dataclass(frozen=True)
+class Estimate:
+    mode: str                     # "aggregated" | "disaggregated"
+    prefill_tp: int               # 0 for aggregated
+    prefill_workers: int          # per unit (0 for aggregated)
+    decode_tp: int                # the worker's TP for aggregated
+    decode_workers: int           # per unit
+    replicas: int                 # units deployed to fill the budget
+    batch: int                    # requests per decode (or aggregated) worker
+    tokens_per_s_per_gpu: float   # output tokens
+    tokens_per_s_per_user: float  # 1 / mean ITL
+    ttft_s: float                 # at the SLO percentile
+    itl_s: float                  # at the SLO percentile
+    itl_mean_s: float
+    request_rate: float           # requests/s the deployment (all replicas) carries
+    prefill_utilization: float    # busy share of a prefill worker (of the chunk budget, aggregated)
+    kv_transfer_s: float
+    prefill_flops_per_gpu: float  # achieved FLOP/s on a GPU that prefills
+    decode_bytes_per_gpu: float   # achieved HBM bytes/s on a GPU that decodes
+    chunk_tokens: int = 0         # aggregated: prefill chunk budget a step (--max-num-batched-tokens)
+    meets_slo: bool = False
+
+    @property
+    def unit_gpus(self) -> int:
+        return self.prefill_tp * self.prefill_workers + self.decode_tp * self.decode_workers
+
+    @property
+    def gpus(self) -> int:
+        return self.unit_gpus * self.replicas
+
+    @property
+    def layout(self) -> str:
+        if self.mode == "aggregated":
+            return f"{self.decode_workers * self.replicas}x TP{self.decode_tp} chunk {self.chunk_tokens}"
+        unit = f"{self.prefill_workers}P(TP{self.prefill_tp})+{self.decode_workers}D(TP{self.decode_tp})"
+        return unit if self.replicas == 1 else f"{self.replicas}x {unit}"
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(layout=self.layout, gpus=self.gpus, unit_gpus=self.unit_gpus)
+        return d
+
+
+def _z(percentile: float) -> float:
+    return NormalDist().inv_cdf(percentile / 100.0)
+
+
+def erlang_c(servers: int, offered: float) -> float:
+    """Probability that an arrival waits in an M/M/c queue with ``offered`` = rate x service (Erlang C)."""
+    if offered <= 0:
+        return 0.0
+    if offered >= servers:
+        return 1.0
+    term, total = 1.0, 1.0           # a^k / k!, summed for k < c
+    for k in range(1, servers):
+        term *= offered / k
+        total += term
+    last = term * offered / servers / (1.0 - offered / servers)
+    return last / (total + last)
+
+
+def queue_wait(rate: float, service: float, percentile: float, cv2: float = 0.0, servers: int = 1) -> float:
+    """Waiting time at ``percentile`` of an M/G/c queue (Poisson arrivals, ``servers`` workers pulling from one
+    queue, service of mean ``service`` with squared coefficient of variation ``cv2``; 0 for prompts of one
+    length). Allen-Cunneen: P(W > t) = C exp(-t (c mu - lambda) 2 / (1 + cv2)), C the Erlang-C probability
+    of waiting (exact for M/M/c, cv2 = 1). inf when the queue is unstable."""
+    if service <= 0 or rate <= 0:
+        return 0.0
+    offered = rate * service
+    if offered >= servers:
+        return math.inf
+    wait_prob = erlang_c(servers, offered)
+    tail = 1.0 - percentile / 100.0
+    if wait_prob <= tail:
+        return 0.0
+    return (1.0 + cv2) / (2.0 * (servers / service - rate)) * math.log(wait_prob / tail)
+
+
+def _batch_at_percentile(b: int, percentile: float, cap: int) -> float:
+    """Requests in a decode batch at the percentile (Poisson number in service), never above the cap."""
+    return min(b + _z(percentile) * math.sqrt(b), max(cap, b))
+
+
+def _decode_bytes(model: pm.PerfModel, concurrency: float, context_total: float) -> float:
+    return model.shape.weight_bytes + model.shape.kv_bytes_per_token * context_total
+
+
+def aggregated(setup: Setup, tp: int, batch: int, chunk: int | None = None) -> Estimate | None:
+    """One aggregated worker of TP ``tp`` running ``batch`` requests with a prefill chunk budget of ``chunk``
+    tokens a step (vLLM's --max-num-batched-tokens; None when it cannot serve them).
+
+    Steps are of two kinds: decode only, and decode plus one prompt's chunk (``k = ceil(new / chunk)``
+    chunks a prompt). A share ``f = batch x k / OSL`` of steps carries a chunk; each decoding request gets
+    one token a step, so the per-token ITL at the percentile is the chunked step's when ``f`` exceeds the
+    percentile's tail, else the decode step's: the prefill-decode interference disaggregation removes.
+    """
+    i = setup.inputs
+    m = setup.model(tp)
+    chunk = chunk or i.max_batched_tokens
+    cap = min(m.max_concurrency(i.isl + i.osl), i.max_batch)
+    if batch > cap or chunk <= batch:
+        return None
+    new, cached = i.isl * (1 - i.prefix_reuse), i.isl * i.prefix_reuse
+    ctx = i.isl + i.osl / 2.0
+    k = max(1, math.ceil(new / (chunk - batch)))
+    piece = [(new, cached)]
+    tail = 1.0 - i.percentile / 100.0
+
+    def steps(b: float) -> tuple[float, float, float, float]:
+        f = b * k / i.osl
+        t_d = m.decode_step_time(b, b * ctx)
+        t_mix = m.mixed_step_time(b, b * ctx, piece, 1.0 / k)
+        return f, t_d, t_mix, (1 - min(f, 1.0)) * t_d + min(f, 1.0) * t_mix
+
+    f, t_d, t_mix, mean = steps(batch)
+    if f >= 1.0:                               # the chunk budget cannot keep the batch full
+        return None
+    b_p = _batch_at_percentile(batch, i.percentile, cap)
+    f_p, t_d_p, t_mix_p, _ = steps(b_p)
+    itl_p = t_mix_p if f_p > tail else t_d_p
+    rate_w = batch / (i.osl * mean)
+    service = k * t_mix
+    wait = queue_wait(rate_w, service, i.percentile)
+    ttft = i.percentile / 100.0 * t_d + wait + service
+    workers = i.gpus // tp
+    fm, rm = m.mixed_step_work(batch, batch * ctx, piece, 1.0 / k)
+    fd, rd = m.mixed_step_work(batch, batch * ctx, (), 1.0)
+    flops, reads = (1 - f) * fd + f * fm, (1 - f) * rd + f * rm   # per step, on average
+    return Estimate("aggregated", 0, 0, tp, 1, workers, batch,
+                    tokens_per_s_per_gpu=batch / mean / tp, tokens_per_s_per_user=1.0 / mean,
+                    ttft_s=ttft, itl_s=itl_p, itl_mean_s=mean, request_rate=rate_w * workers,
+                    prefill_utilization=rate_w * service, kv_transfer_s=0.0,
+                    prefill_flops_per_gpu=flops / mean / tp, decode_bytes_per_gpu=reads / mean / tp,
+                    chunk_tokens=chunk)
+
+
+@dataclass(frozen=True)
+class _Prefill:
+    tp: int
+    service: float        # seconds to prefill one prompt alone
+    transfer: float       # seconds to move its KV cache (set per decode TP)
+    flops: float          # FLOPs of one prompt
+
+
+def disaggregated_ttft(setup: Setup, pre: _Prefill, workers: int, rate: float, first_step: float) -> float:
+    """TTFT at the SLO percentile: wait for one of the unit's prefill workers (the router hands a prompt to
+    whichever is free: one queue, ``workers`` servers), prefill, KV transfer, first decode step."""
+    wait = queue_wait(rate, pre.service, setup.inputs.percentile, servers=workers)
+    return wait + pre.service + pre.transfer + first_step
+
+
+def disaggregated(setup: Setup, prefill_tp: int, prefill_workers: int, decode_tp: int, decode_workers: int,
+                  batch: int) -> Estimate | None:
+    """One xPyD unit with ``batch`` requests per decode worker (None when it cannot serve them)."""
+    pre = _prefill(setup, prefill_tp, decode_tp)
+    dec = _decode(setup, decode_tp, batch)
+    if pre is None or dec is None:
+        return None
+    return _disagg_estimate(setup, pre, decode_tp, dec, prefill_workers, decode_workers, batch)
+
+
+def _prefill(setup: Setup, tp: int, decode_tp: int) -> _Prefill | None:
+    i = setup.inputs
+    m = setup.model(tp)
+    if m.kv_capacity_tokens() < i.isl:
+        return None
+    new, cached = i.isl * (1 - i.prefix_reuse), i.isl * i.prefix_reuse
+    lanes = min(tp, decode_tp)
+    return _Prefill(tp, m.ttft(i.isl, cached), m.kv_transfer_time(m.kv_bytes(i.isl), parallel_links=lanes),
+                    m.prefill_flops(new, cached))
+
+
+def _decode(setup: Setup, tp: int, batch: int) -> tuple[float, float, float] | None:
+    """(mean ITL, ITL at the percentile, HBM bytes per step) of a decode worker at ``batch``."""
+    i = setup.inputs
+    m = setup.model(tp)
+    cap = min(m.max_concurrency(i.isl + i.osl), i.max_batch)
+    if batch > cap:
+        return None
+    ctx = i.isl + i.osl / 2.0
+    b_p = _batch_at_percentile(batch, i.percentile, cap)
+    return m.itl(batch, ctx), m.itl(b_p, ctx), _decode_bytes(m, batch, batch * ctx)
+
+
+def _disagg_estimate(setup: Setup, pre: _Prefill, decode_tp: int, dec: tuple[float, float, float], x: int, y: int,
+                     batch: int) -> Estimate | None:
+    i = setup.inputs
+    itl, itl_p, reads = dec
+    rate = y * batch / (i.osl * itl)
+    if rate / x * pre.service >= MAX_UTILIZATION:
+        return None
+    ttft = disaggregated_ttft(setup, pre, x, rate, itl)
+    unit = x * pre.tp + y * decode_tp
+    if unit > i.gpus:
+        return None
+    k = i.gpus // unit
+    return Estimate("disaggregated", pre.tp, x, decode_tp, y, k, batch,
+                    tokens_per_s_per_gpu=y * batch / itl / unit, tokens_per_s_per_user=1.0 / itl,
+                    ttft_s=ttft, itl_s=itl_p, itl_mean_s=itl, request_rate=rate * k,
+                    prefill_utilization=rate / x * pre.service, kv_transfer_s=pre.transfer,
+                    prefill_flops_per_gpu=rate / x * pre.flops / pre.tp, decode_bytes_per_gpu=reads / itl / decode_tp)
+
+
+def least_prefill(setup: Setup, pre: _Prefill, decode_tp: int, dec: tuple[float, float, float], y: int,
+                  batch: int) -> Estimate | None:
+    """The xPyD point with the fewest prefill workers whose TTFT meets the target (None if none fits)."""
+    i = setup.inputs
+    itl, _, _ = dec
+    rate = y * batch / (i.osl * itl)
+    room = (i.gpus - y * decode_tp) // pre.tp
+    lo = max(1, math.ceil(rate * pre.service / MAX_UTILIZATION - 1e-12))
+    if lo > room:
+        return None
+    target = i.ttft_ms / 1000.0
+
+    def ok(x: int) -> bool:
+        return rate / x * pre.service < MAX_UTILIZATION and disaggregated_ttft(setup, pre, x, rate, itl) <= target
+
+    if not ok(room):
+        return None
+    hi = room
+    while lo < hi:  # TTFT falls as prefill workers are added: binary search
+        mid = (lo + hi) // 2
+        if ok(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return _disagg_estimate(setup, pre, decode_tp, dec, lo, y, batch)
+
+
+# ---------------------------------------------------------------- enumeration and frontier
+
+def _batches(limit: int) -> list[int]:
+    return [b for b in BATCHES if b <= limit]
+
+
+def enumerate_aggregated(setup: Setup) -> list[Estimate]:
+    i = setup.inputs
+    new = i.isl * (1 - i.prefix_reuse)
+    out = []
+    for tp in setup.tp_sizes():
+        for b in _batches(i.max_batch):
+            # budgets below the limit, up to the first that takes a whole prompt and the batch in one step
+            chunks = [c for c in CHUNKS if c < i.max_batched_tokens]
+            chunks = [c for c in chunks if c < new + b] + [c for c in chunks if c >= new + b][:1]
+            for c in sorted(set(chunks + [i.max_batched_tokens])):
+                e = aggregated(setup, tp, b, c)
+                if e is not None:
+                    out.append(e)
+    return out
+
+
+def enumerate_disaggregated(setup: Setup) -> list[Estimate]:
+    """Every xPyD unit within the budget (least prefill workers meeting TTFT for each decode side)."""
+    i = setup.inputs
+    tps = setup.tp_sizes()
+    out = []
+    for tp_d in tps:
+        decs = {b: _decode(setup, tp_d, b) for b in _batches(i.max_batch)}
+        for tp_p in tps:
+            if tp_p + tp_d > i.gpus:
+                continue
+            pre = _prefill(setup, tp_p, tp_d)
+            if pre is None:
+                continue
+            for y in range(1, (i.gpus - tp_p) // tp_d + 1):
+                for b, dec in decs.items():
+                    if dec is None:
+                        continue
+                    e = least_prefill(setup, pre, tp_d, dec, y, b)
+                    if e is not None:
+                        out.append(e)
+    return out
+
+
+def meets(e: Estimate, inputs: Inputs) -> bool:
+    return e.ttft_s <= inputs.ttft_ms / 1000.0 + 1e-12 and e.itl_s <= inputs.itl_ms / 1000.0 + 1e-12
+
+
+def pareto(points: Iterable[Estimate]) -> list[Estimate]:
+    """Points no other point beats on both tokens/s/GPU and tokens/s/user, by tokens/s/user ascending."""
+    pts = sorted(points, key=lambda e: (-e.tokens_per_s_per_user, -e.tokens_per_s_per_gpu, e.gpus))
+    front, best = [], -math.inf
+    for e in pts:
+        if e.tokens_per_s_per_gpu > best * (1 + 1e-9):
+            front.append(e)
+            best = e.tokens_per_s_per_gpu
+    return front[::-1]
+
+
+def frontier_value(front: list[Estimate], user_speed: float) -> float:
+    """Most tokens/s/GPU the frontier offers at ``user_speed`` tokens/s/user or faster (0 if none)."""
+    return max((e.tokens_per_s_per_gpu for e in front if e.tokens_per_s_per_user >= user_speed * (1 - 1e-9)),
+               default=0.0)
+
+
+@dataclass
+class Result:
+    setup: Setup
+    aggregated: list[Estimate]        # frontier (TTFT met), by tokens/s/user ascending
+    disaggregated: list[Estimate]
+    best: Estimate | None             # most tokens/s/GPU meeting both SLOs
+    best_aggregated: Estimate | None
+    best_disaggregated: Estimate | None
+    evaluated: int = 0
+
+    @property
+    def inputs(self) -> Inputs:
+        return self.setup.inputs
+
+    def gain_at(self, user_speed: float) -> float | None:
+        """Disaggregated over aggregated tokens/s/GPU at ``user_speed`` tokens/s/user (None: agg has none)."""
+        a = frontier_value(self.aggregated, user_speed)
+        d = frontier_value(self.disaggregated, user_speed)
+        return d / a if a > 0 else None
+
+    def summary(self) -> dict[str, Any]:
+        i = self.inputs
+        speed = 1000.0 / i.itl_ms
+        return {"model": self.setup.shape.name, "gpu": self.setup.hw.name, "gpus": i.gpus,
+                "interconnect": self.setup.link.name, "isl": i.isl, "osl": i.osl, "prefix_reuse": i.prefix_reuse,
+                "precision": i.precision, "ttft_ms": i.ttft_ms, "itl_ms": i.itl_ms, "percentile": i.percentile,
+                "best": self.best.to_dict() if self.best else None,
+                "best_aggregated": self.best_aggregated.to_dict() if self.best_aggregated else None,
+                "best_disaggregated": self.best_disaggregated.to_dict() if self.best_disaggregated else None,
+                "gain_at_slo_user_speed": self.gain_at(speed), "slo_user_speed": speed,
+                "notes": list(self.setup.notes), "evaluated": self.evaluated}
+
+
+def configure(inputs: Inputs) -> Result:
+    """The whole search: one code path for the CLI and the web page."""
+    setup = Setup.of(inputs)
+    if not setup.tp_sizes():
+        raise ValueError(f"{setup.shape.name} does not fit {inputs.gpus} x {setup.hw.name} at TP <= {inputs.max_tp} "
+                         f"with room for one {inputs.isl + inputs.osl}-token request")
+    ttft = inputs.ttft_ms / 1000.0
+    agg_all = enumerate_aggregated(setup)
+    dis_all = enumerate_disaggregated(setup)
+    fronts = []
+    for pts in (agg_all, dis_all):
+        ok_ttft = [e for e in pts if e.ttft_s <= ttft + 1e-12]
+        fronts.append([replace(e, meets_slo=meets(e, inputs)) for e in pareto(ok_ttft)])
+
+    def best(front: list[Estimate]) -> Estimate | None:
+        ok = [e for e in front if e.meets_slo]
+        return max(ok, key=lambda e: (e.tokens_per_s_per_gpu, e.tokens_per_s_per_user), default=None)
+
+    ba, bd = best(fronts[0]), best(fronts[1])
+    overall = max((e for e in (ba, bd) if e is not None),
+                  key=lambda e: (e.tokens_per_s_per_gpu, e.tokens_per_s_per_user), default=None)
+    return Result(setup, fronts[0], fronts[1], overall, ba, bd, len(agg_all) + len(dis_all))
