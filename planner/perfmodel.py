@@ -165,7 +165,8 @@ def model_from_config(config: str | Path | dict[str, Any], name: str | None = No
     inter, vocab = int(c["intermediate_size"]), int(c["vocab_size"])
     per_layer = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2 + 3 * hidden * inter
     embed = vocab * hidden * (1 if c.get("tie_word_embeddings", config.get("tie_word_embeddings")) else 2)
-    dtype = _DTYPE_BYTES.get(str(c.get("torch_dtype") or config.get("torch_dtype") or "bfloat16"), 2)
+    dtype = _DTYPE_BYTES.get(str(c.get("torch_dtype") or c.get("dtype") or config.get("torch_dtype")
+                                 or config.get("dtype") or "bfloat16"), 2)
     return ModelShape(name or str(c.get("model_type", "model")), layers, hidden, heads, kv_heads, inter, vocab,
                       float(layers * per_layer + embed), dtype,
                       head_dim if head_dim != hidden // heads else 0)
@@ -450,11 +451,12 @@ class PerfModel:
     def mixed_step_floor(self, concurrency: float, context_total: float,
                          prefill: Sequence[tuple[float, float]] = (), prefill_fraction: float = 1.0) -> float:
         """Physical lower bound of :meth:`mixed_step_time`: its FLOPs at TP x peak, its reads at TP x HBM."""
-        flops, reads = self._mixed_work(concurrency, context_total, prefill, prefill_fraction)
+        flops, reads = self.mixed_step_work(concurrency, context_total, prefill, prefill_fraction)
         return max(flops / (self.tp * self.hw.flops), reads / (self.tp * self.hw.hbm_bandwidth))
 
-    def _mixed_work(self, concurrency: float, context_total: float, prefill: Sequence[tuple[float, float]],
-                    prefill_fraction: float) -> tuple[float, float]:
+    def mixed_step_work(self, concurrency: float, context_total: float, prefill: Sequence[tuple[float, float]] = (),
+                        prefill_fraction: float = 1.0) -> tuple[float, float]:
+        """(FLOPs, HBM bytes read) of one mixed step (see :meth:`mixed_step_time`)."""
         s = self.shape
         flops = (s.matmul_flops_per_token * concurrency + 4.0 * s.layers * s.q_dim * context_total
                  + prefill_fraction * sum(self.prefill_flops(n, c) for n, c in prefill))
@@ -478,7 +480,7 @@ class PerfModel:
             part_d = self.profile.decode_seconds(concurrency, context_total) if concurrency > 0 else intercept
             est = part_p * self.prefill_scale + part_d * self.decode_scale
         else:
-            flops, reads = self._mixed_work(concurrency, context_total, prefill, prefill_fraction)
+            flops, reads = self.mixed_step_work(concurrency, context_total, prefill, prefill_fraction)
             compute = flops / (self.tp * self.hw.flops * self.eff.prefill_mfu)
             memory = reads / (self.tp * self.hw.hbm_bandwidth * self.eff.decode_mbu)
             scale = self.prefill_scale if compute >= memory else self.decode_scale
