@@ -6,9 +6,9 @@ BIN := $(VENV)/bin
 # Reinstall the light environment whenever pyproject.toml changes.
 STAMP := $(VENV)/.installed-$(shell sha256sum pyproject.toml | cut -c1-16)
 
-.PHONY: test demo venv cluster-build cluster-up cluster-down crds prometheus worker-env
+.PHONY: test demo venv cluster-build cluster-up cluster-down crds prometheus browser worker-env
 
-test: venv cluster-build prometheus worker-env
+test: venv cluster-build prometheus browser worker-env
 	$(BIN)/python -m pytest
 
 demo: venv cluster-build
@@ -42,6 +42,10 @@ cluster-down: venv
 # A real Prometheus for the planner's tests (Debian's package), installed only when missing.
 prometheus:
 	@command -v prometheus >/dev/null || { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y prometheus; }
+
+# A real headless browser for the configurator's web page test (Debian's Chromium and its driver), installed only when missing.
+browser:
+	@{ command -v chromium && command -v chromedriver; } >/dev/null || { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium chromium-driver; }
 
 crds: venv
 	$(BIN)/disagg crds
