@@ -44,8 +44,12 @@ def gains(result: Result) -> list[tuple[float, float, float, float | None]]:
     for s in speeds:
         a, d = frontier_value(result.aggregated, s), frontier_value(result.disaggregated, s)
         if a or d:
-            out.append((s, a, d, d / a if a else None))
+            out.append((s, a, d, d / a if a and d else None))
     return out
+
+
+def _ratio(a: float, d: float, r: float | None) -> str:
+    return f"{r:.2f}x" if r is not None else ("aggregated only" if a else "disaggregated only")
 
 
 def table(result: Result) -> str:
@@ -84,7 +88,7 @@ def table(result: Result) -> str:
     g = gains(result)
     if g:
         lines.append("disaggregated / aggregated tokens/s/GPU at a fixed tokens/s/user (frontiers, TTFT met): "
-                     + ", ".join(f"{sp:g}: {'n/a' if r is None else f'{r:.2f}x'}" for sp, _, _, r in g))
+                     + ", ".join(f"{sp:g}: {_ratio(a, d, r)}" for sp, a, d, r in g))
     return "\n".join(lines)
 
 
