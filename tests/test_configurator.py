@@ -7,7 +7,6 @@ import csv
 import importlib.util
 import json
 import math
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
