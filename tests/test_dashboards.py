@@ -1,0 +1,409 @@
+"""Every panel of the chart's Grafana dashboards, queried against a real Prometheus that scraped real metrics.
+
+One stack for the module: a prefill and a decode vLLM (CPU build, tiny model) moving KV over NIXL, the
+router in front of them (conditional disaggregation, so requests take the remote-prefill, local-prefill
+and fallback paths), and the planner's metrics exporter fed by the planner's own decisions on what
+Prometheus shows. Prometheus scrapes them as the chart's monitors would on a cluster: the PodMonitors'
+relabelings and metric relabelings and the ServiceMonitor's honorLabels, taken from `helm template`,
+applied to targets labelled as the operator labels pods. It also evaluates the chart's PrometheusRule.
+
+Each panel's queries run with Grafana's variables replaced by concrete values; a query error, or a panel
+target with no finite value, fails the test. Panels whose series only exist on a GPU cluster would be
+listed in GPU_ONLY with the reason (none are).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import yaml
+
+from disagg.api import metrics as m
+from disagg.e2e.prometheus import LocalPrometheus
+from disagg.e2e.testing import wait_for
+from disagg.workers.local import cpu_settings, free_port, metric_sum, router, scrape, wait_metric, worker
+from disagg.workers.testing import tiny_model, worker_python  # noqa: F401  (fixtures)
+
+REPO = Path(__file__).resolve().parent.parent
+CHART = REPO / "charts" / "disagg"
+DASHBOARDS = sorted((CHART / "dashboards").glob("*.json"))
+NS, NAME = "team-a", "tiny"
+OPERATOR_NS = "disagg-system"
+RATE_INTERVAL = "1m"
+VARIABLES = {"namespace": NS, "deployment": NAME, "ttft_target": "1", "itl_target": "0.05",
+             "__rate_interval": RATE_INTERVAL}
+# dashboard title -> panel title -> why it cannot have data without GPUs
+GPU_ONLY: dict[str, dict[str, str]] = {}
+
+pytestmark = pytest.mark.timeout(1800)
+
+SHARED = "You are a careful assistant for a parser project. Answer in one short line. " * 3
+LONG = [f"{SHARED}Question {i}: which arguments does parse_args accept, and what does it return for case {i}?"
+        for i in range(12)]
+SHORT = ["Hi.", "Say hello.", "Count to three.", "Name a color.", "Two plus two?", "Bye."]
+
+
+class FaultyProxy:
+    """An HTTP proxy in front of the prefill worker; while ``failing`` it answers 503 to every POST,
+    as a broken prefill pod would (its /health and /metrics keep answering)."""
+
+    def __init__(self, upstream: str):
+        self.upstream, self.failing = upstream, False
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _relay(self, body: bytes | None):
+                if body is not None and proxy.failing:
+                    return self._send(503, b'{"error": {"message": "prefill broken by the test"}}')
+                req = urllib.request.Request(proxy.upstream + self.path, data=body, method=self.command,
+                                             headers={"Content-Type": self.headers.get("Content-Type",
+                                                                                       "application/json")})
+                try:
+                    with urllib.request.urlopen(req, timeout=300) as r:
+                        self._send(r.status, r.read(), r.headers.get("Content-Type"))
+                except urllib.error.HTTPError as e:
+                    self._send(e.code, e.read(), e.headers.get("Content-Type"))
+
+            def _send(self, status: int, body: bytes, ctype: str | None = "application/json"):
+                self.send_response(status)
+                self.send_header("Content-Type", ctype or "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                self._relay(None)
+
+            def do_POST(self):
+                self._relay(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+
+        self.port = free_port()
+        self.server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self.url = f"http://127.0.0.1:{self.port}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+
+
+def relabel(rules: list[dict]) -> list[dict]:
+    """Prometheus Operator relabelings (camelCase) as Prometheus relabel_configs."""
+    keys = {"sourceLabels": "source_labels", "targetLabel": "target_label"}
+    return [{keys.get(k, k): (v.lower() if k == "action" else v) for k, v in r.items()} for r in rules]
+
+
+class ChartPrometheus(LocalPrometheus):
+    """LocalPrometheus with scrape jobs and rule groups given in full."""
+
+    def __init__(self, state_dir: Path, scrape_configs: list[dict], rule_groups: list[dict]):
+        super().__init__(state_dir, [])
+        self.scrape_configs, self.rule_groups = scrape_configs, rule_groups
+
+    def _config(self) -> Path:
+        rules = self.dir / "rules.yaml"
+        rules.write_text(yaml.safe_dump({"groups": self.rule_groups}))
+        path = self.dir / "prometheus.yml"
+        path.write_text(yaml.safe_dump({
+            "global": {"scrape_interval": self.scrape_interval, "evaluation_interval": self.scrape_interval},
+            "rule_files": [str(rules)], "scrape_configs": self.scrape_configs}))
+        return path
+
+    def api(self, path: str, **params) -> dict:
+        url = f"{self.url}/api/v1/{path}?{urllib.parse.urlencode(params, doseq=True)}"
+        try:
+            with urllib.request.urlopen(url, timeout=30) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return json.loads(e.read() or b"{}") | {"status": "error", "http": e.code}
+
+
+def chart_monitors() -> dict[str, dict]:
+    from disagg.e2e.localcluster import binaries
+
+    out = subprocess.run([str(binaries() / "helm"), "template", "disagg", str(CHART), "--namespace", OPERATOR_NS,
+                          "--api-versions", "monitoring.coreos.com/v1"], check=True, capture_output=True, text=True)
+    objs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    return {o["kind"] + "/" + o["metadata"].get("labels", {}).get("app.kubernetes.io/component", ""): o
+            for o in objs if o["kind"] in ("PodMonitor", "ServiceMonitor", "PrometheusRule")}
+
+
+def scrape_configs(monitors: dict[str, dict], pods: dict[str, tuple[str, str]], planner: str) -> list[dict]:
+    """Jobs as the Prometheus Operator generates them from the chart's monitors, for `pods`
+    (name -> (role, host:port)) labelled as the operator labels its pods."""
+    jobs = []
+    for component in ("routers", "workers"):
+        pm = monitors[f"PodMonitor/{component}"]
+        roles = pm["spec"]["selector"]["matchExpressions"][0]["values"]
+        endpoint = pm["spec"]["podMetricsEndpoints"][0]
+        jobs.append({
+            "job_name": f"podMonitor/{OPERATOR_NS}/{pm['metadata']['name']}",
+            "metrics_path": endpoint["path"],
+            "static_configs": [{"targets": [addr], "labels": {
+                "__meta_kubernetes_namespace": NS, "__meta_kubernetes_pod_name": pod,
+                "__meta_kubernetes_pod_label_serving_disagg_dev_deployment": NAME,
+                "__meta_kubernetes_pod_label_serving_disagg_dev_role": role}}
+                for pod, (role, addr) in pods.items() if role in roles],
+            # what the Prometheus Operator puts before a PodMonitor's own relabelings
+            "relabel_configs": [{"source_labels": ["__meta_kubernetes_namespace"], "target_label": "namespace"},
+                                {"source_labels": ["__meta_kubernetes_pod_name"], "target_label": "pod"},
+                                *relabel(endpoint.get("relabelings", []))],
+            "metric_relabel_configs": relabel(endpoint.get("metricRelabelings", [])),
+        })
+    sm = monitors["ServiceMonitor/operator"]
+    endpoint = next(e for e in sm["spec"]["endpoints"] if e["port"] == "planner-metrics")
+    jobs.append({"job_name": f"serviceMonitor/{OPERATOR_NS}/{sm['metadata']['name']}",
+                 "honor_labels": endpoint["honorLabels"], "metrics_path": endpoint["path"],
+                 "static_configs": [{"targets": [planner], "labels": {"namespace": OPERATOR_NS,
+                                                                      "pod": "disagg-operator-0"}}]})
+    return jobs
+
+
+@dataclass
+class Stack:
+    prometheus: ChartPrometheus
+    router_url: str
+    decode_url: str
+    start: float
+    end: float
+
+
+def _complete(url: str, prompt: str, stream: bool, max_tokens: int = 8) -> None:
+    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                       "stream": stream}).encode()
+    req = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        assert r.status == 200
+        r.read()
+
+
+def _chat(url: str, text: str) -> None:
+    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": text}], "max_tokens": 8,
+                       "temperature": 0, "stream": True}).encode()
+    req = urllib.request.Request(f"{url}/v1/chat/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        assert r.status == 200
+        r.read()
+
+
+class PlannerFeed:
+    """The planner's decision path without a cluster: observe through Prometheus, decide, record the
+    decision in the planner's metrics (served over HTTP like the sidecar's), every ``interval`` seconds."""
+
+    def __init__(self, interval: float = 3.0):
+        from prometheus_client import start_http_server
+
+        from disagg.planner import decide as dc
+        from disagg.planner.apply import PlannerMetrics
+        from disagg.planner.perfmodel import PerfModel
+
+        self.dc, self.interval = dc, interval
+        self.metrics = PlannerMetrics()
+        self.port = free_port()
+        self.server, _ = start_http_server(self.port, addr="127.0.0.1", registry=self.metrics.registry)
+        self.source = None
+        self.model = PerfModel.analytic("meta-llama/Llama-3.1-8B-Instruct", "H100-SXM")
+        self.target = dc.Target(prefill=1, decode=1, ttft_target=1.0, itl_target=0.05, cooldown=60.0,
+                                interval=interval, startup=10.0)
+        self.memory = dc.Memory()
+        self.decisions = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def connect(self, prometheus_url: str) -> PlannerFeed:
+        from disagg.planner.metrics_source import PrometheusSource
+
+        self.source = PrometheusSource(prometheus_url, timeout=5)
+        return self
+
+    def start(self) -> PlannerFeed:
+        self._thread.start()
+        return self
+
+    def step(self) -> None:
+        obs = self.source.observe(NS, NAME, 90, 20)
+        decision, self.memory = self.dc.decide(obs, self.target, self.memory, self.model, now=time.time())
+        self.metrics.record(NS, NAME, decision, self.target)
+        self.decisions += 1
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.step()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        if self.source:
+            self.source.close()
+        self.server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model, worker_python, tmp_path_factory):  # noqa: F811
+    logs = tmp_path_factory.mktemp("dashboards")
+    prefill_s = cpu_settings("prefill", tiny_model, "0")
+    decode_s = cpu_settings("decode", tiny_model, "1")
+    procs = {"prefill": worker("prefill", prefill_s, worker_python, logs),
+             "decode": worker("decode", decode_s, worker_python, logs)}
+    closers = []
+    try:
+        for name in ("prefill", "decode"):
+            procs[name].start()
+        proxy = FaultyProxy(procs["prefill"].url)
+        closers.append(proxy.close)
+        port = free_port()
+        config = {"model": "tiny", "tokenizer": tiny_model, "block_size": 32, "max_model_len": 1024, "port": port,
+                  "host": "127.0.0.1", "health_interval_s": 2, "prefill_timeout_s": 120,
+                  "spec": {"disaggregation": "conditional", "localPrefillThresholdTokens": 48},
+                  "prefill": [{"url": proxy.url, "kv_events": f"tcp://127.0.0.1:{prefill_s.kv_events_port}"}],
+                  "decode": [{"url": procs["decode"].url,
+                              "kv_events": f"tcp://127.0.0.1:{decode_s.kv_events_port}"}]}
+        (logs / "router.json").write_text(json.dumps(config))
+        procs["router"] = router(logs / "router.json", port, logs)
+        for name in ("prefill", "decode"):
+            procs[name].wait_ready(timeout=900)
+        procs["router"].start().wait_ready()
+
+        monitors = chart_monitors()
+        groups = monitors["PrometheusRule/"]["spec"]["groups"]
+        for g in groups:
+            g["interval"] = "2s"      # evaluate the chart's rules often enough for a short test
+        feed = PlannerFeed()
+        closers.append(feed.close)
+        pods = {"tiny-router-0": ("router", f"127.0.0.1:{port}"),
+                "tiny-prefill-0": ("prefill", f"127.0.0.1:{prefill_s.port}"),
+                "tiny-decode-0": ("decode", f"127.0.0.1:{decode_s.port}")}
+        prom = ChartPrometheus(logs / "prometheus", scrape_configs(monitors, pods, f"127.0.0.1:{feed.port}"),
+                               groups)
+        prom.start()
+        closers.append(prom.stop)
+        feed.connect(prom.url)
+        feed.step()   # before any traffic: the planner holds for want of metrics
+        feed.start()
+
+        start = time.time()
+        url = procs["router"].url
+        for i, prompt in enumerate(LONG[:8]):              # remote prefill (long, uncached tails)
+            _complete(url, prompt, stream=i % 2 == 0)
+        for text in SHORT:                                 # local prefill (short)
+            _chat(url, text)
+        proxy.failing = True                               # a broken prefill: fallback to local prefill
+        for prompt in LONG[8:11]:
+            _complete(url, prompt, stream=True)
+        proxy.failing = False
+        for prompt in LONG[11:] + LONG[:2]:                # prefix hits on the prefill worker
+            _complete(url, prompt, stream=True, max_tokens=12)
+        routed = scrape(url)
+        served = metric_sum(routed, m.ROUTER_REQUESTS)
+        assert served == 20, routed
+        assert routed.get(f'{m.ROUTER_FALLBACKS}{{reason="{m.FALLBACK_PREFILL_ERROR}"}}', 0) == 3, routed
+        # vLLM publishes NIXL stats at its logging interval
+        wait_metric(procs["decode"].url, m.VLLM_NIXL_BYTES_TRANSFERRED + "_count", 1, timeout=60)
+        # until Prometheus holds the last values and the planner decided on them
+        decisions = feed.decisions
+        wait_for(lambda: prom.api("query", query=f'sum({m.ROUTER_REQUESTS}{{namespace="{NS}"}})')
+                 .get("data", {}).get("result") and float(prom.api(
+                     "query", query=f'sum({m.ROUTER_REQUESTS}{{namespace="{NS}"}})')["data"]["result"][0]["value"][1])
+                 == served, 60, "Prometheus to scrape the router's last counts", interval=1)
+        wait_for(lambda: feed.decisions >= decisions + 2, 60, "two more planner decisions", interval=0.5)
+        time.sleep(3)  # a few more scrapes of every target and rule evaluations
+        yield Stack(prom, url, procs["decode"].url, start, time.time())
+    finally:
+        for close in reversed(closers):
+            close()
+        for p in procs.values():
+            p.stop()
+
+
+def substitute(expr: str) -> str:
+    for name, value in sorted(VARIABLES.items(), key=lambda kv: -len(kv[0])):
+        expr = expr.replace("${" + name + "}", value).replace("$" + name, value)
+    assert "$" not in expr, expr
+    return expr
+
+
+def finite(result: list[dict]) -> bool:
+    values = [v for s in result for _, v in (s.get("values") or [s["value"]])]
+    return any(math.isfinite(float(v)) for v in values)
+
+
+def panels(dashboard: dict) -> list[dict]:
+    out = []
+    for p in dashboard["panels"]:
+        out += [p] if p.get("targets") else []
+        out += [q for q in p.get("panels", []) if q.get("targets")]
+    return out
+
+
+@pytest.mark.parametrize("path", DASHBOARDS, ids=[p.stem for p in DASHBOARDS])
+def test_every_panel_has_data(stack, path):
+    dashboard = json.loads(path.read_text())
+    skip = GPU_ONLY.get(dashboard["title"], {})
+    failures, checked = [], 0
+    for panel in panels(dashboard):
+        if panel["title"] in skip:
+            continue
+        for t in panel["targets"]:
+            expr = substitute(t["expr"])
+            if t.get("instant"):
+                r = stack.prometheus.api("query", query=expr, time=stack.end)
+            else:
+                r = stack.prometheus.api("query_range", query=expr, start=stack.start, end=stack.end, step="2s")
+            checked += 1
+            if r.get("status") != "success":
+                failures.append(f"{panel['title']} [{t['refId']}]: query error {r.get('error')}: {expr}")
+            elif not finite(r["data"]["result"]):
+                failures.append(f"{panel['title']} [{t['refId']}]: no data: {expr}")
+    assert checked >= 10
+    assert not failures, "\n".join(failures)
+
+
+def test_template_variables_list_the_deployment(stack):
+    for path in DASHBOARDS:
+        variables = {v["name"]: v for v in json.loads(path.read_text())["templating"]["list"]}
+        for name, want in (("namespace", NS), ("deployment", NAME)):
+            query = variables[name]["query"]["query"]
+            inner, label = query.removeprefix("label_values(").removesuffix(")").rsplit(", ", 1)
+            assert label == name
+            r = stack.prometheus.api(f"label/{label}/values", **{"match[]": substitute(inner)})
+            assert r["status"] == "success" and want in r["data"], (path.name, query, r)
+        for name in ("ttft_target", "itl_target"):
+            assert VARIABLES[name] in [o["value"] for o in variables[name]["options"]]
+
+
+def test_chart_rules_evaluate_on_real_metrics(stack):
+    groups = stack.prometheus.api("rules")["data"]["groups"]
+    rules = [r for g in groups for r in g["rules"]]
+    assert len(rules) >= 20
+    bad = [(r["name"], r.get("lastError")) for r in rules if r["health"] != "ok"]
+    assert not bad, bad
+    for record in ("disagg:goodput:rate5m", "disagg:slo_attainment:ratio_rate5m",
+                   "disagg:ttft_slo_errors:ratio_rate5m", "disagg:itl_slo_errors:ratio_rate5m",
+                   "disagg:router_ttft_seconds:p90_5m"):
+        r = stack.prometheus.api("query", query=f'{record}{{namespace="{NS}", deployment="{NAME}"}}',
+                                 time=stack.end)
+        assert r["status"] == "success" and finite(r["data"]["result"]), (record, r)
+    # healthy workers on both sides, transfers without failures: the no-ready and NIXL alerts stay quiet
+    alerts = {a["labels"]["alertname"] for a in stack.prometheus.api("alerts")["data"]["alerts"]}
+    assert not alerts & {"DisaggNoReadyDecode", "DisaggNoReadyPrefill", "DisaggNIXLTransferFailures"}, alerts
+    # and their expressions see the series they alert on
+    for expr in (f'disagg_router_workers{{namespace="{NS}", deployment="{NAME}", role="decode", state="healthy"}}',
+                 f'vllm:nixl_num_failed_transfers_total{{namespace="{NS}", deployment="{NAME}", role="decode"}}',
+                 f'disagg_planner_metrics_available{{namespace="{NS}", deployment="{NAME}"}}'):
+        r = stack.prometheus.api("query", query=expr, time=stack.end)
+        assert r["status"] == "success" and r["data"]["result"], expr
