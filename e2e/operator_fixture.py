@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -45,6 +46,10 @@ def running_operator(kubeconfig: Path) -> Iterator[object]:
 
     old = os.environ.get("KUBECONFIG")
     os.environ["KUBECONFIG"] = str(kubeconfig)
+    if "DISAGG_OPERATOR_METRICS_PORT" not in os.environ:   # a free port, not the default 8000
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            os.environ["DISAGG_OPERATOR_METRICS_PORT"] = str(sock.getsockname()[1])
     try:
         with KopfRunner(["run", "--standalone", "--all-namespaces", "-m", "disagg.operator.handlers"],
                         timeout=60) as runner:

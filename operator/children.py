@@ -98,9 +98,10 @@ def _snake(kind: str) -> str:
     return "".join(f"_{c.lower()}" if c.isupper() else c for c in kind).lstrip("_")
 
 
-def apply(clients: Clients, manifests: list[dict[str, Any]], owner_uid: str) -> int:
-    """Apply each manifest unless the live object already has its hash. Returns the number of writes."""
-    writes = 0
+def apply(clients: Clients, manifests: list[dict[str, Any]], owner_uid: str) -> list[str]:
+    """Apply each manifest unless the live object already has its hash and nobody else has changed
+    its spec since. Returns the kinds written, one entry per write."""
+    written = []
     for m in manifests:
         meta = m["metadata"]
         live = clients.get(m["apiVersion"], m["kind"], meta["namespace"], meta["name"])
@@ -109,11 +110,29 @@ def apply(clients: Clients, manifests: list[dict[str, Any]], owner_uid: str) -> 
             if owners and owners[0]["uid"] != owner_uid:
                 raise ChildConflict(f"{m['kind']} {meta['name']} is controlled by {owners[0]['kind']} "
                                     f"{owners[0]['name']}, not by this DisaggDeployment")
-            if (live["metadata"].get("annotations") or {}).get(HASH_ANNOTATION) == meta["annotations"][HASH_ANNOTATION]:
+            same = (live["metadata"].get("annotations") or {}).get(HASH_ANNOTATION) == meta["annotations"][HASH_ANNOTATION]
+            if same and not drifted_by(live["metadata"]):
                 continue
         clients.apply(m)
-        writes += 1
-    return writes
+        written.append(m["kind"])
+    return written
+
+
+def drifted_by(meta: dict[str, Any]) -> str | None:
+    """The field manager that changed this object's spec after the operator last applied it (a
+    ``kubectl edit``, ``kubectl scale``, another controller), or None. Read from managedFields, so it
+    needs no memory across restarts; status writers (subresource status) do not count."""
+    ours, theirs = "", None
+    latest = ""
+    for e in meta.get("managedFields") or []:
+        t = e.get("time") or "9999"     # writes through the scale subresource carry no time
+        if e.get("manager") == FIELD_MANAGER and e.get("operation") == "Apply":
+            ours = max(ours, t)
+        elif e.get("subresource") != "status" and "f:spec" in (e.get("fieldsV1") or {}) and t >= latest:
+            latest, theirs = t, e.get("manager") or "unknown"
+    # times have one-second resolution: the same second counts as later (callers restore once per
+    # generation, so a foreign entry that survives our apply, with fields we do not set, cannot loop)
+    return theirs if theirs and latest >= ours else None
 
 
 def prune_gangs(clients: Clients, namespace: str, dd_name: str, keep: set[str], current_gang: str) -> list[str]:

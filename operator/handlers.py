@@ -18,6 +18,7 @@ from disagg.api.v1alpha1 import GPU_RESOURCE, PLURAL, VERSION, DisaggDeployment
 
 from . import capacity, children, render
 from . import gang as gangs
+from . import metrics
 from . import status as statuses
 
 log = logging.getLogger("disagg.operator")
@@ -40,6 +41,8 @@ def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     memo.clients = children.Clients.create()
     memo.triggers = {}
     memo.applied = {}  # (namespace, name) -> (last applied generation, error applying the next one)
+    memo.drift_seen = {}  # (namespace, child Deployment) -> its generation last restored
+    metrics.serve()
 
 
 def _parse(body: kopf.Body) -> DisaggDeployment:
@@ -55,28 +58,35 @@ def reconcile(body: kopf.Body, uid: str, name: str, namespace: str, memo: kopf.M
         dd = _parse(body)
     except ValidationError as e:
         # Admission should have refused it; never crash-loop on it either.
+        metrics.reconciles.labels("invalid").inc()
         kopf.warn(body, reason="InvalidSpec", message=str(e).splitlines()[0])
         raise kopf.PermanentError(f"invalid spec: {e}") from e
     clients: children.Clients = memo.clients
     if dd.spec.model.secret_ref and _secret_missing(clients, namespace, dd.spec.model.secret_ref.name):
         _wake(memo, namespace, name)
+        metrics.reconciles.labels("blocked").inc()
         raise kopf.TemporaryError(f"Secret {dd.spec.model.secret_ref.name} not found", delay=5)
     manifests, gang = render.children(dd, uid)
     generation = body["metadata"].get("generation", 0)
     try:
-        writes = children.apply(clients, manifests, uid)
+        written = children.apply(clients, manifests, uid)
     except children.ChildConflict as e:
+        metrics.reconciles.labels("conflict").inc()
         memo.applied[(namespace, name)] = (generation - 1, str(e))
         kopf.warn(body, reason="ChildConflict", message=str(e))
         _wake(memo, namespace, name)
         raise kopf.TemporaryError(str(e), delay=30) from e
     except ApiException as e:
+        metrics.reconciles.labels("error").inc()
         memo.applied[(namespace, name)] = (generation - 1, f"{e.status} {e.reason}")
         _wake(memo, namespace, name)
         raise
     memo.applied[(namespace, name)] = (generation, None)
-    if writes:
-        kopf.info(body, reason="Applied", message=f"applied {writes} of {len(manifests)} child objects "
+    metrics.reconciles.labels("applied" if written else "unchanged").inc()
+    for kind in written:
+        metrics.child_writes.labels(kind).inc()
+    if written:
+        kopf.info(body, reason="Applied", message=f"applied {len(written)} of {len(manifests)} child objects "
                                                  f"(gang {gang.name or 'none'})")
     keep = {m["metadata"]["name"] for m in manifests}
     for gone in children.prune_gangs(clients, namespace, name, keep, gang.name):
@@ -128,9 +138,50 @@ def deployments_by_deployment(namespace: str, labels: kopf.Labels, spec: kopf.Sp
 
 
 @kopf.on.event("pods", labels={LABEL_DEPLOYMENT: kopf.PRESENT, LABEL_MANAGED_BY: MANAGED_BY})
-@kopf.on.event("deployments", labels={LABEL_DEPLOYMENT: kopf.PRESENT, LABEL_MANAGED_BY: MANAGED_BY})
 async def child_changed(namespace: str, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
     _wake(memo, namespace, labels[LABEL_DEPLOYMENT])
+
+
+@kopf.on.event("deployments", labels={LABEL_DEPLOYMENT: kopf.PRESENT, LABEL_MANAGED_BY: MANAGED_BY})
+async def deployment_changed(namespace: str, name: str, labels: kopf.Labels, meta: kopf.Meta, memo: kopf.Memo,
+                             type: str | None = None, **_: Any) -> None:
+    dd_name = labels[LABEL_DEPLOYMENT]
+    _wake(memo, namespace, dd_name)
+    manager = children.drifted_by(dict(meta)) if type != "DELETED" else None
+    generation = meta.get("generation")
+    if manager is None or memo.drift_seen.get((namespace, name)) == generation:
+        return
+    # someone else changed a child's spec (kubectl edit/scale, another controller): the
+    # DisaggDeployment is the source of truth, so restore the rendered spec, once per change
+    memo.drift_seen[(namespace, name)] = generation
+    try:
+        restored = await asyncio.to_thread(_restore, memo.clients, namespace, dd_name)
+    except ApiException as e:
+        log.warning("restoring %s/%s after a change by %s failed: %s", namespace, name, manager, e.reason)
+        return
+    if restored is not None:
+        metrics.drift_reverts.labels("Deployment", manager).inc()
+        kopf.event(restored, type="Warning", reason="ChildDriftReverted",
+                   message=f"Deployment {name} was changed by {manager}; restored the spec this "
+                           f"DisaggDeployment renders (change the DisaggDeployment instead)")
+
+
+def _restore(clients: children.Clients, namespace: str, dd_name: str) -> dict[str, Any] | None:
+    """Re-apply a deployment's children; returns its body for the event, None if it is gone or invalid."""
+    try:
+        obj = clients.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, dd_name)
+    except ApiException as e:
+        if e.status == 404:
+            return None
+        raise
+    try:
+        dd = _parse(obj)
+    except ValidationError:
+        return None
+    manifests, _ = render.children(dd, obj["metadata"]["uid"])
+    for kind in children.apply(clients, manifests, obj["metadata"]["uid"]):
+        metrics.child_writes.labels(kind).inc()
+    return obj
 
 
 # ---------------------------------------------------------------- status
@@ -162,6 +213,7 @@ async def status_loop(name: str, namespace: str, body: kopf.Body, memo: kopf.Mem
                 await asyncio.sleep(0.2)  # let a burst of pod events settle into one refresh
     finally:
         memo.triggers.pop(key, None)
+        metrics.observe_status(namespace, name, None)
 
 
 async def _woken(trigger: asyncio.Event, stopped: kopf.DaemonStopped, timeout: float) -> bool:
@@ -206,6 +258,9 @@ def refresh(clients: children.Clients, namespace: str, name: str, pods: list[sta
     if statuses.changed(previous, status):
         clients.custom.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, PLURAL, name,
                                                              {"status": status})
+        metrics.status_writes.inc()
+        _observe_gang_wait(previous, status)
+    metrics.observe_status(namespace, name, status)
     settled = status["phase"] == "Ready" and all(
         c["status"] == "False" for c in status["conditions"] if c["type"] in ("Progressing", "Degraded"))
     current = gangs.render(name, dd.spec)
@@ -215,6 +270,14 @@ def refresh(clients: children.Clients, namespace: str, name: str, pods: list[sta
         for gone in children.prune_gangs(clients, namespace, name, keep, current.name):
             events.append(("Normal", "GangObjectDeleted", f"deleted {gone}: no pod of it remains"))
     return settled, events
+
+
+def _observe_gang_wait(previous: dict[str, Any], status: dict[str, Any]) -> None:
+    """A gang just placed: how long it waited (since GangScheduled last turned False)."""
+    before = {c["type"]: c for c in previous.get("conditions") or []}.get("GangScheduled")
+    now = {c["type"]: c for c in status.get("conditions") or []}.get("GangScheduled")
+    if before and now and before["status"] == "False" and now["status"] == "True":
+        metrics.gang_wait.observe(statuses.age_seconds(before["lastTransitionTime"]))
 
 
 def _capacity(clients: children.Clients, dd: DisaggDeployment) -> tuple[bool, str]:

@@ -8,7 +8,10 @@ import time
 import pytest
 from kubernetes import client
 
+from disagg.api import metrics as m
 from disagg.api.names import LABEL_ROLE
+from disagg.operator import metrics as operator_metrics
+from disagg.workers.local import metric_sum, scrape
 from disagg.e2e.localcluster import nodepools
 from disagg.e2e.testing import DD, GROUP, PLURAL, VERSION, dd_manifest, wait_for
 
@@ -112,6 +115,45 @@ def test_gang_minimum_holds_per_role(api_client, namespace, operator):
     time.sleep(3)
     assert all(p.spec.node_name is None for p in dd.pods("prefill")), "prefill bound without its decode"
     assert dd.condition("Ready")["status"] == "False"
+
+
+def test_a_gang_waiting_past_its_timeout_says_so(api_client, namespace, operator):
+    dd = DD(api_client, namespace, dd_manifest(
+        "late", decode={"replicas": 1, "nodeSelector": {"nvidia.com/gpu.product": "no-such-gpu"}},
+        scheduling={"gang": {"minPrefill": 1, "minDecode": 1, "timeoutSeconds": 8}}))
+    cond = dd.wait_condition("GangScheduled", "False", "GangTimeout", timeout=120)
+    assert "not placed after" in cond["message"] and "(timeout 8s)" in cond["message"]
+    assert "gang needs 2 nvidia.com/gpu" in cond["message"], cond
+    events = dd.core.list_namespaced_event(namespace, field_selector="involvedObject.name=late").items
+    assert any(e.reason == "GangTimeout" and e.type == "Warning" for e in events)
+    # the same decision as a metric
+    scraped = scrape(f"http://127.0.0.1:{operator_metrics.port()}")
+    key = (f'{m.OPERATOR_CONDITION}{{deployment="late",namespace="{namespace}",reason="GangTimeout",'
+           f'type="GangScheduled"}}')
+    assert scraped.get(key) == 0.0, {k: v for k, v in scraped.items() if "late" in k}
+
+
+def test_hand_edits_of_children_are_reverted(api_client, namespace, operator):
+    """The DisaggDeployment is the source of truth: a `kubectl edit` or `kubectl scale` of a child
+    Deployment is undone at once (not at the next spec change), with an event and a metric."""
+    dd = DD(api_client, namespace, dd_manifest("drift"))
+    dd.wait_phase("Ready")
+    apps, name = dd.apps, "drift-decode"
+    container = apps.read_namespaced_deployment(name, namespace).spec.template.spec.containers[0]
+    before = metric_sum(scrape(f"http://127.0.0.1:{operator_metrics.port()}"), m.OPERATOR_DRIFT_REVERTS)
+    apps.patch_namespaced_deployment(name, namespace, {"spec": {"template": {"spec": {"containers": [
+        {"name": container.name, "args": ["--edited-by-hand"]}]}}}}, field_manager="kubectl-edit")
+    wait_for(lambda: apps.read_namespaced_deployment(name, namespace).spec.template.spec.containers[0].args
+             == container.args, 60, "the rendered args restored")
+    apps.patch_namespaced_deployment_scale(name, namespace, {"spec": {"replicas": 3}}, field_manager="kubectl-scale")
+    wait_for(lambda: apps.read_namespaced_deployment(name, namespace).spec.replicas == 1, 60, "replicas restored")
+    events = dd.core.list_namespaced_event(namespace, field_selector="involvedObject.name=drift").items
+    managers = {e.message.split(" was changed by ")[1].split(";")[0] for e in events
+                if e.reason == "ChildDriftReverted"}
+    assert {"kubectl-edit", "kubectl-scale"} <= managers, managers
+    after = metric_sum(scrape(f"http://127.0.0.1:{operator_metrics.port()}"), m.OPERATOR_DRIFT_REVERTS)
+    assert after - before >= 2
+    dd.wait_phase("Ready")
 
 
 def _clique_of(api_client, pods):
@@ -317,3 +359,5 @@ def test_operator_follows_the_planners_replicas(cluster, api_client, namespace, 
     time.sleep(2)
     assert dd.get()["spec"]["decode"]["replicas"] == 3
     assert dd.apps.read_namespaced_deployment("planned-decode", namespace).spec.replicas == 3
+
+

@@ -59,5 +59,10 @@ PLANNER_OBSERVED_ITL_SECONDS = "disagg_planner_observed_itl_seconds"      # gaug
 PLANNER_METRICS_AVAILABLE = "disagg_planner_metrics_available"      # gauge 0/1
 
 # ---- operator
-OPERATOR_RECONCILES = "disagg_operator_reconciles_total"            # counter; labels: result
-OPERATOR_GANG_WAIT_SECONDS = "disagg_operator_gang_wait_seconds"    # histogram
+OPERATOR_RECONCILES = "disagg_operator_reconciles_total"            # counter; labels: result (applied, unchanged, conflict, error, invalid, blocked)
+OPERATOR_GANG_WAIT_SECONDS = "disagg_operator_gang_wait_seconds"    # histogram: first gang pod created -> gang placed
+OPERATOR_CHILD_WRITES = "disagg_operator_child_writes_total"        # counter; labels: kind
+OPERATOR_DRIFT_REVERTS = "disagg_operator_drift_reverts_total"      # counter; labels: kind, manager (who changed it)
+OPERATOR_STATUS_WRITES = "disagg_operator_status_writes_total"      # counter
+OPERATOR_DEPLOYMENTS = "disagg_operator_deployments"                # gauge; labels: phase
+OPERATOR_CONDITION = "disagg_operator_condition"                    # gauge 0/1; labels: namespace, deployment, type, reason
