@@ -120,7 +120,14 @@ def main() -> int:
         print(f"operator: {args.deployments} DisaggDeployments ({want} pods, gangs) Ready in {t_op:.1f}s",
               flush=True)
 
-        # ---- idle: no write may come from the operator
+        # ---- idle: no write may come from the operator, once every status has settled (Ready can
+        # come a refresh before Progressing turns False, and old gang objects are pruned after that)
+        def all_settled() -> bool:
+            items = custom.list_namespaced_custom_object("serving.disagg.dev", "v1alpha1", "ops",
+                                                         "disaggdeployments")["items"]
+            return all(c["status"] == "False" for o in items for c in o["status"].get("conditions", [])
+                       if c["type"] in ("Progressing", "Degraded"))
+        wait_for(all_settled, 600, "every status settled", interval=1)
         time.sleep(5)
         offset = cluster.audit_log.stat().st_size
         time.sleep(args.idle)

@@ -3,8 +3,9 @@
 One vLLM worker (CPU build, the tiny model, no NIXL) and the router in front of it (disaggregation
 never, so both paths run the same engine work). Requests alternate direct / routed, so drift hits
 both alike. Reported: TTFT p50 of each and the added TTFT, and routed tokens/s as a ratio of direct.
-On a 2-core machine the router, the client and vLLM (whose OpenMP threads spin) share the cores;
-read the figures with that.
+By default vLLM gets core 0 and the router and this client core 1, as in a cluster where the router
+runs on its own (CPU) node: vLLM's OpenMP threads spin, and a router sharing their core measures the
+scheduler, not the router. `--shared` puts all three on both cores (the old, noisier setup).
 
     .venv/bin/python bench/router_overhead.py [--requests 40] [--tokens 64]
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -44,16 +46,24 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=40)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--shared", action="store_true", help="no pinning: vLLM, router and client share all cores")
     args = ap.parse_args()
+    cores = sorted(os.sched_getaffinity(0))
+    pinned = not args.shared and len(cores) >= 2
     python = worker_python()
     model = str(ensure(python))
     logs = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
-    w = worker("vllm", cpu_settings("decode", model, "0-1", kv_transfer=False), python, logs)
+    engine_cores = str(cores[0]) if pinned else f"{cores[0]}-{cores[-1]}"
+    w = worker("vllm", cpu_settings("decode", model, engine_cores, kv_transfer=False), python, logs)
     port = free_port()
     (logs / "router.json").write_text(json.dumps({
         "model": "tiny", "tokenizer": model, "block_size": 32, "max_model_len": 1024, "port": port,
         "host": "127.0.0.1", "spec": {"disaggregation": "never"}, "decode": [{"url": w.url}]}))
     r = router(logs / "router.json", port, logs)
+    if pinned:
+        rest = ",".join(str(c) for c in cores[1:])
+        r.argv = ["taskset", "-c", rest, *r.argv]
+        os.sched_setaffinity(0, set(cores[1:]))
     w.start(), r.start()
     try:
         w.wait_ready(), r.wait_ready()
@@ -68,7 +78,8 @@ def main() -> None:
         r_ttft = statistics.median(t for t, _ in routed)
         d_rate = statistics.median(x for _, x in direct)
         r_rate = statistics.median(x for _, x in routed)
-        print(f"{args.requests} requests each path, {args.tokens} tokens each")
+        print(f"{args.requests} requests each path, {args.tokens} tokens each; "
+              f"{'vLLM on core %d, router and client on the rest' % cores[0] if pinned else 'all on all cores'}")
         print(f"TTFT p50: direct {d_ttft * 1000:.2f} ms, routed {r_ttft * 1000:.2f} ms, "
               f"added {(r_ttft - d_ttft) * 1000:.2f} ms (ratio {r_ttft / d_ttft:.3f})")
         print(f"stream tokens/s p50: direct {d_rate:.1f}, routed {r_rate:.1f}, ratio {r_rate / d_rate:.3f}")

@@ -38,6 +38,9 @@ def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     settings.posting.level = logging.WARNING
     settings.persistence.finalizer = "serving.disagg.dev/operator"
     settings.watching.server_timeout = 300
+    # reconciles are sync (the kubernetes client) and mostly wait on the API server: more threads
+    # than cores lets a burst of new deployments overlap those waits
+    settings.execution.max_workers = 16
     memo.clients = children.Clients.create()
     memo.triggers = {}
     memo.applied = {}  # (namespace, name) -> (last applied generation, error applying the next one)
