@@ -11,6 +11,7 @@ import json
 from typing import Any
 
 from disagg.api.names import (
+    DISK_OFFLOAD_PATH,
     LABEL_DEPLOYMENT,
     LABEL_MANAGED_BY,
     LABEL_ROLE,
@@ -146,9 +147,17 @@ def worker_deployment(dd: DisaggDeployment, uid: str, role: str, gang: gangs.Gan
         "readinessProbe": {**http, "periodSeconds": 5, "failureThreshold": 3},
         "livenessProbe": {**http, "periodSeconds": 10, "failureThreshold": 6},
     }
+    volumes = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}}]
+    disk_gib = dd.spec.kv_cache.offload.disk_gib
+    if disk_gib:
+        # vLLM's fs tier (0.32) does not evict by size: the volume's limit is the bound, and the
+        # ephemeral-storage request makes the scheduler pick a node with that much local disk
+        volumes.append({"name": "kv-offload", "emptyDir": {"sizeLimit": f"{disk_gib}Gi"}})
+        container["volumeMounts"].append({"name": "kv-offload", "mountPath": DISK_OFFLOAD_PATH})
+        container["resources"].setdefault("requests", {})["ephemeral-storage"] = f"{disk_gib}Gi"
     pod_spec: dict[str, Any] = {
         "containers": [container],
-        "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}}],
+        "volumes": volumes,
         "terminationGracePeriodSeconds": DRAIN_SECONDS,
         "enableServiceLinks": False,
         **pod_fields["spec"],

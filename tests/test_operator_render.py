@@ -3,6 +3,8 @@ rollout strategy, names, and the contract with the worker and router entrypoints
 
 import pytest
 
+from disagg.api.names import DISK_OFFLOAD_PATH
+
 from disagg.api.v1alpha1 import DisaggDeployment
 from disagg.e2e.testing import dd_manifest
 from disagg.operator import gang as gangs
@@ -109,3 +111,16 @@ def test_router_args_are_what_the_router_entrypoint_accepts():
     args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
     config = config_from(_parser().parse_args(args))
     assert config.model == "tiny" and str(config.spec.policy) == "least-loaded"
+
+
+def test_a_disk_kv_tier_gets_a_sized_volume_where_the_worker_looks():
+    dd = _dd(kvCache={"offload": {"cpuGiB": 4, "diskGiB": 200}})
+    manifests, _ = render.children(dd, "uid")
+    dep = next(m for m in manifests if m["kind"] == "Deployment" and m["metadata"]["name"] == "demo-decode")
+    pod = dep["spec"]["template"]["spec"]
+    assert {"name": "kv-offload", "emptyDir": {"sizeLimit": "200Gi"}} in pod["volumes"]
+    worker = pod["containers"][0]
+    assert {"name": "kv-offload", "mountPath": DISK_OFFLOAD_PATH} in worker["volumeMounts"]
+    assert worker["resources"]["requests"]["ephemeral-storage"] == "200Gi"
+    args = worker["args"]
+    assert args[args.index("--kv-offload-disk-gib") + 1] == "200"

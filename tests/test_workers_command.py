@@ -9,6 +9,7 @@ import sys
 import pytest
 from pydantic import ValidationError
 
+from disagg.api.names import DISK_OFFLOAD_PATH
 from disagg.workers.command import build
 from disagg.workers.settings import WorkerSettings
 
@@ -43,6 +44,18 @@ def test_cpu_offload_tier_combines_nixl_and_offloading_connectors():
     inner = kv["kv_connector_extra_config"]["connectors"]
     assert [c["kv_connector"] for c in inner] == ["NixlConnector", "OffloadingConnector"]
     assert inner[1]["kv_connector_extra_config"]["cpu_bytes_to_use"] == 2 * 2**30
+
+
+def test_disk_tier_sits_behind_a_cpu_tier_in_vllms_tiering_offload():
+    cmd = build(WorkerSettings(role="prefill", model="/m", offload_disk_gib=100))
+    kv = json.loads(_flag(cmd.argv, "--kv-transfer-config"))
+    offload = kv["kv_connector_extra_config"]["connectors"][1]["kv_connector_extra_config"]
+    assert offload["spec_name"] == "TieringOffloadingSpec"
+    assert offload["secondary_tiers"] == [{"type": "fs", "root_dir": DISK_OFFLOAD_PATH}]
+    assert offload["cpu_bytes_to_use"] == 2**30               # a staging CPU tier when none was asked for
+    both = build(WorkerSettings(role="prefill", model="/m", offload_disk_gib=100, offload_cpu_gib=8))
+    kv = json.loads(_flag(both.argv, "--kv-transfer-config"))
+    assert kv["kv_connector_extra_config"]["connectors"][1]["kv_connector_extra_config"]["cpu_bytes_to_use"] == 8 * 2**30
 
 
 def test_settings_round_trip_through_the_environment_and_engine_args_go_last():

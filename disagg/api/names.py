@@ -32,6 +32,10 @@ ROLE_DECODE = "decode"
 ROLE_ROUTER = "router"
 ROLES = (ROLE_PREFILL, ROLE_DECODE, ROLE_ROUTER)
 
+# Where a worker keeps its disk KV tier (spec.kvCache.offload.diskGiB): the operator mounts a volume
+# of that size there and the worker points vLLM's fs tier at it.
+DISK_OFFLOAD_PATH = "/var/cache/disagg/kv-offload"
+
 
 def child_name(name: str, suffix: str) -> str:
     """``<name>-<suffix>``, shortened with a stable hash when it would exceed 63."""
