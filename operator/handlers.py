@@ -14,7 +14,7 @@ from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
 from disagg.api.names import GROUP, LABEL_DEPLOYMENT, LABEL_GANG, LABEL_MANAGED_BY, LABEL_ROLE, MANAGED_BY
-from disagg.api.v1alpha1 import GPU_RESOURCE, PLURAL, VERSION, DisaggDeployment
+from disagg.api.v1alpha1 import GPU_RESOURCE, KIND, PLURAL, VERSION, DisaggDeployment
 
 from . import capacity, children, render
 from . import gang as gangs
@@ -259,8 +259,13 @@ def refresh(clients: children.Clients, namespace: str, name: str, pods: list[sta
     previous = obj.get("status") or {}
     status, events = statuses.compute(dd, obj["metadata"]["generation"], previous, obs, render.endpoint(dd))
     if statuses.changed(previous, status):
-        clients.custom.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, PLURAL, name,
-                                                             {"status": status})
+        # server-side apply of the operator's own fields only: conditions are a map keyed by type, so
+        # the planner's PlannerActive (its own apply) can never be overwritten by a stale read here
+        mine = {**status, "conditions": [c for c in status["conditions"] if c["type"] in statuses.OWNED]}
+        clients.custom.patch_namespaced_custom_object_status(
+            GROUP, VERSION, namespace, PLURAL, name,
+            {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "metadata": {"name": name, "namespace": namespace},
+             "status": mine}, field_manager=children.FIELD_MANAGER, force=True, _content_type=children.APPLY)
         metrics.status_writes.inc()
         _observe_gang_wait(previous, status)
     metrics.observe_status(namespace, name, status)

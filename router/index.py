@@ -42,24 +42,29 @@ class PrefixIndex:
             parent = keys_of.get(parent_engine_hash)
             if parent is None:
                 return 0
-        keys = block_keys(token_ids, block_size, parent)
-        for engine_hash, key in zip(engine_hashes, keys):
-            keys_of[engine_hash] = key
-            holders = self._holders.get(key)
+        # one pass: chain the key, remember it under the engine's hash, add the worker
+        holders_of = self._holders
+        n = 0
+        for engine_hash, start in zip(engine_hashes, range(0, len(token_ids) - block_size + 1, block_size)):
+            parent = hash((parent, tuple(token_ids[start:start + block_size])))
+            keys_of[engine_hash] = parent
+            holders = holders_of.get(parent)
             if holders is None:
-                self._holders[key] = {worker}
+                holders_of[parent] = {worker}
             else:
                 holders.add(worker)
-        return len(keys)
+            n += 1
+        return n
 
     def add_keys(self, worker: str, keys: Iterable[int]) -> None:
         """Index router keys directly (tests, simulations, the trace replay)."""
         keys_of = self._keys.setdefault(worker, {})
+        holders_of = self._holders
         for key in keys:
             keys_of[key] = key
-            holders = self._holders.get(key)
+            holders = holders_of.get(key)
             if holders is None:
-                self._holders[key] = {worker}
+                holders_of[key] = {worker}
             else:
                 holders.add(worker)
 
