@@ -16,10 +16,12 @@ from disagg.api.names import (
     LABEL_MANAGED_BY,
     LABEL_ROLE,
     MANAGED_BY,
+    MODEL_MOUNT_ROOT,
     ROLE_DECODE,
     ROLE_PREFILL,
     ROLE_ROUTER,
     child_name,
+    model_claim,
 )
 from disagg.api.v1alpha1 import API_VERSION, GPU_RESOURCE, KIND, DisaggDeployment, GangBackend, RoleSpec, TopologyMode
 
@@ -86,6 +88,24 @@ def worker_args(dd: DisaggDeployment, role: str) -> list[str]:
     return args + ["--", *spec.engine.args, *role_spec.extra_args]
 
 
+def _model_volumes(dd: DisaggDeployment) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, mounts) for pvc:// model and tokenizer sources: each claim read-only at
+    MODEL_MOUNT_ROOT/<claim>, where local_model_path() points the worker and the router."""
+    claims = dict.fromkeys(c for c in (model_claim(dd.spec.model.source), model_claim(dd.spec.model.tokenizer)) if c)
+    volumes = [{"name": f"model-{i}", "persistentVolumeClaim": {"claimName": c, "readOnly": True}}
+               for i, c in enumerate(claims)]
+    mounts = [{"name": f"model-{i}", "mountPath": f"{MODEL_MOUNT_ROOT}/{c}", "readOnly": True}
+              for i, c in enumerate(claims)]
+    return volumes, mounts
+
+
+def _credentials(dd: DisaggDeployment) -> list[dict[str, Any]]:
+    ref = dd.spec.model.secret_ref
+    if not ref:
+        return []
+    return [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}]
+
+
 def _resources(role_spec: RoleSpec) -> dict[str, Any]:
     limits = {k: str(v) for k, v in role_spec.resources.limits.items()}
     requests = {k: str(v) for k, v in role_spec.resources.requests.items()}
@@ -127,9 +147,8 @@ def worker_deployment(dd: DisaggDeployment, uid: str, role: str, gang: gangs.Gan
            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
            {"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "value": "$(POD_IP)"},
            *({"name": e.name, "value": e.value} for e in dd.spec.engine.env)]
-    if dd.spec.model.secret_ref:
-        ref = dd.spec.model.secret_ref
-        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+    env += _credentials(dd)
+    model_volumes, model_mounts = _model_volumes(dd)
     http = {"httpGet": {"path": "/health", "port": "http"}}
     container = {
         "name": "worker",
@@ -142,12 +161,12 @@ def worker_deployment(dd: DisaggDeployment, uid: str, role: str, gang: gangs.Gan
                   {"name": "nixl", "containerPort": NIXL_PORT},
                   {"name": "kv-events", "containerPort": KV_EVENTS_PORT}],
         "resources": _resources(role_spec),
-        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
+        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}, *model_mounts],
         "startupProbe": {**http, "periodSeconds": 10, "failureThreshold": 180},
         "readinessProbe": {**http, "periodSeconds": 5, "failureThreshold": 3},
         "livenessProbe": {**http, "periodSeconds": 10, "failureThreshold": 6},
     }
-    volumes = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}}]
+    volumes = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}}, *model_volumes]
     disk_gib = dd.spec.kv_cache.offload.disk_gib
     if disk_gib:
         # vLLM's fs tier (0.32) does not evict by size: the volume's limit is the bound, and the
@@ -219,6 +238,15 @@ def router_deployment(dd: DisaggDeployment, uid: str) -> dict[str, Any]:
            for k, v in (("requests", r.resources.requests), ("limits", r.resources.limits)) if v}
     if res:
         container["resources"] = res
+    # the router tokenizes with the model's own tokenizer: same source, same credentials
+    if _credentials(dd):
+        container["env"] = _credentials(dd)
+    volumes, mounts = _model_volumes(dd)
+    pod_spec: dict[str, Any] = {"serviceAccountName": n[ROLE_ROUTER], "containers": [container],
+                                "enableServiceLinks": False, "affinity": _OFF_GPU_NODES}
+    if mounts:
+        container["volumeMounts"] = mounts
+        pod_spec["volumes"] = volumes
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",
         "metadata": _meta(dd, uid, n[ROLE_ROUTER], ROLE_ROUTER),
@@ -226,9 +254,7 @@ def router_deployment(dd: DisaggDeployment, uid: str) -> dict[str, Any]:
             "replicas": r.replicas,
             "selector": {"matchLabels": selector(dd.metadata.name, ROLE_ROUTER)},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
-            "template": {"metadata": {"labels": labels},
-                         "spec": {"serviceAccountName": n[ROLE_ROUTER], "containers": [container],
-                                  "enableServiceLinks": False, "affinity": _OFF_GPU_NODES}},
+            "template": {"metadata": {"labels": labels}, "spec": pod_spec},
         },
     }
 

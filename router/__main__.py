@@ -16,7 +16,7 @@ import sys
 import yaml
 from aiohttp import web
 
-from disagg.api.names import ROLE_DECODE, ROLE_PREFILL
+from disagg.api.names import ROLE_DECODE, ROLE_PREFILL, local_model_path
 
 from .app import make_app
 from .config import RouterConfig
@@ -55,7 +55,7 @@ def config_from(args: argparse.Namespace) -> RouterConfig:
     if args.model:
         data["model"] = args.model
     if args.tokenizer:
-        data["tokenizer"] = args.tokenizer.removeprefix("hf://")
+        data["tokenizer"] = local_model_path(args.tokenizer)
     if args.port is not None:
         data["port"] = args.port
     return RouterConfig.model_validate(data)

@@ -41,6 +41,7 @@ INVALID = [
     ("planner-without-slo", {"spec.planner.enabled": True}, "spec.planner.enabled"),
     ("name-too-long", {"metadata.name": "a" * 49}, "metadata.name"),
     ("name-not-dns1035", {"metadata.name": "9lives"}, "metadata.name"),
+    ("s3-without-tokenizer", {"spec.model.source": "s3://bucket/llama"}, "spec.model.tokenizer"),
 ]
 
 

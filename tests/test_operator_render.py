@@ -3,7 +3,7 @@ rollout strategy, names, and the contract with the worker and router entrypoints
 
 import pytest
 
-from disagg.api.names import DISK_OFFLOAD_PATH
+from disagg.api.names import DISK_OFFLOAD_PATH, MODEL_MOUNT_ROOT, local_model_path
 
 from disagg.api.v1alpha1 import DisaggDeployment
 from disagg.e2e.testing import dd_manifest
@@ -124,3 +124,20 @@ def test_a_disk_kv_tier_gets_a_sized_volume_where_the_worker_looks():
     assert worker["resources"]["requests"]["ephemeral-storage"] == "200Gi"
     args = worker["args"]
     assert args[args.index("--kv-offload-disk-gib") + 1] == "200"
+
+
+def test_pvc_sources_are_mounted_where_worker_and_router_look():
+    dd = _dd(model={"name": "m", "source": "pvc://weights/llama-70b", "tokenizer": "pvc://toks/llama"})
+    manifests, _ = render.children(dd, "uid")
+    deps = {m["metadata"]["name"]: m for m in manifests if m["kind"] == "Deployment"}
+    for name, container in (("demo-decode", "worker"), ("demo-router", "router")):
+        pod = deps[name]["spec"]["template"]["spec"]
+        claims = {v["persistentVolumeClaim"]["claimName"]: v["name"] for v in pod["volumes"]
+                  if "persistentVolumeClaim" in v}
+        assert set(claims) == {"weights", "toks"}
+        c = next(c for c in pod["containers"] if c["name"] == container)
+        mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+        assert mounts[f"{MODEL_MOUNT_ROOT}/weights"]["readOnly"] is True
+        assert mounts[f"{MODEL_MOUNT_ROOT}/toks"]["name"] == claims["toks"]
+    assert local_model_path("pvc://weights/llama-70b") == f"{MODEL_MOUNT_ROOT}/weights/llama-70b"
+    assert local_model_path("hf://org/m") == "org/m" and local_model_path("s3://b/m") == "s3://b/m"

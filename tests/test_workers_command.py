@@ -96,3 +96,15 @@ def test_operator_flags_and_engine_args_after_the_separator():
     assert '"backends":["UCX","GDS"]' in argv and "tcp://*:5557" in argv
     assert cmd["env"]["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "10.9.8.7"
     assert cmd["env"]["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5600"
+
+
+@pytest.mark.parametrize("source,model,load_format", [
+    ("pvc://weights/llama", "/models/weights/llama", False),
+    ("s3://bucket/llama", "s3://bucket/llama", True),
+])
+def test_pvc_and_s3_sources_reach_vllm_as_it_reads_them(source, model, load_format):
+    out = subprocess.run([sys.executable, "-m", "disagg.workers", "command", "--role", "decode", "--model", source,
+                          "--tokenizer", "pvc://toks/llama"], capture_output=True, text=True, check=True)
+    argv = json.loads(out.stdout)["argv"]
+    assert f"--model {model} " in argv and "--tokenizer /models/toks/llama" in argv
+    assert ("--load-format runai_streamer" in argv) is load_format

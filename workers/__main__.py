@@ -16,15 +16,12 @@ import os
 import shlex
 import sys
 
+from disagg.api.names import local_model_path
+
 from .command import build
 from .settings import WorkerSettings
 
 ACTIONS = ("serve", "command", "tiny-model")
-
-
-def model_location(source: str) -> str:
-    """A DisaggDeployment model source as vLLM takes it: hf://org/name -> org/name; paths as they are."""
-    return source.removeprefix("hf://")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -53,12 +50,15 @@ def settings_from(args: argparse.Namespace, engine_args: list[str]) -> WorkerSet
     if args.tensor_parallel_size:
         extra += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
     if args.tokenizer:
-        extra += ["--tokenizer", model_location(args.tokenizer)]
+        extra += ["--tokenizer", local_model_path(args.tokenizer)]
     if args.revision:
         extra += ["--revision", args.revision]
+    if args.model and args.model.startswith("s3://") and not any(a.startswith("--load-format") for a in engine_args):
+        # vLLM streams s3:// weights with the Run:ai model streamer (credentials from the environment)
+        extra += ["--load-format", "runai_streamer"]
     base = WorkerSettings.from_env() if "DISAGG_ROLE" in os.environ and "DISAGG_MODEL" in os.environ else None
     overrides = dict(
-        role=args.role, model=model_location(args.model) if args.model else None,
+        role=args.role, model=local_model_path(args.model) if args.model else None,
         served_model_name=args.served_model_name, port=args.port, kv_buffer_device=args.kv_buffer_device,
         nixl_backends=args.nixl_backends.split(",") if args.nixl_backends else None,
         nixl_port=args.nixl_side_channel_port, kv_events_port=args.kv_events_port,

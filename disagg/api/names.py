@@ -32,6 +32,28 @@ ROLE_DECODE = "decode"
 ROLE_ROUTER = "router"
 ROLES = (ROLE_PREFILL, ROLE_DECODE, ROLE_ROUTER)
 
+# A pvc://<claim>/<path> model source is mounted read-only at MODEL_MOUNT_ROOT/<claim>.
+MODEL_MOUNT_ROOT = "/models"
+
+
+def model_claim(source: str | None) -> str | None:
+    """The PersistentVolumeClaim a pvc:// source names, else None."""
+    if not source or not source.startswith("pvc://"):
+        return None
+    return source.removeprefix("pvc://").split("/", 1)[0]
+
+
+def local_model_path(source: str) -> str:
+    """A model (or tokenizer) source as vLLM and the tokenizer take it: hf://org/name -> org/name,
+    pvc://claim/path -> the mounted path, s3:// and absolute paths as they are."""
+    if source.startswith("hf://"):
+        return source.removeprefix("hf://")
+    claim = model_claim(source)
+    if claim is not None:
+        return f"{MODEL_MOUNT_ROOT}/{source.removeprefix('pvc://')}"
+    return source
+
+
 # Where a worker keeps its disk KV tier (spec.kvCache.offload.diskGiB): the operator mounts a volume
 # of that size there and the worker points vLLM's fs tier at it.
 DISK_OFFLOAD_PATH = "/var/cache/disagg/kv-offload"

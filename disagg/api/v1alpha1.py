@@ -110,6 +110,12 @@ class SecretRef(_Model):
 
 
 class ModelSpec(_Model):
+    model_config = ConfigDict(json_schema_extra=_validations(
+        cel("!self.source.startsWith('s3://') || (has(self.tokenizer) && !self.tokenizer.startsWith('s3://'))",
+            "a model read from s3:// needs tokenizer set to an hf://, pvc:// or image path (the router "
+            "tokenizes prompts itself)", field_path=".tokenizer"),
+    ))
+
     name: str = Field(min_length=1, max_length=253,
                       description="Model name served on the OpenAI API (the `model` field clients send).")
     source: str = Field(max_length=1024, pattern=r"^(hf://|pvc://|s3://|/).+",
@@ -119,6 +125,13 @@ class ModelSpec(_Model):
     tokenizer: str | None = Field(None, max_length=1024,
                                   description="Tokenizer location when it differs from the model source.")
     secret_ref: SecretRef | None = Field(None, description="Credentials for reading the model source.")
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelSpec:
+        if self.source.startswith("s3://") and (not self.tokenizer or self.tokenizer.startswith("s3://")):
+            raise ValueError("tokenizer: a model read from s3:// needs tokenizer set to an hf://, pvc:// or image "
+                             "path (the router tokenizes prompts itself)")
+        return self
 
 
 class EnvVar(_Model):
