@@ -79,13 +79,15 @@ class Clients:
                                                    meta["name"], manifest, **opts)
 
     def list(self, api_version: str, kind: str, namespace: str, selector: str) -> list[dict[str, Any]] | None:
-        """Objects of that kind matching the selector; None when the API is not installed."""
+        """Objects of that kind matching the selector; None when the API is not installed, or when the
+        operator may not list it (the Helm chart grants an optional gang backend's PodGroups only when
+        that backend is switched on: objects the operator may not list, it cannot have created)."""
         group, version = api_version.split("/")
         try:
             return self.custom.list_namespaced_custom_object(group, version, namespace, PLURALS[(api_version, kind)],
                                                              label_selector=selector)["items"]
         except ApiException as e:
-            if e.status == 404:
+            if e.status in (403, 404):
                 return None
             raise
 
