@@ -26,14 +26,26 @@ def operator_kubeconfig(cluster: LocalCluster, api: client.ApiClient, path: Path
     cluster.kubectl("create", "serviceaccount", ACCOUNT, "-n", NAMESPACE, check=False)
     cluster.kubectl("create", "clusterrolebinding", ACCOUNT, "--clusterrole", "disagg-operator",
                     f"--serviceaccount={NAMESPACE}:{ACCOUNT}", check=False)
+    return token_kubeconfig(cluster.kubeconfig, api, NAMESPACE, ACCOUNT, path)
+
+
+def token_kubeconfig(admin_kubeconfig: Path, api: client.ApiClient, namespace: str, account: str, path: Path,
+                     expiration_seconds: int = 24 * 3600) -> Path:
+    """A kubeconfig for the cluster of `admin_kubeconfig` (its current context's cluster entry) that
+    authenticates as ServiceAccount `namespace/account` with a fresh token (TokenRequest), and so holds
+    exactly the roles bound to that account: the operator's own, or the Helm chart's."""
     token = client.CoreV1Api(api).create_namespaced_service_account_token(
-        ACCOUNT, NAMESPACE, {"spec": {"expirationSeconds": 24 * 3600}}).status.token
-    admin = yaml.safe_load(cluster.kubeconfig.read_text())
-    cluster_entry = admin["clusters"][0]
+        account, namespace, {"spec": {"expirationSeconds": expiration_seconds}}).status.token
+    admin = yaml.safe_load(Path(admin_kubeconfig).read_text())
+    current = next((c["context"] for c in admin.get("contexts", [])
+                    if c["name"] == admin.get("current-context")), None)
+    cluster_entry = next((c for c in admin["clusters"] if current and c["name"] == current["cluster"]),
+                         admin["clusters"][0])
+    user = f"{namespace}:{account}"
     config = {"apiVersion": "v1", "kind": "Config", "clusters": [cluster_entry],
-              "users": [{"name": ACCOUNT, "user": {"token": token}}],
-              "contexts": [{"name": ACCOUNT, "context": {"cluster": cluster_entry["name"], "user": ACCOUNT}}],
-              "current-context": ACCOUNT}
+              "users": [{"name": user, "user": {"token": token}}],
+              "contexts": [{"name": user, "context": {"cluster": cluster_entry["name"], "user": user}}],
+              "current-context": user}
     path.write_text(yaml.safe_dump(config))
     path.chmod(0o600)
     return path

@@ -1,0 +1,152 @@
+"""Where the end-to-end suite (tests/test_e2e_helm.py) runs, chosen by ``DISAGG_E2E_PROVIDER``:
+
+- ``local`` (default, CI): this repository's control plane (real kube-apiserver, scheduler and
+  controller-manager) with kwok's simulated GPU node pools. The chart is installed with
+  ``operator.enabled=false`` and the operator runs from the source tree in the test process, under a
+  token of the chart's ServiceAccount (so with exactly the chart's RBAC). kwok makes bound pods
+  Running and Ready; no image is ever pulled.
+- ``kind`` (a machine with Docker, see e2e/kind/README.md): a kind cluster whose workers are labelled as
+  GPU pools and advertise ``nvidia.com/gpu``; the chart runs the operator from the Dockerfile's
+  control-plane image, loaded into kind. The nodes have no GPUs, so the DisaggDeployments' workers run a
+  stub worker image that answers the worker's probes (e2e/kind/stub-worker); everything else (kubelets,
+  the router, the operator pod) is real.
+
+A provider gives the suite a kubeconfig, kubectl and helm, the chart values that fit it, and
+``adapt``: an example DisaggDeployment fitted to its nodes and images.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+CHART = REPO / "charts" / "disagg"
+PROVIDER_ENV = "DISAGG_E2E_PROVIDER"
+PROVIDERS = ("local", "kind")
+
+
+def provider_name() -> str:
+    name = os.environ.get(PROVIDER_ENV, "local")
+    if name not in PROVIDERS:
+        raise ValueError(f"{PROVIDER_ENV}={name!r}: expected one of {', '.join(PROVIDERS)}")
+    return name
+
+
+class Provider:
+    name: str
+    kubeconfig: Path
+    # True: the chart runs without its operator pod and the suite runs the operator in-process.
+    operator_in_process: bool
+    kubectl_bin: Path
+    helm_bin: Path
+
+    def kubectl(self, *args: str, check: bool = True, input: str | None = None) -> subprocess.CompletedProcess:
+        return subprocess.run([str(self.kubectl_bin), f"--kubeconfig={self.kubeconfig}", *args],
+                              check=check, capture_output=True, text=True, input=input)
+
+    def helm(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        out = subprocess.run([str(self.helm_bin), f"--kubeconfig={self.kubeconfig}", *args],
+                             capture_output=True, text=True)
+        if check and out.returncode != 0:
+            raise AssertionError(f"helm {' '.join(args)} failed ({out.returncode}):\n{out.stdout}\n{out.stderr}")
+        return out
+
+    def chart_values(self) -> list[str]:
+        """`helm install` arguments for the suite's release."""
+        raise NotImplementedError
+
+    def adapt(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        """An example DisaggDeployment fitted to this provider's nodes and images (a copy)."""
+        return copy.deepcopy(manifest)
+
+    def next_worker_image(self, image: str) -> str:
+        """Another worker image the nodes can run, for a rollout."""
+        return "disagg/worker:0.1.1"
+
+    def api_client(self):
+        from kubernetes import config
+
+        return config.new_client_from_config(str(self.kubeconfig))
+
+
+class LocalProvider(Provider):
+    name = "local"
+    operator_in_process = True
+
+    def __init__(self, cluster):
+        self.cluster = cluster
+        self.kubeconfig = cluster.kubeconfig
+        bins = Path(cluster._state()["bin"])
+        self.kubectl_bin, self.helm_bin = bins / "kubectl", bins / "helm"
+
+    def chart_values(self) -> list[str]:
+        # Everything from the chart but the operator pod: the operator runs from the source tree.
+        return ["--set", "operator.enabled=false"]
+
+
+class KindProvider(Provider):
+    """A kind cluster made by e2e/kind/up.sh; ``KUBECONFIG`` points at it."""
+
+    name = "kind"
+    operator_in_process = False
+
+    def __init__(self):
+        kubeconfig = os.environ.get("KUBECONFIG")
+        if not kubeconfig:
+            raise RuntimeError("DISAGG_E2E_PROVIDER=kind needs KUBECONFIG (e2e/kind/up.sh prints it)")
+        self.kubeconfig = Path(kubeconfig.split(os.pathsep)[0])
+        self.control_plane_image = os.environ.get("DISAGG_E2E_CONTROL_PLANE_IMAGE", "disagg/control-plane:0.1.0")
+        self.worker_image = os.environ.get("DISAGG_E2E_WORKER_IMAGE", "disagg/e2e-stub-worker:0.1.0")
+        # the same stub under a second tag (e2e/kind/up.sh loads both), for a rollout
+        self.worker_image_next = os.environ.get("DISAGG_E2E_WORKER_IMAGE_NEXT", "disagg/e2e-stub-worker:0.1.1")
+        # The router loads the model's tokenizer at start: a small public one the nodes can download.
+        self.tokenizer = os.environ.get("DISAGG_E2E_TOKENIZER", "hf://Qwen/Qwen2.5-0.5B-Instruct")
+        found = {tool: shutil.which(tool) for tool in ("kubectl", "helm")}
+        if not all(found.values()):
+            from .localcluster import binaries
+
+            bins = binaries()
+            found = {tool: path or str(bins / tool) for tool, path in found.items()}
+        self.kubectl_bin, self.helm_bin = Path(found["kubectl"]), Path(found["helm"])
+
+    def chart_values(self) -> list[str]:
+        repository, _, tag = self.control_plane_image.rpartition(":")
+        # kind load puts the images on every node; never pull them.
+        return ["--set", f"image.repository={repository}", "--set", f"image.tag={tag}",
+                "--set", "image.pullPolicy=Never"]
+
+    def next_worker_image(self, image: str) -> str:
+        return self.worker_image_next
+
+    def adapt(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        doc = copy.deepcopy(manifest)
+        spec = doc["spec"]
+        spec.setdefault("engine", {})
+        spec["engine"]["image"] = self.worker_image
+        spec["engine"]["imagePullPolicy"] = "Never"
+        spec["model"]["tokenizer"] = self.tokenizer
+        spec["model"].pop("secretRef", None)
+        # kind nodes offer the host's CPUs and memory: keep only the (advertised) GPUs.
+        for role in ("prefill", "decode"):
+            resources = spec.get(role, {}).get("resources") or {}
+            for part in ("requests", "limits"):
+                kept = {k: v for k, v in (resources.get(part) or {}).items() if k not in ("cpu", "memory")}
+                if kept:
+                    resources[part] = kept
+                else:
+                    resources.pop(part, None)
+        return doc
+
+
+def make_provider(local_cluster=None) -> Provider:
+    """The provider ``DISAGG_E2E_PROVIDER`` names; ``local_cluster`` (a callable returning a started
+    LocalCluster) is only called for the local provider."""
+    name = provider_name()
+    if name == "kind":
+        return KindProvider()
+    return LocalProvider(local_cluster())

@@ -1,0 +1,309 @@
+"""End to end from `helm install` to `helm uninstall`, on the provider DISAGG_E2E_PROVIDER names
+(e2e/providers.py): `local` (default; the local control plane with kwok GPU pools, the chart installed
+with operator.enabled=false and the operator running from the source tree in this process under a token
+of the chart's own ServiceAccount) or `kind` (e2e/kind/: the chart's operator image in a kind cluster).
+
+The chart installs the CRD, ServiceAccount, RBAC, monitors (the minimal monitoring CRDs make the
+Prometheus Operator's API present) and dashboards; then every example is applied and checked for
+placement, gang, status and deletion, one is scaled and rolled out, and `helm uninstall` removes
+everything the chart made but the CRD. On `local`, a second release with the operator enabled (its pod
+run by kwok) shows the operator Deployment becoming Available with the chart's security defaults.
+
+CRDs and Helm: Helm creates the files of a chart's crds/ only when the CRD does not exist yet (it never
+adopts, upgrades or deletes them, and does not list them in the release). On `local`, the session's
+cluster may already hold the CRD from crds/ (other modules' `crd_installed`): the module deletes it
+first when no DisaggDeployment exists, so that `helm install` creates it, and either way checks that
+the served CRD is the chart's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import re
+
+import pytest
+import yaml
+from kubernetes import client
+
+from disagg.api.names import LABEL_ROLE
+from disagg.e2e import suite
+from disagg.e2e.providers import REPO, make_provider
+from disagg.e2e.testing import DD, wait_for
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(1800)]
+
+RELEASE, RELEASE_NS = "e2e", "disagg-e2e"
+OPERATOR_RELEASE, OPERATOR_NS = "e2e-operator", "disagg-e2e-operator"
+EXAMPLES = ["small.yaml", "llama-70b-tp.yaml", "with-planner.yaml"]
+
+
+@pytest.fixture(scope="module")
+def provider(request):
+    return make_provider(lambda: request.getfixturevalue("cluster"))
+
+
+@pytest.fixture(scope="module")
+def kube(provider):
+    api = provider.api_client()
+    yield api
+    api.close()
+
+
+@pytest.fixture(scope="module")
+def monitoring_api(provider):
+    """The Prometheus Operator's API, so that the chart renders its monitors: the minimal CRDs of
+    e2e/crds/monitoring where the cluster has none."""
+    have = provider.kubectl("get", "crd", "servicemonitors.monitoring.coreos.com", check=False)
+    if have.returncode != 0:
+        provider.kubectl("apply", "--server-side", "-f", str(REPO / "e2e" / "crds" / "monitoring"))
+    provider.kubectl("wait", "--for=condition=Established", "--timeout=300s",
+                     *(f"crd/{p}.monitoring.coreos.com" for p in ("servicemonitors", "podmonitors", "prometheusrules")))
+    return True
+
+
+def manifest_objects(provider, release: str, namespace: str) -> dict[str, list[str]]:
+    """Kind -> names of what Helm tracks in the release (its manifest)."""
+    text = provider.helm("get", "manifest", release, "--namespace", namespace).stdout
+    out: dict[str, list[str]] = {}
+    for doc in yaml.safe_load_all(text):
+        if doc:
+            out.setdefault(doc["kind"], []).append(doc["metadata"]["name"])
+    return {k: sorted(v) for k, v in out.items()}
+
+
+@pytest.fixture(scope="module")
+def release(provider, kube, monitoring_api):
+    """The suite's Helm release, installed with the provider's values."""
+    if provider.name == "local":
+        suite.delete_crd_if_unused(kube)
+    crd_absent = suite.installed_crd(kube) is None
+    try:
+        suite.helm_install(provider, RELEASE, RELEASE_NS, *provider.chart_values())
+        suite.wait_crd_established(kube)
+        yield {"crd_created_by_helm": crd_absent}
+    finally:
+        suite.helm_uninstall(provider, RELEASE, RELEASE_NS, check=False)
+        provider.kubectl("delete", "namespace", RELEASE_NS, "--ignore-not-found", "--wait=false", check=False)
+        if provider.name == "local" and suite.installed_crd(kube) is None:   # leave the session its CRD
+            provider.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
+            suite.wait_crd_established(kube)
+
+
+class Operator(logging.Handler):
+    """The running operator; collects kopf's handler failures logged in this process."""
+
+    def __init__(self):
+        super().__init__(logging.ERROR)
+        self.stack = contextlib.ExitStack()
+        self.failures: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if HANDLER_FAILED.search(message):
+            self.failures.append(message.splitlines()[0][:500])
+
+    def stop(self):
+        self.stack.close()
+
+
+@pytest.fixture(scope="module")
+def operator(provider, kube, release, tmp_path_factory):
+    """The operator serving the release: in this process under a token of the chart's ServiceAccount
+    (local), or the chart's own operator pod (kind)."""
+    op = Operator()
+    if provider.operator_in_process:
+        from disagg.e2e.operator_fixture import running_operator, token_kubeconfig
+
+        (account,) = suite.release_objects(kube, RELEASE, RELEASE_NS)["ServiceAccount"]
+        kubeconfig = token_kubeconfig(provider.kubeconfig, kube, RELEASE_NS, account,
+                                      tmp_path_factory.mktemp("e2e-operator") / "kubeconfig")
+        kopf_log = logging.getLogger("kopf")
+        kopf_log.addHandler(op)
+        op.stack.callback(kopf_log.removeHandler, op)
+        op.stack.enter_context(running_operator(kubeconfig))
+    else:
+        (name,) = suite.release_objects(kube, RELEASE, RELEASE_NS)["Deployment"]
+        suite.wait_deployment_available(kube, RELEASE_NS, name)
+    yield op
+    op.stop()
+
+
+@pytest.fixture
+def ns(request, kube):
+    """A fresh namespace for one test, deleted (with its pods gone) afterwards."""
+    digest = hashlib.sha1(request.node.nodeid.encode()).hexdigest()[:6]
+    name = re.sub(r"[^a-z0-9-]", "-", f"e2e-{request.node.name.lower()}"[:40]).strip("-") + f"-{digest}"
+    core = client.CoreV1Api(kube)
+    core.create_namespace({"metadata": {"name": name}})
+    wait_for(lambda: any(sa.metadata.name == "default" for sa in core.list_namespaced_service_account(name).items),
+             60, f"default ServiceAccount in {name}")
+    yield name
+    core.delete_namespace(name)
+    wait_for(lambda: not core.list_namespaced_pod(name).items, 180, f"pods of namespace {name} to be deleted")
+
+
+# ---------------------------------------------------------------- the release
+
+
+def test_chart_installs_crd_rbac_monitors_and_dashboards(provider, kube, release):
+    objs = suite.release_objects(kube, RELEASE, RELEASE_NS)
+    assert objs == manifest_objects(provider, RELEASE, RELEASE_NS), \
+        "live objects labelled with the release differ from Helm's manifest"
+    full = f"{RELEASE}-disagg"
+    assert objs["ServiceAccount"] == [full]
+    assert objs["ClusterRole"] == [f"{full}-edit", f"{full}-operator", f"{full}-view"]
+    assert objs["ClusterRoleBinding"] == [f"{full}-operator"]
+    assert objs["ConfigMap"] == sorted(f"{full}-dashboard-{d}" for d in
+                                       ("overview", "planner", "prefill-decode", "router"))
+    assert objs["PodMonitor"] == [f"{full}-routers", f"{full}-workers"]
+    assert objs["PrometheusRule"] == [full]
+    if provider.operator_in_process:   # operator.enabled=false: no operator pod, its Service or monitor
+        assert not {"Deployment", "Service", "ServiceMonitor"} & objs.keys(), objs
+    else:
+        assert objs["Deployment"] == [f"{full}-operator"] and objs["ServiceMonitor"] == [f"{full}-operator"]
+    binding = client.RbacAuthorizationV1Api(kube).read_cluster_role_binding(f"{full}-operator")
+    assert [(s.kind, s.namespace, s.name) for s in binding.subjects] == [
+        ("ServiceAccount", RELEASE_NS, full)]
+    # CRDs are not part of the release; the served one is the chart's
+    assert "CustomResourceDefinition" not in manifest_objects(provider, RELEASE, RELEASE_NS)
+    suite.assert_crd_is_the_charts(kube)
+    if release["crd_created_by_helm"]:
+        crd = suite.installed_crd(kube)
+        managers = {f["manager"] for f in crd["metadata"]["managed_fields"] or []}
+        assert "helm" in managers, managers
+
+
+def test_operator_pod_reaches_available_with_secure_defaults(provider, kube, release, monitoring_api):
+    """With the operator enabled (default values) the operator Deployment becomes Available. On `local`,
+    a second release into its own namespace; kwok runs its pod (no image is pulled), then it is
+    uninstalled. On `kind`, the suite's own release, whose operator really runs."""
+    if provider.operator_in_process:
+        suite.helm_install(provider, OPERATOR_RELEASE, OPERATOR_NS)
+        namespace, release_name = OPERATOR_NS, OPERATOR_RELEASE
+    else:
+        namespace, release_name = RELEASE_NS, RELEASE
+    try:
+        objs = suite.release_objects(kube, release_name, namespace)
+        assert objs == manifest_objects(provider, release_name, namespace)
+        (name,) = objs["Deployment"]
+        assert objs["ServiceMonitor"] == [name] and objs["Service"] == [f"{name}-metrics"]
+        dep = suite.wait_deployment_available(kube, namespace, name)
+        pod_spec = dep.spec.template.spec
+        assert pod_spec.service_account_name == objs["ServiceAccount"][0]
+        assert [c.name for c in pod_spec.containers] == ["operator", "planner"]
+        suite.assert_secure_operator_pod(pod_spec)
+        (pod,) = [p for p in client.CoreV1Api(kube).list_namespaced_pod(
+            namespace, label_selector=f"app.kubernetes.io/instance={release_name}").items
+            if not p.metadata.deletion_timestamp]
+        assert suite.is_ready(pod) and pod.status.phase == "Running"
+        suite.assert_secure_operator_pod(pod.spec)
+        # the metrics Service selects the operator pod
+        endpoints = wait_for(lambda: [a for s in client.DiscoveryV1Api(kube).list_namespaced_endpoint_slice(
+            namespace, label_selector=f"kubernetes.io/service-name={name}-metrics").items
+            for e in s.endpoints or [] for a in e.addresses], 60, "the metrics Service's endpoints")
+        assert endpoints == [pod.status.pod_ip]
+    finally:
+        if provider.operator_in_process:
+            suite.helm_uninstall(provider, OPERATOR_RELEASE, OPERATOR_NS)
+            assert suite.release_objects(kube, OPERATOR_RELEASE, OPERATOR_NS) == {}
+            provider.kubectl("delete", "namespace", OPERATOR_NS, "--ignore-not-found", "--wait=false", check=False)
+
+
+# ---------------------------------------------------------------- DisaggDeployments
+
+
+HANDLER_FAILED = re.compile(r"Handler '[\w/.]+' failed")
+
+
+def handler_failures(provider, kube, operator) -> list[str]:
+    """kopf's "Handler '...' failed" lines so far: logged in this process (local) or by the operator
+    container (kind). A reconcile that fails on a 403 under the chart's role shows up here."""
+    if provider.operator_in_process:
+        return list(operator.failures)
+    (name,) = suite.release_objects(kube, RELEASE, RELEASE_NS)["Deployment"]
+    logs = provider.kubectl("logs", f"deployment/{name}", "-c", "operator", "-n", RELEASE_NS).stdout
+    return [line for line in logs.splitlines() if HANDLER_FAILED.search(line)]
+
+
+@pytest.mark.parametrize("name", EXAMPLES, ids=[e.removesuffix(".yaml") for e in EXAMPLES])
+def test_example_is_placed_as_a_gang_becomes_ready_and_deletes(provider, kube, operator, ns, name):
+    failures = len(handler_failures(provider, kube, operator))
+    manifest = provider.adapt(suite.example(name))
+    suite.apply(provider, ns, manifest)
+    dd = DD(kube, ns, manifest["metadata"]["name"])
+    status = suite.wait_ready(dd, timeout=240)
+    suite.assert_gang_scheduled(dd)
+    suite.assert_conditions_healthy(dd)
+    assert status["endpoint"] == f"http://{dd.name}.{ns}.svc:80/v1"
+    want = suite.spec_replicas(dd)
+    pods = suite.worker_pods(dd)
+    assert suite.roles_of(pods) == {"prefill": want["prefill"], "decode": want["decode"]}
+    suite.assert_on_gpu_nodes(kube, pods)
+    for p in pods:   # each worker asks for its tensor-parallel size in GPUs
+        role_spec = manifest["spec"][p.metadata.labels[LABEL_ROLE]]
+        assert p.spec.containers[0].resources.limits[suite.GPU] == str(role_spec.get("tensorParallelSize", 1))
+    topology = manifest["spec"]["scheduling"].get("topology") or {}
+    if topology.get("mode") == "required":
+        assert len(suite.cliques(kube, pods)) == 1, f"{dd.name} spread over {suite.cliques(kube, pods)}"
+    routers = dd.pods("router")   # no GPU for a router (it only prefers CPU nodes: not asserted)
+    assert len(routers) == want["router"] and all(suite.is_ready(r) for r in routers)
+    assert not any(suite.GPU in (c.resources.limits or {}) for r in routers for c in r.spec.containers)
+    if name == "llama-70b-tp.yaml":
+        # TP 8 decode replicas take a whole 8-GPU node each; all 24 GPUs inside one NVLink domain
+        decode_nodes = [p.spec.node_name for p in dd.pods("decode")]
+        assert len(set(decode_nodes)) == len(decode_nodes) == 2
+        assert sum(int(p.spec.containers[0].resources.limits[suite.GPU]) for p in pods) == 24
+    suite.delete(dd, kube)
+    # under the chart's role every handler went through (a 403 would fail one)
+    assert handler_failures(provider, kube, operator)[failures:] == []
+
+
+def test_scale_up_and_down_and_status_follows(provider, kube, operator, ns):
+    manifest = provider.adapt(suite.example("small.yaml"))
+    suite.apply(provider, ns, manifest)
+    dd = DD(kube, ns, manifest["metadata"]["name"])
+    suite.wait_ready(dd)
+    suite.scale(dd, "decode", 4)
+    suite.scale(dd, "prefill", 2)
+    pods = suite.worker_pods(dd)
+    assert suite.roles_of(pods) == {"prefill": 2, "decode": 4}
+    assert len(suite.cliques(kube, pods)) == 1    # later replicas join the gang's domain
+    suite.scale(dd, "decode", 1)
+    suite.scale(dd, "prefill", 1)
+    suite.assert_gang_scheduled(dd)
+
+
+def test_rollout_never_leaves_a_role_without_a_ready_pod(provider, kube, operator, ns):
+    manifest = provider.adapt(suite.example("small.yaml"))
+    suite.apply(provider, ns, manifest)
+    dd = DD(kube, ns, manifest["metadata"]["name"])
+    suite.wait_ready(dd)
+    image = dd.get()["spec"]["engine"]["image"]
+    new_image = provider.next_worker_image(image)
+    args = [*manifest["spec"]["engine"]["args"], "--max-num-seqs", "64"]
+
+    def rolled(pod):
+        c = pod.spec.containers[0]
+        return c.image == new_image and c.args[-2:] == ["--max-num-seqs", "64"]
+    saw_progress = suite.rollout(dd, {"engine": {"image": new_image, "args": args}}, rolled)
+    assert saw_progress, "status never showed the rollout in progress"
+    suite.assert_conditions_healthy(dd)
+    suite.assert_gang_scheduled(dd)
+
+
+# ---------------------------------------------------------------- uninstall
+
+
+def test_helm_uninstall_removes_everything_but_the_crd(provider, kube, release, operator):
+    operator.stop()   # the in-process operator loses its role with the release
+    assert suite.release_objects(kube, RELEASE, RELEASE_NS)
+    suite.helm_uninstall(provider, RELEASE, RELEASE_NS)
+    wait_for(lambda: suite.release_objects(kube, RELEASE, RELEASE_NS) == {}, 120,
+             "every object of the release deleted", interval=0.5)
+    # nor does Helm keep the release's record
+    secrets = client.CoreV1Api(kube).list_namespaced_secret(RELEASE_NS, label_selector=f"owner=helm,name={RELEASE}")
+    assert not secrets.items
+    # the CRD stays (and with it every DisaggDeployment): Helm never deletes a chart's crds/
+    suite.assert_crd_is_the_charts(kube)
