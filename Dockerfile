@@ -1,7 +1,8 @@
 # Images of disagg. Two targets:
 #   docker build --target control-plane -t disagg/control-plane:0.1.0 .   # operator, planner, router
 #   docker build --target worker -t disagg/worker:0.1.0 .                 # vLLM + NIXL + the worker entrypoint
-# (Built and linted by the Helm/e2e work; not built in this repository's CI, which has no Docker engine.)
+# Linted by tests/test_dockerfile.py (hadolint); built and run on kind by e2e/kind/e2e.sh (CI has no Docker
+# engine).
 
 # Global: an ARG used by FROM must come before the first FROM.
 ARG VLLM_IMAGE=vllm/vllm-openai:v0.32.0
@@ -18,6 +19,9 @@ COPY e2e /src/e2e
 
 FROM python:3.11-slim AS control-plane
 RUN useradd --uid 10001 --no-create-home --shell /usr/sbin/nologin disagg
+# The user has no home directory: the router's tokenizer download (Hugging Face cache) goes to /tmp,
+# the one writable place in the operator's pod too (an emptyDir under a read-only root filesystem).
+ENV HF_HOME=/tmp/huggingface
 WORKDIR /app
 COPY --from=source /src/ ./
 RUN pip install --no-cache-dir . && rm -rf /root/.cache

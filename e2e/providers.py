@@ -103,7 +103,7 @@ class KindProvider(Provider):
         self.control_plane_image = os.environ.get("DISAGG_E2E_CONTROL_PLANE_IMAGE", "disagg/control-plane:0.1.0")
         self.worker_image = os.environ.get("DISAGG_E2E_WORKER_IMAGE", "disagg/e2e-stub-worker:0.1.0")
         # the same stub under a second tag (e2e/kind/up.sh loads both), for a rollout
-        self.worker_image_next = os.environ.get("DISAGG_E2E_WORKER_IMAGE_NEXT", "disagg/e2e-stub-worker:0.1.1")
+        self.worker_image_next = os.environ.get("DISAGG_E2E_WORKER_IMAGE_NEXT", "disagg/e2e-stub-worker:0.1.0-next")
         # The router loads the model's tokenizer at start: a small public one the nodes can download.
         self.tokenizer = os.environ.get("DISAGG_E2E_TOKENIZER", "hf://Qwen/Qwen2.5-0.5B-Instruct")
         found = {tool: shutil.which(tool) for tool in ("kubectl", "helm")}
