@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # Reinstall the light environment whenever pyproject.toml changes.
 STAMP := $(VENV)/.installed-$(shell sha256sum pyproject.toml | cut -c1-16)
 
-.PHONY: test demo venv cluster-build cluster-up cluster-down crds prometheus browser worker-env
+.PHONY: test demo venv cluster-build cluster-up cluster-down crds prometheus browser worker-env e2e e2e-kind
 
 test: venv cluster-build prometheus browser worker-env
 	$(BIN)/python -m pytest
@@ -32,6 +32,14 @@ cluster-build:
 # (reused when complete; workers/env/build.sh says how).
 worker-env:
 	bash workers/env/build.sh >/dev/null
+
+# The end-to-end suite alone (part of `make test`): helm install, examples, scale, rollout, helm uninstall
+# on the local control plane. `make e2e-kind` runs it on a kind cluster (needs Docker; e2e/kind/README.md).
+e2e: venv cluster-build
+	$(BIN)/python -m pytest tests/test_e2e_helm.py
+
+e2e-kind: venv cluster-build
+	bash e2e/kind/e2e.sh
 
 cluster-up: venv cluster-build
 	$(BIN)/disagg cluster up
