@@ -8,12 +8,15 @@ bring it back (the same data directory and port).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
 import subprocess
 import threading
 import time
+import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +33,10 @@ class PrometheusNotInstalled(RuntimeError):
 
 
 class LocalPrometheus:
-    def __init__(self, state_dir: Path, targets: list[str], scrape_interval: str = "1s"):
+    def __init__(self, state_dir: Path, targets: list[str], scrape_interval: str = "1s",
+                 scrape_configs: list[dict] | None = None, rule_groups: list[dict] | None = None):
+        """Scrapes `targets` as one job, or the jobs of `scrape_configs` given in full; evaluates
+        `rule_groups` (recording and alerting rules) when given."""
         binary = shutil.which("prometheus") or ("/usr/bin/prometheus" if Path("/usr/bin/prometheus").exists()
                                                  else None)
         if not binary:
@@ -42,15 +48,32 @@ class LocalPrometheus:
         self.url = f"http://127.0.0.1:{self.port}"
         self.targets = targets
         self.scrape_interval = scrape_interval
+        self.scrape_configs = scrape_configs
+        self.rule_groups = rule_groups
         self._proc: subprocess.Popen | None = None
 
     def _config(self) -> Path:
         path = self.dir / "prometheus.yml"
-        path.write_text(yaml.safe_dump({
+        config = {
             "global": {"scrape_interval": self.scrape_interval, "evaluation_interval": self.scrape_interval},
-            "scrape_configs": [{"job_name": "exporters", "static_configs": [{"targets": self.targets}]}],
-        }))
+            "scrape_configs": self.scrape_configs if self.scrape_configs is not None else
+            [{"job_name": "exporters", "static_configs": [{"targets": self.targets}]}],
+        }
+        if self.rule_groups:
+            rules = self.dir / "rules.yaml"
+            rules.write_text(yaml.safe_dump({"groups": self.rule_groups}))
+            config["rule_files"] = [str(rules)]
+        path.write_text(yaml.safe_dump(config))
         return path
+
+    def api(self, path: str, **params) -> dict:
+        """GET /api/v1/<path>: the decoded answer, errors included (status "error")."""
+        url = f"{self.url}/api/v1/{path}?{urllib.parse.urlencode(params, doseq=True)}"
+        try:
+            with urllib.request.urlopen(url, timeout=30) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return json.loads(e.read() or b"{}") | {"status": "error", "http": e.code}
 
     def start(self, timeout: float = 60) -> LocalPrometheus:
         log = (self.dir / "prometheus.log").open("ab")

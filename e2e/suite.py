@@ -302,3 +302,21 @@ def roles_of(pods: list[client.V1Pod]) -> dict[str, int]:
         out[p.metadata.labels[LABEL_ROLE]] = out.get(p.metadata.labels[LABEL_ROLE], 0) + 1
     return out
 
+
+
+# ---------------------------------------------------------------- dashboards
+
+OPERATOR_ROW = "Operator"
+
+
+def dashboard_rows(dashboard: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """Row title -> the panels with queries under it (panels before the first row under "")."""
+    rows: dict[str, list[dict[str, Any]]] = {}
+    current = ""
+    for p in dashboard["panels"]:
+        if p.get("type") == "row":
+            current = p["title"]
+            rows.setdefault(current, []).extend(q for q in p.get("panels", []) if q.get("targets"))
+        elif p.get("targets"):
+            rows.setdefault(current, []).append(p)
+    return rows

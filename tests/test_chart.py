@@ -251,7 +251,8 @@ def test_every_metric_name_in_dashboards_and_rules_is_in_disagg_api_metrics(helm
         assert not unknown(names), f"{name}: not in disagg/api/metrics.py: {sorted(unknown(names))}"
     rules = yaml.safe_dump(rule_groups(helm))
     names = metric_names(rules)
-    assert {m.ROUTER_WORKERS, m.PLANNER_METRICS_AVAILABLE, m.VLLM_NIXL_FAILED_TRANSFERS + "_total"} <= names
+    assert {m.ROUTER_WORKERS, m.PLANNER_METRICS_AVAILABLE, m.VLLM_NIXL_FAILED_TRANSFERS + "_total",
+            m.OPERATOR_CONDITION} <= names
     assert not unknown(names), sorted(unknown(names))
     assert not unknown({"disagg_router_ttft_seconds_bucket"}) and unknown({"disagg_router_ttft_secs"})
 
@@ -277,7 +278,7 @@ def test_promtool_checks_every_rule(helm, promtool, tmp_path):
         alerts = {r["alert"] for g in groups for r in g["rules"] if "alert" in r}
         assert alerts == {"DisaggTTFTSLOBurnFast", "DisaggTTFTSLOBurnSlow", "DisaggITLSLOBurnFast",
                           "DisaggITLSLOBurnSlow", "DisaggNoReadyDecode", "DisaggNoReadyPrefill",
-                          "DisaggNIXLTransferFailures", "DisaggPlannerMetricsUnavailable"}
+                          "DisaggNIXLTransferFailures", "DisaggPlannerMetricsUnavailable", "DisaggGangNotScheduled"}
     exprs = " ".join(str(r["expr"]) for g in groups for r in g["rules"])
     assert 'le=~"0.5|0.5.0"' in exprs and "(14.4 * (1 - 0.99))" in exprs
     off = rule_groups(helm, "--set", "monitoring.prometheusRule.alerts.noReadyPrefill.enabled=false")
@@ -297,7 +298,7 @@ def test_promtool_unit_tests_fire_the_alerts(helm, promtool, tmp_path):
                          cwd=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
     tested = set(re.findall(r"alertname: (\w+)", (CHART / "promtool" / "alerts_test.yaml").read_text()))
-    assert {"DisaggNoReadyDecode", "DisaggNIXLTransferFailures"} <= tested
+    assert {"DisaggNoReadyDecode", "DisaggNIXLTransferFailures", "DisaggGangNotScheduled"} <= tested
 
 
 # ---------------------------------------------------------------- the local API server

@@ -20,17 +20,22 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
+import math
 import re
+import time
 
 import pytest
 import yaml
 from kubernetes import client
 
+from disagg.api import metrics as m
 from disagg.api.names import LABEL_ROLE
 from disagg.e2e import suite
-from disagg.e2e.providers import REPO, make_provider
-from disagg.e2e.testing import DD, wait_for
+from disagg.e2e.prometheus import LocalPrometheus
+from disagg.e2e.providers import CHART, REPO, make_provider
+from disagg.e2e.testing import DD, dd_manifest, wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(1800)]
 
@@ -98,6 +103,8 @@ class Operator(logging.Handler):
         super().__init__(logging.ERROR)
         self.stack = contextlib.ExitStack()
         self.failures: list[str] = []
+        self.started = time.time()
+        self.prometheus: LocalPrometheus | None = None   # scraping the in-process operator (local)
 
     def emit(self, record: logging.LogRecord) -> None:
         message = record.getMessage()
@@ -123,11 +130,38 @@ def operator(provider, kube, release, tmp_path_factory):
         kopf_log.addHandler(op)
         op.stack.callback(kopf_log.removeHandler, op)
         op.stack.enter_context(running_operator(kubeconfig))
+        op.prometheus = operator_prometheus(provider, tmp_path_factory.mktemp("e2e-prometheus"))
+        op.stack.callback(op.prometheus.stop)
     else:
         (name,) = suite.release_objects(kube, RELEASE, RELEASE_NS)["Deployment"]
         suite.wait_deployment_available(kube, RELEASE_NS, name)
     yield op
     op.stop()
+
+
+def operator_prometheus(provider, state_dir) -> LocalPrometheus:
+    """A real Prometheus scraping the in-process operator's /metrics as the chart's ServiceMonitor has the
+    Prometheus Operator scrape the operator pod (its `metrics` endpoint: path, honorLabels, the target
+    labels the Prometheus Operator adds), and evaluating the chart's PrometheusRule every second."""
+    from disagg.operator import metrics as operator_metrics
+
+    port = wait_for(operator_metrics.port, 60, "the operator's metrics endpoint")
+    out = provider.helm("template", RELEASE, str(CHART), "--namespace", RELEASE_NS,
+                        "--api-versions", "monitoring.coreos.com/v1")
+    objs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    (monitor,) = [o for o in objs if o["kind"] == "ServiceMonitor"]
+    (rule,) = [o for o in objs if o["kind"] == "PrometheusRule"]
+    endpoint = next(e for e in monitor["spec"]["endpoints"] if e["port"] == "metrics")
+    service = monitor["metadata"]["name"] + "-metrics"
+    job = {"job_name": f"serviceMonitor/{RELEASE_NS}/{monitor['metadata']['name']}/0",
+           "honor_labels": endpoint["honorLabels"], "metrics_path": endpoint["path"],
+           "static_configs": [{"targets": [f"127.0.0.1:{port}"], "labels": {
+               "namespace": RELEASE_NS, "service": service, "pod": f"{monitor['metadata']['name']}-0",
+               "endpoint": "metrics"}}]}
+    groups = rule["spec"]["groups"]
+    for g in groups:
+        g["interval"] = "1s"
+    return LocalPrometheus(state_dir, [], scrape_configs=[job], rule_groups=groups).start()
 
 
 @pytest.fixture
@@ -291,6 +325,65 @@ def test_rollout_never_leaves_a_role_without_a_ready_pod(provider, kube, operato
     assert saw_progress, "status never showed the rollout in progress"
     suite.assert_conditions_healthy(dd)
     suite.assert_gang_scheduled(dd)
+
+
+# ---------------------------------------------------------------- the operator's metrics
+
+
+def test_operator_panels_and_gang_alert_on_the_real_operators_metrics(provider, kube, operator, ns):
+    """The overview's Operator row and the DisaggGangNotScheduled alert against a real Prometheus that
+    scraped this module's operator (everything above happened in front of it): a gang that cannot be
+    placed makes the alert pending (its `for` is 10 minutes), a hand edit is reverted, and every panel
+    target has data."""
+    if not operator.prometheus:
+        pytest.skip("the operator runs in the cluster (kind): its metrics are not scraped by this process")
+    prom = operator.prometheus
+    # a gang that cannot be placed: no node has that GPU
+    stuck = dd_manifest("stuck", decode={"replicas": 1, "nodeSelector": {"nvidia.com/gpu.product": "no-such-gpu"}})
+    dd = DD(kube, ns, stuck)
+    dd.wait_condition("GangScheduled", "False", "InsufficientCapacity", timeout=120)
+
+    def pending():
+        alerts = prom.api("alerts").get("data", {}).get("alerts", [])
+        return [a for a in alerts if a["labels"]["alertname"] == "DisaggGangNotScheduled"
+                and a["labels"].get("namespace") == ns]
+    (alert,) = wait_for(pending, 60, "DisaggGangNotScheduled pending", interval=0.5)
+    assert alert["state"] == "pending" and alert["labels"]["deployment"] == "stuck", alert
+    # a hand edit of a child, reverted (the drift counter)
+    manifest = provider.adapt(suite.example("small.yaml"))
+    suite.apply(provider, ns, manifest)
+    small = DD(kube, ns, manifest["metadata"]["name"])
+    suite.wait_ready(small)
+    child = f"{small.name}-decode"
+    small.apps.patch_namespaced_deployment_scale(child, ns, {"spec": {"replicas": 5}}, field_manager="kubectl-scale")
+    wait_for(lambda: small.apps.read_namespaced_deployment(child, ns).spec.replicas == 2, 60, "replicas restored")
+    wait_for(lambda: prom.api("query", query=f"sum({m.OPERATOR_DRIFT_REVERTS})")["data"]["result"], 30,
+             "the revert scraped", interval=0.5)
+    time.sleep(3)   # a few more scrapes after the last change
+
+    variables = {"namespace": ns, "deployment": ".*", "__rate_interval": "1m"}
+    dashboard = json.loads((CHART / "dashboards" / "overview.json").read_text())
+    row = suite.dashboard_rows(dashboard)[suite.OPERATOR_ROW]
+    assert len(row) >= 4
+    failures, checked = [], 0
+    for panel in row:
+        for t in panel["targets"]:
+            expr = t["expr"]
+            for name, value in sorted(variables.items(), key=lambda kv: -len(kv[0])):
+                expr = expr.replace("${" + name + "}", value).replace("$" + name, value)
+            assert "$" not in expr, expr
+            r = prom.api("query_range", query=expr, start=operator.started, end=time.time(), step="1s")
+            checked += 1
+            values = [float(v) for series in r.get("data", {}).get("result", []) for _, v in series["values"]]
+            if r.get("status") != "success":
+                failures.append(f"{panel['title']} [{t['refId']}]: query error {r.get('error')}: {expr}")
+            elif not any(math.isfinite(v) for v in values):
+                failures.append(f"{panel['title']} [{t['refId']}]: no data: {expr}")
+    assert checked >= 6 and not failures, "\n".join(failures)
+    # the conditions panel shows the stuck gang with its reason
+    r = prom.api("query", query=f'{m.OPERATOR_CONDITION}{{namespace="{ns}", deployment="stuck", '
+                                f'type="GangScheduled"}}')
+    assert [s["metric"]["reason"] for s in r["data"]["result"]] == ["InsufficientCapacity"], r
 
 
 # ---------------------------------------------------------------- uninstall

@@ -5,7 +5,9 @@
 
 tests/test_dashboards.py runs every panel's queries against a real Prometheus; tests/test_chart.py
 checks that the committed JSON is what this script writes. Every query selects
-``namespace=~"$namespace", deployment=~"$deployment"`` (labels the chart's monitors put on every series).
+``namespace=~"$namespace", deployment=~"$deployment"`` (labels the chart's monitors put on every series),
+but the operator's own counters and phase gauge in the overview's Operator row, which cover every
+deployment the operator watches (tests/test_e2e_helm.py queries that row against the real operator).
 """
 
 from __future__ import annotations
@@ -194,7 +196,44 @@ def overview() -> Board:
     b.panel("timeseries", "Output length", "Generated tokens per request.",
             quantiles(m.ROUTER_OUTPUT_TOKENS, "output", qs=(0.5, 0.9)) + [target(mean(m.ROUTER_OUTPUT_TOKENS),
                                                                                   "output mean")], "short", w=8)
+    operator_row(b)
     return b
+
+
+def fleet_rate(metric: str, by: str = "") -> str:
+    """The operator's own counters: one operator for every DisaggDeployment, so not selected by them."""
+    group = f" by ({by})" if by else ""
+    return f"sum{group} (rate({metric}[{RATE}]))"
+
+
+CONDITIONS = 'type=~"Ready|GangScheduled|Degraded"'
+
+
+def operator_row(b: Board) -> None:
+    """The operator's metrics (disagg_operator_*, scraped through the chart's ServiceMonitor with the
+    labels the operator sets). Conditions are per DisaggDeployment; the rest covers every deployment the
+    operator watches."""
+    b.row("Operator")
+    b.panel("timeseries", "Conditions", "The operator's conditions per DisaggDeployment: 1 True, 0 False, "
+            "with their reason (GangScheduled False with InsufficientCapacity or GangTimeout: the gang cannot "
+            "be placed).", [target(f"max by (deployment, type, reason) ({m.OPERATOR_CONDITION}{sel(CONDITIONS)})",
+                                   "{{deployment}} {{type}} ({{reason}})")],
+            "short", w=12, decimals=0, min=0, max=1)
+    b.panel("timeseries", "DisaggDeployments by phase", "Every DisaggDeployment the operator watches, by phase.",
+            [target(f"sum by (phase) ({m.OPERATOR_DEPLOYMENTS})", "{{phase}}")], "short", w=12, decimals=0)
+    b.panel("timeseries", "Gang wait", "From the first pod of a gang to its whole minimum set bound (all "
+            "deployments).", [target(f"histogram_quantile({q}, sum by (le) "
+                                     f"(rate({m.OPERATOR_GANG_WAIT_SECONDS}_bucket[{RATE}])))", f"p{round(q * 100)}")
+                              for q in (0.5, 0.9)], "s", w=8)
+    b.panel("timeseries", "Reconciles by result", "Reconciles per second (all deployments): applied, unchanged, "
+            "conflict, error, invalid, blocked.",
+            [target(fleet_rate(m.OPERATOR_RECONCILES, "result"), "{{result}}")], "ops", w=8)
+    b.panel("timeseries", "API writes and reverted hand edits", "Server-side applies of children by kind, status "
+            "writes, and children someone else changed that the operator restored (by kind and field manager).", [
+                target(fleet_rate(m.OPERATOR_CHILD_WRITES, "kind"), "{{kind}} applies"),
+                target(fleet_rate(m.OPERATOR_STATUS_WRITES), "status writes"),
+                target(fleet_rate(m.OPERATOR_DRIFT_REVERTS, "kind, manager"), "{{kind}} reverted ({{manager}})")],
+            "ops", w=8)
 
 
 def vllm(metric: str, *extra: str) -> str:
