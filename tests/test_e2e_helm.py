@@ -5,9 +5,12 @@ of the chart's own ServiceAccount) or `kind` (e2e/kind/: the chart's operator im
 
 The chart installs the CRD, ServiceAccount, RBAC, monitors (the minimal monitoring CRDs make the
 Prometheus Operator's API present) and dashboards; then every example is applied and checked for
-placement, gang, status and deletion, one is scaled and rolled out, and `helm uninstall` removes
-everything the chart made but the CRD. On `local`, a second release with the operator enabled (its pod
-run by kwok) shows the operator Deployment becoming Available with the chart's security defaults.
+placement, gang, status and deletion (and no failed operator handler under the chart's role), one is
+scaled and rolled out, and `helm uninstall` removes everything the chart made but the CRD. On `local`, a
+second release with the operator enabled (its pod run by kwok) shows the operator Deployment becoming
+Available with the chart's security defaults, and a real Prometheus scrapes the in-process operator as
+the chart's ServiceMonitor would, with the chart's rules: the overview dashboard's Operator row is
+queried on it and a gang that cannot be placed makes DisaggGangNotScheduled pending.
 
 CRDs and Helm: Helm creates the files of a chart's crds/ only when the CRD does not exist yet (it never
 adopts, upgrades or deletes them, and does not list them in the release). On `local`, the session's
