@@ -29,6 +29,8 @@ class RouterMetrics:
         self.fallbacks = Counter(m.ROUTER_FALLBACKS, "Fallbacks taken, by reason.", ["reason"], registry=r)
         self.decisions = Counter(m.ROUTER_ROUTING_DECISIONS, "Routing decisions.", ["policy", "role", "worker"],
                                  registry=r)
+        self.load_bounded = Counter(m.ROUTER_LOAD_BOUNDED, "Decisions where the worker holding the most of the "
+                                    "prompt was passed over because of the load-skew bound.", ["role"], registry=r)
         self.routing_seconds = Histogram(m.ROUTER_ROUTING_SECONDS, "Time to pick a worker (no tokenization).",
                                          ["policy", "role"], buckets=ROUTING_BUCKETS, registry=r)
         self.prompt_tokens = Counter(m.ROUTER_PROMPT_TOKENS, "Prompt tokens routed.", registry=r)

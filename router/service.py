@@ -156,6 +156,8 @@ class Router:
                                policies.Request(blocks=len(keys), overlap=overlap))
         self.metrics.routing_seconds.labels(self.config.spec.policy, role).observe(time.perf_counter() - t0)
         self.metrics.decisions.labels(self.config.spec.policy, role, d.worker).inc()
+        if d.load_bounded:
+            self.metrics.load_bounded.labels(role).inc()
         return self.pool.workers[role][d.worker], d.overlap_blocks
 
     def plan(self, token_ids: list[int], exclude: set[str] = frozenset()) -> Plan:

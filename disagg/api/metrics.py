@@ -17,6 +17,7 @@ ROUTER_OUTPUT_TOKENS = "disagg_router_output_tokens"                # histogram
 ROUTER_REQUESTS = "disagg_router_requests_total"                    # counter; labels: outcome, path
 ROUTER_FALLBACKS = "disagg_router_fallbacks_total"                  # counter; labels: reason
 ROUTER_ROUTING_DECISIONS = "disagg_router_routing_decisions_total"  # counter; labels: policy, role, worker
+ROUTER_LOAD_BOUNDED = "disagg_router_load_bounded_decisions_total"  # counter; labels: role (the skew bound overrode cache affinity)
 ROUTER_PROMPT_TOKENS = "disagg_router_prompt_tokens_total"          # counter
 ROUTER_CACHED_PROMPT_TOKENS = "disagg_router_cached_prompt_tokens_total"  # counter (prefix hit ratio = cached/prompt)
 ROUTER_ACTIVE_REQUESTS = "disagg_router_active_requests"            # gauge; labels: role, worker

@@ -32,6 +32,7 @@ class Decision:
     worker: str
     overlap_blocks: int
     cost: float
+    load_bounded: bool = False   # the cheapest worker was passed over for its load (the skew bound)
 
 
 class Policy(Protocol):

@@ -53,14 +53,17 @@ class KVAware:
         bound = self.max_load_skew * (min(c.load for c in candidates) + 1)
         weight, blocks, overlap = self.overlap_weight, request.blocks, request.overlap
         best: tuple[float, float] | None = None
+        best_over: tuple[float, float] | None = None    # the cheapest among those over the bound
         tied: list[str] = []
         for c in candidates:                 # one pass: this runs for every request
-            if c.load > bound:
-                continue
             key = (weight * (blocks - overlap.get(c.name, 0)) + c.load, c.load)
+            if c.load > bound:
+                if best_over is None or key < best_over:
+                    best_over = key
+                continue
             if best is None or key < best:
                 best, tied = key, [c.name]
             elif key == best:
                 tied.append(c.name)
         name = tied[next(self._turn) % len(tied)]
-        return Decision(name, overlap.get(name, 0), best[0])
+        return Decision(name, overlap.get(name, 0), best[0], load_bounded=best_over is not None and best_over < best)
