@@ -38,7 +38,7 @@ worker-env:
 e2e: venv cluster-build
 	$(BIN)/python -m pytest tests/test_e2e_helm.py
 
-e2e-kind: venv cluster-build
+e2e-kind: venv
 	bash e2e/kind/e2e.sh
 
 cluster-up: venv cluster-build
