@@ -16,6 +16,7 @@ COPY planner /src/planner
 COPY router /src/router
 COPY workers /src/workers
 COPY e2e /src/e2e
+COPY configurator /src/configurator
 
 FROM python:3.11-slim AS control-plane
 RUN useradd --uid 10001 --no-create-home --shell /usr/sbin/nologin disagg
@@ -30,8 +31,12 @@ ENTRYPOINT ["python", "-m"]
 CMD ["disagg.operator"]
 
 FROM ${VLLM_IMAGE} AS worker
+# No home directory here either: model downloads (Hugging Face cache) go to /tmp.
+ENV HF_HOME=/tmp/huggingface
 WORKDIR /app
 COPY --from=source /src/ ./
-RUN pip install --no-cache-dir . nixl==1.5.1 && useradd --uid 10001 --no-create-home disagg
+# The Run:ai streamer reads s3:// model sources (workers/__main__.py adds --load-format runai_streamer).
+RUN pip install --no-cache-dir . nixl==1.5.1 runai-model-streamer==0.17.0 runai-model-streamer-s3==0.17.1 \
+    && useradd --uid 10001 --no-create-home disagg
 USER 10001
 ENTRYPOINT ["python", "-m", "disagg.workers"]
