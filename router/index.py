@@ -24,11 +24,22 @@ def block_keys(token_ids: Sequence[int], block_size: int, parent: int = ROOT) ->
 
 
 class PrefixIndex:
-    """Block key -> workers holding it, plus each worker's engine-hash -> key map."""
+    """Block key -> the workers holding it, as a bitmask of worker slots (an int: no set per block,
+    and a prefix walk is one AND per block), plus each worker's engine-hash -> key map."""
 
     def __init__(self) -> None:
-        self._holders: dict[int, set[str]] = {}
+        self._holders: dict[int, int] = {}              # key -> bitmask of worker slots
         self._keys: dict[str, dict[object, int]] = {}   # worker -> engine hash -> key
+        self._slot: dict[str, int] = {}                 # worker -> its bit
+        self._names: dict[int, str] = {}                # bit -> worker
+        self._free: list[int] = []                      # bits of cleared workers, for reuse
+
+    def _bit(self, worker: str) -> int:
+        bit = self._slot.get(worker)
+        if bit is None:
+            bit = self._free.pop() if self._free else 1 << len(self._slot)
+            self._slot[worker], self._names[bit] = bit, worker
+        return bit
 
     # ---- ingest (from KV events)
     def stored(self, worker: str, engine_hashes: Sequence[object], parent_engine_hash: object | None,
@@ -42,75 +53,81 @@ class PrefixIndex:
             parent = keys_of.get(parent_engine_hash)
             if parent is None:
                 return 0
-        # one pass: chain the key, remember it under the engine's hash, add the worker
-        holders_of = self._holders
+        bit = self._bit(worker)
+        holders = self._holders
+        get = holders.get
         n = 0
+        # one pass: chain the key, remember it under the engine's hash, set the worker's bit
         for engine_hash, start in zip(engine_hashes, range(0, len(token_ids) - block_size + 1, block_size)):
             parent = hash((parent, tuple(token_ids[start:start + block_size])))
             keys_of[engine_hash] = parent
-            holders = holders_of.get(parent)
-            if holders is None:
-                holders_of[parent] = {worker}
-            else:
-                holders.add(worker)
+            holders[parent] = get(parent, 0) | bit
             n += 1
         return n
 
     def add_keys(self, worker: str, keys: Iterable[int]) -> None:
         """Index router keys directly (tests, simulations, the trace replay)."""
         keys_of = self._keys.setdefault(worker, {})
-        holders_of = self._holders
+        bit = self._bit(worker)
+        holders = self._holders
+        get = holders.get
         for key in keys:
             keys_of[key] = key
-            holders = holders_of.get(key)
-            if holders is None:
-                holders_of[key] = {worker}
-            else:
-                holders.add(worker)
+            holders[key] = get(key, 0) | bit
 
     def removed(self, worker: str, engine_hashes: Iterable[object]) -> None:
         keys_of = self._keys.get(worker)
         if not keys_of:
             return
+        keep = ~self._slot[worker]
+        holders = self._holders
         for engine_hash in engine_hashes:
             key = keys_of.pop(engine_hash, None)
             if key is None:
                 continue
-            holders = self._holders.get(key)
-            if holders is not None:
-                holders.discard(worker)
-                if not holders:
-                    del self._holders[key]
+            mask = holders.get(key)
+            if mask is not None:
+                mask &= keep
+                if mask:
+                    holders[key] = mask
+                else:
+                    del holders[key]
 
     def cleared(self, worker: str) -> None:
         self.removed(worker, list(self._keys.get(worker, ())))
         self._keys.pop(worker, None)
+        bit = self._slot.pop(worker, None)
+        if bit is not None:                 # no block carries it any more: the slot can be reused
+            del self._names[bit]
+            self._free.append(bit)
 
     # ---- query
     def match(self, keys: Sequence[int]) -> dict[str, int]:
         """For each worker holding the first block, how many leading blocks it holds."""
         if not keys:
             return {}
-        first = self._holders.get(keys[0])
-        if not first:
+        holders = self._holders
+        live = holders.get(keys[0], 0)
+        if not live:
             return {}
-        live = set(first)
         overlap: dict[str, int] = {}
         depth = 1
         for key in keys[1:]:
-            holders = self._holders.get(key)
-            if not holders:
-                break
-            if not live <= holders:          # someone's prefix ends here (checked without allocating)
-                gone = live - holders
-                for worker in gone:
-                    overlap[worker] = depth
-                live -= gone
+            mask = live & holders.get(key, 0)
+            if mask != live:                 # someone's prefix ends here
+                gone = live & ~mask
+                while gone:
+                    low = gone & -gone
+                    overlap[self._names[low]] = depth
+                    gone ^= low
+                live = mask
                 if not live:
                     break
             depth += 1
-        for worker in live:
-            overlap[worker] = depth
+        while live:
+            low = live & -live
+            overlap[self._names[low]] = depth
+            live ^= low
         return overlap
 
     def blocks(self, worker: str | None = None) -> int:
