@@ -13,6 +13,7 @@ import pytest
 from openai import OpenAI
 
 from disagg.api import metrics as m
+from disagg.e2e.testing import wait_for
 from disagg.router.service import REMOTE_DECODE
 from disagg.workers.local import cpu_settings, free_port, metric_sum, router, scrape, wait_metric, worker
 from disagg.workers.testing import tiny_model, worker_python  # noqa: F401  (fixtures)
@@ -42,16 +43,17 @@ def reference(tiny_model, worker_python, tmp_path_factory):
     try:
         agg.wait_ready()
         client = OpenAI(base_url=f"{agg.url}/v1", api_key="unused")
-        yield {"completions": [_complete(client, p) for p in PROMPTS], "chat": [_chat(client, c) for c in CHATS]}
+        answers = {"completions": [_complete(client, p) for p in PROMPTS], "chat": [_chat(client, c) for c in CHATS]}
     finally:
-        agg.stop()
+        agg.stop()          # before the P/D workers start: two cores are all there is
+    return answers
 
 
 @pytest.fixture(scope="module")
 def pd(reference, tiny_model, worker_python, tmp_path_factory):
     """prefill (core 0) + decode (core 1) + the router, disaggregating every request."""
     logs = tmp_path_factory.mktemp("pd")
-    prefill_s = cpu_settings("prefill", tiny_model, "0")
+    prefill_s = cpu_settings("prefill", tiny_model, "0", drain_seconds=60)
     decode_s = cpu_settings("decode", tiny_model, "1")
     port = free_port()
     config = {"model": "tiny", "tokenizer": tiny_model, "block_size": 32, "max_model_len": 1024, "port": port,
@@ -67,7 +69,6 @@ def pd(reference, tiny_model, worker_python, tmp_path_factory):
     procs = {"prefill": worker("prefill", prefill_s, worker_python, logs),
              "decode": worker("decode", decode_s, worker_python, logs),
              "router": router(logs / "router.json", port, logs)}
-    procs["prefill"].settings = prefill_s
     try:
         for name in ("prefill", "decode"):
             procs[name].start()
@@ -124,6 +125,40 @@ def test_kv_blocks_moved_over_nixl_and_every_request_prefilled_remotely(pd):
         metric_sum(routed, m.ROUTER_KV_EVENT_BATCHES) > 0
 
 
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())
+
+
+def test_a_draining_prefill_keeps_its_kv_until_decode_pulls_it(pd, reference):
+    """Prefill scale-down must not break in-flight KV reads: SIGTERM lands after a prefill and before
+    its decode pulled the blocks; the worker stops taking work but holds those blocks (vLLM keeps a
+    request whose KV awaits a remote reader as engine work) until they are read, then exits cleanly.
+    The module's prefill worker is drained, then started again for the next test (a third vLLM does
+    not start on two cores whose OpenMP threads two others already bind)."""
+    prefill = pd["prefill"]
+    body = {"model": "tiny", "prompt": PROMPTS[1], "temperature": 0, "seed": 7}
+    params = _post(f"{prefill.url}/v1/completions",
+                   {**body, "max_tokens": 1, "kv_transfer_params": REMOTE_DECODE})["kv_transfer_params"]
+    before = scrape(pd["decode"].url)
+    transfers = metric_sum(before, m.VLLM_NIXL_BYTES_TRANSFERRED + "_count")
+    failed = metric_sum(before, m.VLLM_NIXL_FAILED_TRANSFERS + "_total")
+    prefill.proc.send_signal(signal.SIGTERM)            # the supervisor only, as the kubelet does
+    time.sleep(8)                                       # longer than an idle worker takes to exit
+    assert prefill.proc.poll() is None, "the prefill exited with KV nobody had pulled yet"
+    out = _post(f"{pd['decode'].url}/v1/completions", {**body, "max_tokens": MAX_TOKENS,
+                                                        "kv_transfer_params": params})
+    assert out["choices"][0]["text"] == reference["completions"][1]
+    assert wait_metric(pd["decode"].url, m.VLLM_NIXL_BYTES_TRANSFERRED + "_count", transfers + 1) > transfers
+    assert metric_sum(scrape(pd["decode"].url), m.VLLM_NIXL_FAILED_TRANSFERS + "_total") == failed
+    assert prefill.proc.wait(timeout=60) == 0
+    prefill.start().wait_ready()
+    # the router finds it again at its next health check
+    wait_for(lambda: scrape(pd["router"].url).get(f'{m.ROUTER_WORKERS}{{role="prefill",state="healthy"}}') == 1,
+             timeout=120, what="the router sees the restarted prefill worker")
+
+
 def test_prefill_killed_mid_run_requests_complete_by_local_prefill(pd):
     client = OpenAI(base_url=f"{pd['router'].url}/v1", api_key="unused", max_retries=0)
     before = metric_sum(scrape(pd["router"].url), m.ROUTER_FALLBACKS)
@@ -140,37 +175,3 @@ def test_prefill_killed_mid_run_requests_complete_by_local_prefill(pd):
     raw = client.completions.with_raw_response.create(model="tiny", prompt=PROMPTS[0], max_tokens=4, temperature=0)
     assert raw.headers["x-disagg-path"] != m.PATH_REMOTE_PREFILL, dict(raw.headers)
 
-
-def _post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as r:
-        return json.loads(r.read())
-
-
-def test_a_draining_prefill_keeps_its_kv_until_decode_pulls_it(pd, reference, worker_python, tmp_path):
-    """Prefill scale-down must not break in-flight KV reads: SIGTERM lands after a prefill and before
-    its decode pulled the blocks; the worker stops taking work but holds those blocks (vLLM keeps a
-    request whose KV awaits a remote reader as engine work) until they are read, then exits cleanly.
-    Runs last: the previous test killed the module's prefill worker; this one starts its own."""
-    settings = pd["prefill"].settings.model_copy(update={"drain_seconds": 60})
-    pd["prefill"].kill()
-    prefill = worker("prefill-drain", settings, worker_python, tmp_path).start()
-    try:
-        prefill.wait_ready()
-        body = {"model": "tiny", "prompt": PROMPTS[1], "temperature": 0, "seed": 7}
-        params = _post(f"{prefill.url}/v1/completions",
-                       {**body, "max_tokens": 1, "kv_transfer_params": REMOTE_DECODE})["kv_transfer_params"]
-        before = scrape(pd["decode"].url)
-        transfers = metric_sum(before, m.VLLM_NIXL_BYTES_TRANSFERRED + "_count")
-        failed = metric_sum(before, m.VLLM_NIXL_FAILED_TRANSFERS + "_total")
-        prefill.proc.send_signal(signal.SIGTERM)        # the supervisor only, as the kubelet does
-        time.sleep(8)                                   # longer than an idle worker takes to exit
-        assert prefill.proc.poll() is None, "the prefill exited with KV nobody had pulled yet"
-        out = _post(f"{pd['decode'].url}/v1/completions", {**body, "max_tokens": MAX_TOKENS,
-                                                            "kv_transfer_params": params})
-        assert out["choices"][0]["text"] == reference["completions"][1]
-        assert wait_metric(pd["decode"].url, m.VLLM_NIXL_BYTES_TRANSFERRED + "_count", transfers + 1) > transfers
-        assert metric_sum(scrape(pd["decode"].url), m.VLLM_NIXL_FAILED_TRANSFERS + "_total") == failed
-        assert prefill.proc.wait(timeout=60) == 0
-    finally:
-        prefill.stop()
