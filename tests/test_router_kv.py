@@ -8,12 +8,12 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import random
-import time
 
 import pytest
 from openai import OpenAI
 
 from disagg.api import metrics as m
+from disagg.e2e.testing import wait_for
 from disagg.workers.local import cpu_settings, free_port, metric_sum, router, scrape, worker
 from disagg.workers.testing import tiny_model, worker_python  # noqa: F401  (fixtures)
 
@@ -121,7 +121,8 @@ def _shares(workers, start_router, skew: float, seed: int, n: int = 10) -> tuple
     r = start_router("kv-aware", max_load_skew=skew)
     shared = _prefix(random.Random(seed))
     _run(r.url, [f"{shared} seed"], concurrency=1)
-    time.sleep(1)                                   # its KV events reach the index
+    wait_for(lambda: scrape(r.url).get(f'{m.ROUTER_INDEXED_BLOCKS}{{role="decode"}}', 0) >= 13, timeout=60,
+             what="the seed's 13 prefix blocks in the router's index (from the worker's KV events)")
     client = OpenAI(base_url=f"{r.url}/v1", api_key="unused", max_retries=0)
 
     def one(i: int) -> None:
@@ -147,9 +148,11 @@ def test_a_prompt_everyone_shares_stays_within_the_skew_bound(workers, start_rou
     unbounded, overridden = _shares(workers, start_router, skew=100, seed=3)
     assert min(unbounded) == 0 and overridden == 0, unbounded
     # with maxLoadSkew 2 the cached worker may hold at most 2 x (the other's load + 1): once 3 are in
-    # flight there, the next goes to the other worker, and the router says how often that happened
+    # flight there, the next goes to the other worker, and the router counts it. (Once that worker has
+    # computed the prefix too, its own KV events make it a cached worker: later requests may go there on
+    # cost alone, so the count is a lower bound on its share, not equal to it.)
     bounded, overridden = _shares(workers, start_router, skew=2, seed=4)
-    assert min(bounded) >= 1 and overridden == min(bounded), (bounded, overridden)
+    assert min(bounded) >= 1 and 1 <= overridden <= min(bounded), (bounded, overridden)
 
 
 def test_sigterm_drains_in_flight_requests(workers):
