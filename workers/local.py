@@ -180,10 +180,12 @@ def serve_local(port: int = 8080, model: str | None = None, once: bool = False, 
              router(log_dir / "router.json", port, log_dir)]
     print(f"starting prefill, decode and router (logs in {log_dir}) ...", file=out, flush=True)
     try:
-        for p in procs:
+        for p in procs[:2]:
             p.start()
-        for p in procs:
+        for p in procs[:2]:
             p.wait_ready()
+        # the router after the workers: its first health check must find the prefill worker up
+        procs[2].start().wait_ready()
         url = procs[2].url
         print(f"router: {url}/v1 (model 'tiny')", file=out, flush=True)
         # long enough for full KV blocks: NIXL moves whole blocks; a prompt shorter than one block is
