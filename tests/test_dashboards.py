@@ -21,7 +21,6 @@ import subprocess
 import threading
 import time
 import urllib.error
-import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -111,31 +110,6 @@ def relabel(rules: list[dict]) -> list[dict]:
     return [{keys.get(k, k): (v.lower() if k == "action" else v) for k, v in r.items()} for r in rules]
 
 
-class ChartPrometheus(LocalPrometheus):
-    """LocalPrometheus with scrape jobs and rule groups given in full."""
-
-    def __init__(self, state_dir: Path, scrape_configs: list[dict], rule_groups: list[dict]):
-        super().__init__(state_dir, [])
-        self.scrape_configs, self.rule_groups = scrape_configs, rule_groups
-
-    def _config(self) -> Path:
-        rules = self.dir / "rules.yaml"
-        rules.write_text(yaml.safe_dump({"groups": self.rule_groups}))
-        path = self.dir / "prometheus.yml"
-        path.write_text(yaml.safe_dump({
-            "global": {"scrape_interval": self.scrape_interval, "evaluation_interval": self.scrape_interval},
-            "rule_files": [str(rules)], "scrape_configs": self.scrape_configs}))
-        return path
-
-    def api(self, path: str, **params) -> dict:
-        url = f"{self.url}/api/v1/{path}?{urllib.parse.urlencode(params, doseq=True)}"
-        try:
-            with urllib.request.urlopen(url, timeout=30) as r:
-                return json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            return json.loads(e.read() or b"{}") | {"status": "error", "http": e.code}
-
-
 def chart_monitors() -> dict[str, dict]:
     from disagg.e2e.localcluster import binaries
 
@@ -179,7 +153,7 @@ def scrape_configs(monitors: dict[str, dict], pods: dict[str, tuple[str, str]], 
 
 @dataclass
 class Stack:
-    prometheus: ChartPrometheus
+    prometheus: LocalPrometheus
     router_url: str
     decode_url: str
     start: float
@@ -293,8 +267,8 @@ def stack(tiny_model, worker_python, tmp_path_factory):  # noqa: F811
         pods = {"tiny-router-0": ("router", f"127.0.0.1:{port}"),
                 "tiny-prefill-0": ("prefill", f"127.0.0.1:{prefill_s.port}"),
                 "tiny-decode-0": ("decode", f"127.0.0.1:{decode_s.port}")}
-        prom = ChartPrometheus(logs / "prometheus", scrape_configs(monitors, pods, f"127.0.0.1:{feed.port}"),
-                               groups)
+        prom = LocalPrometheus(logs / "prometheus", [], rule_groups=groups,
+                               scrape_configs=scrape_configs(monitors, pods, f"127.0.0.1:{feed.port}"))
         prom.start()
         closers.append(prom.stop)
         feed.connect(prom.url)
