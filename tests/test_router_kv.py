@@ -113,8 +113,9 @@ def test_kv_aware_computes_fewer_prefill_tokens_than_round_robin(workers, start_
     assert computed["kv-aware"] < 0.8 * computed["round-robin"], computed
 
 
-def _shares(workers, start_router, skew: float, seed: int, n: int = 10) -> tuple[list[float], float]:
-    """Routing decisions per worker, and how many the skew bound decided, for n concurrent requests
+def _shares(workers, start_router, skew: float, seed: int, n: int = 10) -> tuple[list[float], float, float]:
+    """Routing decisions per worker, how many the skew bound decided, and how many were decode
+    retries (each re-decided away from the worker that failed), for n concurrent requests
     sharing one prompt prefix that one earlier request put in one worker's cache. Each request streams
     1,500 tokens and each worker runs one at a time, so requests pile up in flight: the bound must
     step in as soon as the cached worker holds more than skew x (the other's load + 1)."""
@@ -146,22 +147,25 @@ def _shares(workers, start_router, skew: float, seed: int, n: int = 10) -> tuple
     s = scrape(r.url)
     decided = f'{m.ROUTER_ROUTING_DECISIONS}{{policy="kv-aware",role="decode"'
     shares = [metric_sum(s, f'{decided},worker="{p.url}"}}') for p, _ in workers]
-    assert sum(shares) == n + 1 + _attempt           # and the seed request(s)
+    # every request and seed is decided once, and once more per retry after a decode failed before any
+    # output (the router's documented fallback; under this load a pooled connection can drop)
+    retries = s.get(f'{m.ROUTER_FALLBACKS}{{reason="{m.FALLBACK_DECODE_RETRY}"}}', 0)
+    assert sum(shares) == n + 1 + _attempt + retries, (shares, retries)
     hits = metric_sum(s, m.ROUTER_CACHED_PROMPT_TOKENS) / metric_sum(s, m.ROUTER_PROMPT_TOKENS)
     assert hits > 0.5                               # the shared prefix is reused, bound or not
     r.stop()
-    return shares, metric_sum(s, m.ROUTER_LOAD_BOUNDED)
+    return shares, metric_sum(s, m.ROUTER_LOAD_BOUNDED), retries
 
 
 def test_a_prompt_everyone_shares_stays_within_the_skew_bound(workers, start_router):
     # the shared prefix is 13 blocks: without a bound, cost keeps every request on the cached worker
-    unbounded, overridden = _shares(workers, start_router, skew=100, seed=3)
-    assert min(unbounded) == 0 and overridden == 0, unbounded
+    unbounded, overridden, retries = _shares(workers, start_router, skew=100, seed=3)
+    assert min(unbounded) <= retries and overridden == 0, (unbounded, retries)
     # with maxLoadSkew 2 the cached worker may hold at most 2 x (the other's load + 1): once 3 are in
     # flight there, the next goes to the other worker, and the router counts it. (Once that worker has
     # computed the prefix too, its own KV events make it a cached worker: later requests may go there on
     # cost alone, so the count is a lower bound on its share, not equal to it.)
-    bounded, overridden = _shares(workers, start_router, skew=2, seed=4)
+    bounded, overridden, _ = _shares(workers, start_router, skew=2, seed=4)
     assert min(bounded) >= 1 and 1 <= overridden <= min(bounded), (bounded, overridden)
 
 
