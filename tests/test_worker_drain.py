@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import json
 import signal
+import threading
 import time
+import urllib.error
 import urllib.request
+import warnings
 
 import pytest
 
@@ -19,6 +22,7 @@ from disagg.workers.local import cpu_settings, metric_sum, scrape, wait_metric, 
 from disagg.workers.testing import tiny_model, worker_python  # noqa: F401  (fixtures)
 
 PROMPT = "The quick brown fox jumps over the lazy dog " * 6     # several full 32-token blocks
+LEASE = 30                                                      # the prefill's kv_lease_seconds
 
 
 def _post(url: str, body: dict) -> dict:
@@ -29,7 +33,8 @@ def _post(url: str, body: dict) -> dict:
 
 @pytest.fixture
 def pair(tiny_model, worker_python, tmp_path):
-    procs = {"prefill": worker("prefill", cpu_settings("prefill", tiny_model, "0", drain_seconds=60),
+    procs = {"prefill": worker("prefill", cpu_settings("prefill", tiny_model, "0", drain_seconds=60,
+                                                             kv_lease_seconds=LEASE),
                                worker_python, tmp_path),
              "decode": worker("decode", cpu_settings("decode", tiny_model, "1"), worker_python, tmp_path)}
     try:
@@ -43,23 +48,44 @@ def pair(tiny_model, worker_python, tmp_path):
             p.stop()
 
 
-@pytest.mark.xfail(strict=False, reason="vLLM's CPU build on a 2-core machine sometimes stalls the decode's "
-                   "NIXL pull until the prefill's 30 s KV lease expires (seen in CI: the prefill held the "
-                   "blocks after SIGTERM as it should, but nobody read them); passes when the pull is prompt")
+def _remote_prefill(prefill, body: dict) -> dict:
+    return _post(f"{prefill.url}/v1/completions",
+                 {**body, "max_tokens": 1, "kv_transfer_params": REMOTE_DECODE})["kv_transfer_params"]
+
+
 def test_a_draining_prefill_keeps_its_kv_until_decode_pulls_it(pair):
     prefill, decode = pair["prefill"], pair["decode"]
     body = {"model": "tiny", "prompt": PROMPT, "temperature": 0, "seed": 7}
     # what decode answers when it prefills itself, for the text check (a producer-only worker refuses
     # plain requests); the transfer count below shows the blocks were still pulled
     local = _post(f"{decode.url}/v1/completions", {**body, "max_tokens": 12})["choices"][0]["text"]
-    params = _post(f"{prefill.url}/v1/completions",
-                   {**body, "max_tokens": 1, "kv_transfer_params": REMOTE_DECODE})["kv_transfer_params"]
+    # one hand-off first, as any serving pair has done long before a scale-down: the NIXL handshake
+    # is then not part of what the drain has to carry
+    warm = {**body, "prompt": "warm up " + PROMPT, "max_tokens": 2}
+    _post(f"{decode.url}/v1/completions", {**warm, "kv_transfer_params": _remote_prefill(prefill, warm)})
+    params = _remote_prefill(prefill, body)
+    prefilled = time.monotonic()
     transfers = metric_sum(scrape(decode.url), m.VLLM_NIXL_BYTES_TRANSFERRED + "_count")
+    exited: list[float] = []
+    waiter = threading.Thread(target=lambda: (prefill.proc.wait(), exited.append(time.monotonic())), daemon=True)
     prefill.proc.send_signal(signal.SIGTERM)            # the supervisor only, as the kubelet does
+    waiter.start()
     time.sleep(8)                                       # longer than an idle worker takes to exit
-    assert prefill.proc.poll() is None, "the prefill exited with KV nobody had pulled yet"
-    out = _post(f"{decode.url}/v1/completions", {**body, "max_tokens": 12, "kv_transfer_params": params})
-    assert out["choices"][0]["text"] == local
-    assert wait_metric(decode.url, m.VLLM_NIXL_BYTES_TRANSFERRED + "_count", transfers + 1) > transfers
-    assert metric_sum(scrape(decode.url), m.VLLM_NIXL_FAILED_TRANSFERS + "_total") == 0
-    assert prefill.proc.wait(timeout=60) == 0
+    assert not exited, "the prefill exited with KV nobody had pulled yet"
+    try:
+        text = _post(f"{decode.url}/v1/completions",
+                     {**body, "max_tokens": 12, "kv_transfer_params": params})["choices"][0]["text"]
+    except urllib.error.HTTPError as e:             # kv_load_failure_policy=fail: a failed pull is a 500
+        text = f"HTTP {e.code}"
+    assert prefill.proc.wait(timeout=LEASE + 60) == 0
+    waiter.join(timeout=5)
+    failed = metric_sum(scrape(decode.url), m.VLLM_NIXL_FAILED_TRANSFERS + "_total")
+    if failed == 0:
+        # pulled from the draining worker: same text as decode computes itself, one more transfer
+        assert text == local
+        assert wait_metric(decode.url, m.VLLM_NIXL_BYTES_TRANSFERRED + "_count", transfers + 1) > transfers
+    else:
+        # CPU vLLM on a 2-core machine sometimes stalls a pull until the lease ends (seen in CI, with
+        # and without a drain): then the prefill must still have held the blocks for the whole lease
+        warnings.warn(f"the decode's pull failed ({text}); checked that the prefill held its KV for the lease")
+        assert exited and exited[0] - prefilled >= LEASE - 1, (exited, prefilled)
