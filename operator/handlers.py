@@ -17,6 +17,7 @@ from disagg.api.names import GROUP, LABEL_DEPLOYMENT, LABEL_GANG, LABEL_MANAGED_
 from disagg.api.v1alpha1 import GPU_RESOURCE, KIND, PLURAL, VERSION, DisaggDeployment
 
 from . import capacity, children, render
+from .fleet import Fleet
 from . import gang as gangs
 from . import metrics
 from . import status as statuses
@@ -42,6 +43,7 @@ def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     # than cores lets a burst of new deployments overlap those waits
     settings.execution.max_workers = 16
     memo.clients = children.Clients.create()
+    memo.fleet = Fleet(memo.clients)
     memo.triggers = {}
     memo.applied = {}  # (namespace, name) -> (last applied generation, error applying the next one)
     memo.drift_seen = {}  # (namespace, child Deployment) -> its generation last restored
@@ -201,7 +203,8 @@ async def status_loop(name: str, namespace: str, body: kopf.Body, memo: kopf.Mem
             deps = list(deployments_by_deployment.get(key, []))
             try:
                 applied = memo.applied.get(key)
-                settled, events = await asyncio.to_thread(refresh, memo.clients, namespace, name, pods, deps, applied)
+                settled, events = await asyncio.to_thread(refresh, memo.clients, namespace, name, pods, deps, applied,
+                                                           memo.fleet)
             except ApiException as e:
                 if e.status == 404:
                     return  # deleted
@@ -236,7 +239,7 @@ async def _woken(trigger: asyncio.Event, stopped: kopf.DaemonStopped, timeout: f
 
 def refresh(clients: children.Clients, namespace: str, name: str, pods: list[statuses.PodView],
             deps: list[tuple[str, statuses.DeploymentView]],
-            applied: tuple[int, str | None] | None = None) -> tuple[bool, list[tuple[str, str, str]]]:
+            applied: tuple[int, str | None] | None, fleet: Fleet) -> tuple[bool, list[tuple[str, str, str]]]:
     """Recompute and (if changed) write status. Returns (settled, events)."""
     obj = clients.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
     try:
@@ -255,7 +258,7 @@ def refresh(clients: children.Clients, namespace: str, name: str, pods: list[sta
     if (bound["prefill"] < gang.min_prefill or bound["decode"] < gang.min_decode) and waiting_since \
             and statuses.age_seconds(waiting_since) >= CAPACITY_AFTER_SECONDS:
         # Only for a gang that has waited a while: listing every node and pod is not free at fleet scale.
-        obs.gang_fits, obs.gang_message = _capacity(clients, dd)
+        obs.gang_fits, obs.gang_message = _capacity(fleet, dd)
     previous = obj.get("status") or {}
     status, events = statuses.compute(dd, obj["metadata"]["generation"], previous, obs, render.endpoint(dd))
     if statuses.changed(previous, status):
@@ -288,15 +291,12 @@ def _observe_gang_wait(previous: dict[str, Any], status: dict[str, Any]) -> None
         metrics.gang_wait.observe(statuses.age_seconds(before["lastTransitionTime"]))
 
 
-def _capacity(clients: children.Clients, dd: DisaggDeployment) -> tuple[bool, str]:
-    nodes = clients.api.sanitize_for_serialization(clients.core.list_node().items)
-    pods = clients.api.sanitize_for_serialization(
-        clients.core.list_pod_for_all_namespaces(field_selector="spec.nodeName!=").items)
+def _capacity(fleet: Fleet, dd: DisaggDeployment) -> tuple[bool, str]:
     spec = dd.spec
     requests = [spec.prefill.gpus()] * spec.scheduling.gang.min_prefill + \
                [spec.decode.gpus()] * spec.scheduling.gang.min_decode
     topo = spec.scheduling.topology
     key = topo.key if topo and topo.mode == "required" else None
     selectors = [spec.prefill.node_selector, spec.decode.node_selector]
-    fits, message = capacity.explain(capacity.free_gpus(nodes, pods), requests, key, selectors)
+    fits, message = capacity.explain(fleet.free_gpus(), requests, key, selectors)
     return fits, message if not fits else f"{message}; waiting for the scheduler ({GPU_RESOURCE} fits)"
