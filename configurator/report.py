@@ -105,11 +105,11 @@ def plot(result: Result, path: str | Path) -> Path:
                                 (result.disaggregated, "disaggregated", "tab:orange")):
         if not front:
             continue
-        xs = [e.tokens_per_s_per_user for e in front]
-        ys = [e.tokens_per_s_per_gpu for e in front]
-        ax.step(xs, ys, where="pre", color=color, alpha=0.5)
         ok = [e for e in front if e.meets_slo]
         bad = [e for e in front if not e.meets_slo]
+        for part, style in ((ok, "-"), (bad, ":")):     # each part is a staircase of its own
+            ax.step([e.tokens_per_s_per_user for e in part], [e.tokens_per_s_per_gpu for e in part], where="pre",
+                    color=color, alpha=0.5, linestyle=style)
         ax.scatter([e.tokens_per_s_per_user for e in ok], [e.tokens_per_s_per_gpu for e in ok], color=color,
                    label=f"{label} (meets SLO)", zorder=3)
         ax.scatter([e.tokens_per_s_per_user for e in bad], [e.tokens_per_s_per_gpu for e in bad],
