@@ -85,7 +85,8 @@ def test_a_draining_prefill_keeps_its_kv_until_decode_pulls_it(pair):
         assert text == local
         assert wait_metric(decode.url, m.VLLM_NIXL_BYTES_TRANSFERRED + "_count", transfers + 1) > transfers
     else:
-        # CPU vLLM on a 2-core machine sometimes stalls a pull until the lease ends (seen in CI, with
-        # and without a drain): then the prefill must still have held the blocks for the whole lease
+        # with UCX over TCP an idle prefill serves a read only when its engine wakes, and a draining
+        # one does not wake until the lease ends (README, workers): the read then fails, and the
+        # prefill must still have held the blocks for the whole lease
         warnings.warn(f"the decode's pull failed ({text}); checked that the prefill held its KV for the lease")
         assert exited and exited[0] - prefilled >= LEASE - 1, (exited, prefilled)
