@@ -17,10 +17,10 @@ from disagg.api.names import GROUP, LABEL_DEPLOYMENT, LABEL_GANG, LABEL_MANAGED_
 from disagg.api.v1alpha1 import GPU_RESOURCE, KIND, PLURAL, VERSION, DisaggDeployment
 
 from . import capacity, children, render
-from .fleet import Fleet
 from . import gang as gangs
 from . import metrics
 from . import status as statuses
+from .fleet import Fleet
 
 log = logging.getLogger("disagg.operator")
 # A gang unplaced for this long gets its capacity explained (free GPUs per domain).

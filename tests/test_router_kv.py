@@ -148,7 +148,7 @@ def _shares(workers, start_router, skew: float, seed: int, n: int = 10) -> tuple
     decided = f'{m.ROUTER_ROUTING_DECISIONS}{{policy="kv-aware",role="decode"'
     shares = [metric_sum(s, f'{decided},worker="{p.url}"}}') for p, _ in workers]
     # every request and seed is decided once, and once more per retry after a decode failed before any
-    # output (the router's documented fallback; under this load a pooled connection can drop)
+    # output (the router's documented fallback; CI saw one such retry)
     retries = s.get(f'{m.ROUTER_FALLBACKS}{{reason="{m.FALLBACK_DECODE_RETRY}"}}', 0)
     assert sum(shares) == n + 1 + _attempt + retries, (shares, retries)
     hits = metric_sum(s, m.ROUTER_CACHED_PROMPT_TOKENS) / metric_sum(s, m.ROUTER_PROMPT_TOKENS)
