@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, Callable, TypeVar
 
-from kubernetes import client
+from kubernetes import client, watch
+from urllib3.exceptions import ProtocolError
 
 from disagg.api.names import LABEL_DEPLOYMENT, LABEL_ROLE
 
@@ -77,6 +79,24 @@ class DD:
 
     def condition(self, ctype):
         return next((c for c in self.status().get("conditions", []) if c["type"] == ctype), None)
+
+    def record_statuses(self) -> list[dict]:
+        """Every status this object is written with from now on, appended as the API server reports
+        it (a watch: polling misses a state that lasts less than its interval)."""
+        seen: list[dict] = []
+        since = self.get()["metadata"]["resourceVersion"]
+
+        def run() -> None:
+            try:
+                for event in watch.Watch().stream(self.custom.list_namespaced_custom_object, GROUP, VERSION,
+                                                  self.ns, PLURAL, field_selector=f"metadata.name={self.name}",
+                                                  resource_version=since, timeout_seconds=300):
+                    seen.append(event["object"].get("status") or {})
+            except ProtocolError:
+                pass    # the test's cluster or namespace went away: the recording ends with it
+
+        threading.Thread(target=run, daemon=True).start()
+        return seen
 
     def patch_spec(self, spec):
         self.custom.patch_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, self.name, {"spec": spec})
