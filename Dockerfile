@@ -1,31 +1,44 @@
-# Images of disagg. Two targets:
+# Images of disagg. Three targets:
 #   docker build --target control-plane -t disagg/control-plane:0.1.0 .   # operator, planner, router
-#   docker build --target worker -t disagg/worker:0.1.0 .                 # vLLM + NIXL + the worker entrypoint
-# Linted by tests/test_dockerfile.py (hadolint); built and run on kind by e2e/kind/e2e.sh (CI has no Docker
-# engine).
+#   docker build --target worker -t disagg/worker:0.1.0 .                 # GPU: vLLM's image + NIXL + the worker entrypoint
+#   docker build --target worker-cpu -t disagg/worker-cpu:0.1.0 .         # CPU: vLLM's CPU build + NIXL (laptop/kind, no GPU)
+# Linted by tests/test_dockerfile.py (hadolint). Without a Docker daemon, e2e/images (`python -m
+# disagg.e2e.images`) builds control-plane and worker-cpu with BuildKit straight into the local node's
+# containerd, a Debian base made there standing in for PYTHON_IMAGE (tests/test_images.py runs them); the
+# GPU worker is built on kind by e2e/kind/e2e.sh. No `# syntax=` line: BuildKit's built-in Dockerfile
+# frontend is used, so nothing is pulled to parse this file.
 
 # Global: an ARG used by FROM must come before the first FROM.
 ARG VLLM_IMAGE=vllm/vllm-openai:v0.32.0
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
-# The package source, once; both targets install it.
-FROM scratch AS source
-COPY pyproject.toml README.md /src/
-COPY disagg /src/disagg
-COPY operator /src/operator
-COPY planner /src/planner
-COPY router /src/router
-COPY workers /src/workers
-COPY e2e /src/e2e
-COPY configurator /src/configurator
+# The package as a wheel, without the test harness: disagg.e2e (the suites, the local cluster and this
+# image builder) is neither copied nor packaged, so no image can import it.
+FROM ${PYTHON_IMAGE} AS wheel
+# Made outside /src: `python -m` puts the working directory on sys.path, and the source tree has a
+# folder named like the standard library's `operator`.
+RUN python3 -m venv /opt/build
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY disagg disagg
+COPY operator operator
+COPY planner planner
+COPY router router
+COPY workers workers
+COPY configurator configurator
+# pyproject.toml maps disagg.e2e* to e2e/, absent here: drop those entries. A leftover one (a format this
+# edit does not know) fails the build rather than packaging the harness.
+RUN sed -E -i -e 's/"disagg\.e2e[a-z.]*"( = "e2e")?, ?//g' -e '/^"disagg\.e2e/d' pyproject.toml \
+    && if grep -n 'disagg\.e2e' pyproject.toml; then echo "pyproject.toml still names disagg.e2e" >&2; exit 1; fi
+RUN --mount=type=cache,target=/root/.cache/pip /opt/build/bin/pip wheel --no-deps --wheel-dir /wheels .
 
-FROM python:3.11-slim AS control-plane
+FROM ${PYTHON_IMAGE} AS control-plane
 RUN useradd --uid 10001 --no-create-home --shell /usr/sbin/nologin disagg
 # The user has no home directory: the router's tokenizer download (Hugging Face cache) goes to /tmp,
 # the one writable place in the operator's pod too (an emptyDir under a read-only root filesystem).
-ENV HF_HOME=/tmp/huggingface
-WORKDIR /app
-COPY --from=source /src/ ./
-RUN pip install --no-cache-dir . && rm -rf /root/.cache
+ENV HF_HOME=/tmp/huggingface PATH=/opt/venv/bin:$PATH
+RUN --mount=type=cache,target=/root/.cache/pip --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
+    python3 -m venv /opt/venv && pip install /wheels/disagg-*.whl
 USER 10001
 ENTRYPOINT ["python", "-m"]
 CMD ["disagg.operator"]
@@ -33,10 +46,32 @@ CMD ["disagg.operator"]
 FROM ${VLLM_IMAGE} AS worker
 # No home directory here either: model downloads (Hugging Face cache) go to /tmp.
 ENV HF_HOME=/tmp/huggingface
-WORKDIR /app
-COPY --from=source /src/ ./
 # The Run:ai streamer reads s3:// model sources (workers/__main__.py adds --load-format runai_streamer).
-RUN pip install --no-cache-dir . nixl==1.5.1 runai-model-streamer==0.17.0 runai-model-streamer-s3==0.17.1 \
+# NIXL at the CPU worker's pinned version (workers/env/versions.env).
+RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
+    --mount=type=bind,source=workers/env/versions.env,target=/tmp/versions.env \
+    . /tmp/versions.env \
+    && pip install --no-cache-dir /wheels/disagg-*.whl "nixl==${NIXL_VERSION}" runai-model-streamer==0.17.0 \
+       runai-model-streamer-s3==0.17.1 \
     && useradd --uid 10001 --no-create-home disagg
+USER 10001
+ENTRYPOINT ["python", "-m", "disagg.workers"]
+
+FROM ${PYTHON_IMAGE} AS worker-cpu
+# vLLM's CPU kernels link libnuma.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends libnuma1=2.0.16-1 \
+    && rm -rf /var/lib/apt/lists/* \
+    && useradd --uid 10001 --no-create-home --shell /usr/sbin/nologin disagg
+ENV HF_HOME=/tmp/huggingface PATH=/opt/venv/bin:$PATH
+# The worker environment by the tests' own recipe, workers/env/build.sh with its pins (versions.env,
+# requirements.txt, constraints.txt): torch, vLLM's CPU build, NIXL, checked by importing them. It lands
+# in /opt/disagg/worker-env/<key>; /opt/venv points at it.
+RUN --mount=type=cache,target=/root/.cache/pip --mount=type=bind,source=workers/env,target=/tmp/worker-env \
+    env_dir="$(DISAGG_CACHE=/opt/disagg PYTHON=python3 bash /tmp/worker-env/build.sh)" \
+    && ln -s "$env_dir" /opt/venv
+# The package alone: the worker entrypoint needs only pydantic, already in the environment at its pin.
+RUN --mount=type=cache,target=/root/.cache/pip --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
+    pip install --no-deps /wheels/disagg-*.whl
 USER 10001
 ENTRYPOINT ["python", "-m", "disagg.workers"]

@@ -40,9 +40,42 @@ def test_hadolint_config_fails_on_findings(hadolint, tmp_path):
     assert out.returncode != 0 and "DL3026" in out.stdout and "DL3003" in out.stdout, out.stdout
 
 
+def _stages(dockerfile: Path) -> dict[str, str]:
+    """Each named stage's text, by name (an unnamed stage by its FROM line)."""
+    out = {}
+    for stage in dockerfile.read_text().split("\nFROM ")[1:]:
+        head = stage.splitlines()[0].split()
+        out[head[2] if len(head) > 2 and head[1].upper() == "AS" else " ".join(head)] = stage
+    return out
+
+
+def _build_only(stages: dict[str, str]) -> set[str]:
+    """Stages other stages take files from (COPY --from, RUN --mount from=): never run as an image."""
+    text = "\n".join(stages.values())
+    return {name for name in stages if f"from={name}," in text or f"--from={name} " in text}
+
+
 def test_images_run_as_non_root():
     for dockerfile in DOCKERFILES:
-        stages = [s for s in dockerfile.read_text().split("\nFROM ")[1:] if "scratch" not in s.splitlines()[0]]
-        for stage in stages:
+        stages = _stages(dockerfile)
+        for name, stage in stages.items():
+            if "scratch" in stage.splitlines()[0] or name in _build_only(stages):
+                continue
             users = [line.split()[1] for line in stage.splitlines() if line.startswith("USER ")]
-            assert users and users[-1] == "10001", (dockerfile.name, stage.splitlines()[0])
+            assert users and users[-1] == "10001", (dockerfile.name, name)
+
+
+def test_dockerfile_targets():
+    """The targets users and e2e/images build; the wheel stage is only ever a source of files."""
+    stages = _stages(REPO / "Dockerfile")
+    assert {"control-plane", "worker", "worker-cpu"} <= set(stages) - _build_only(stages)
+    assert _build_only(stages) == {"wheel"}
+
+
+def test_worker_cpu_takes_every_pin_from_workers_env():
+    """The CPU worker is built by workers/env/build.sh from its pinned files, so the image and the tests'
+    worker environment cannot drift: the stage names no package version of its own."""
+    stage = _stages(REPO / "Dockerfile")["worker-cpu"]
+    assert "workers/env" in stage and "build.sh" in stage
+    pins = [line for line in stage.splitlines() if "==" in line]
+    assert not pins, pins
