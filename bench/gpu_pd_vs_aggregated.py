@@ -22,11 +22,13 @@ from pathlib import Path
 from disagg.workers.local import free_port, router, worker
 from disagg.workers.settings import WorkerSettings
 
+BLOCK_SIZE = 16  # workers and router alike
+
 
 def settings(role: str, model: str, kv_transfer: bool, util: float) -> WorkerSettings:
     return WorkerSettings(role=role, model=model, served_model_name="m", host="127.0.0.1", port=free_port(),
                           nixl_port=free_port(), kv_events_port=free_port(), kv_buffer_device="cuda",
-                          kv_transfer=kv_transfer, max_model_len=4096,
+                          kv_transfer=kv_transfer, max_model_len=4096, block_size=BLOCK_SIZE,
                           engine_args=["--gpu-memory-utilization", str(util)])
 
 
@@ -79,6 +81,7 @@ def main() -> None:
     port = free_port()
     (logs / "router.json").write_text(json.dumps({
         "model": "m", "tokenizer": args.model, "port": port, "host": "127.0.0.1", "max_model_len": 4096,
+        "block_size": BLOCK_SIZE,
         "spec": {"disaggregation": "always"},
         "prefill": [{"url": f"http://127.0.0.1:{p.port}", "kv_events": f"tcp://127.0.0.1:{p.kv_events_port}"}],
         "decode": [{"url": f"http://127.0.0.1:{d.port}", "kv_events": f"tcp://127.0.0.1:{d.kv_events_port}"}]}))

@@ -10,6 +10,7 @@ import hashlib
 import json
 from typing import Any
 
+from disagg.api import contract
 from disagg.api.names import (
     DISK_OFFLOAD_PATH,
     LABEL_DEPLOYMENT,
@@ -23,7 +24,16 @@ from disagg.api.names import (
     child_name,
     model_claim,
 )
-from disagg.api.v1alpha1 import API_VERSION, GPU_RESOURCE, KIND, DisaggDeployment, GangBackend, RoleSpec, TopologyMode
+from disagg.api.v1alpha1 import (
+    API_VERSION,
+    GPU_RESOURCE,
+    KIND,
+    DisaggDeployment,
+    GangBackend,
+    RoleSpec,
+    Toleration,
+    TopologyMode,
+)
 
 from . import gang as gangs
 
@@ -32,9 +42,6 @@ CONTROL_PLANE_IMAGE = "disagg/control-plane:0.1.0"
 HTTP_PORT = 8000
 NIXL_PORT = 5600
 KV_EVENTS_PORT = 5557
-# Long enough for a worker to finish in-flight requests and let decode pull
-# prefilled KV before it exits (see workers' drain).
-DRAIN_SECONDS = 120
 
 
 def names(dd_name: str) -> dict[str, str]:
@@ -64,9 +71,12 @@ def _meta(dd: DisaggDeployment, uid: str, name: str, role: str | None = None) ->
 
 def worker_args(dd: DisaggDeployment, role: str) -> list[str]:
     """The worker entrypoint's argument list: settings as flags, then the engine's
-    own arguments after `--`, each passed literally (no shell ever sees them)."""
+    own arguments after `--`, each passed literally (no shell ever sees them).
+    Block size, context length and drain are set explicitly, from the same source
+    as the router's (``disagg.api.contract``), never left to vLLM's defaults."""
     spec = dd.spec
     role_spec: RoleSpec = getattr(spec, role)
+    max_len = contract.max_model_len(spec.engine.args)
     args = [
         "--role", role,
         "--model", spec.model.source,
@@ -80,7 +90,11 @@ def worker_args(dd: DisaggDeployment, role: str) -> list[str]:
         "--kv-events-port", str(KV_EVENTS_PORT),
         "--kv-offload-cpu-gib", str(spec.kv_cache.offload.cpu_gib),
         "--kv-offload-disk-gib", str(spec.kv_cache.offload.disk_gib),
+        "--block-size", str(contract.block_size(spec.engine.args)),
+        "--drain-seconds", str(contract.DRAIN_SECONDS),
     ]
+    if max_len is not None:
+        args += ["--max-model-len", str(max_len)]
     if spec.model.revision:
         args += ["--revision", spec.model.revision]
     if spec.model.tokenizer:
@@ -131,6 +145,10 @@ def _affinity(dd: DisaggDeployment, gang_name: str, role_spec: RoleSpec) -> dict
         {"weight": 100, "podAffinityTerm": term}]}}
 
 
+def _tolerations(tolerations: list[Toleration]) -> list[dict[str, Any]]:
+    return [t.model_dump(by_alias=True, exclude_none=True) for t in tolerations]
+
+
 def _gang_min(dd: DisaggDeployment, role: str) -> int:
     if dd.spec.scheduling.gang.backend == GangBackend.NONE:
         return 0
@@ -149,7 +167,7 @@ def worker_deployment(dd: DisaggDeployment, uid: str, role: str, gang: gangs.Gan
            *({"name": e.name, "value": e.value} for e in dd.spec.engine.env)]
     env += _credentials(dd)
     model_volumes, model_mounts = _model_volumes(dd)
-    http = {"httpGet": {"path": "/health", "port": "http"}}
+    http = {"httpGet": {"path": contract.WORKER_HEALTH_PATH, "port": "http"}}
     container = {
         "name": "worker",
         "image": dd.spec.engine.image,
@@ -177,14 +195,15 @@ def worker_deployment(dd: DisaggDeployment, uid: str, role: str, gang: gangs.Gan
     pod_spec: dict[str, Any] = {
         "containers": [container],
         "volumes": volumes,
-        "terminationGracePeriodSeconds": DRAIN_SECONDS,
+        # the drain vLLM runs (--shutdown-timeout) plus the supervisor's margin: one budget, both sides
+        "terminationGracePeriodSeconds": contract.termination_grace_seconds(contract.DRAIN_SECONDS),
         "enableServiceLinks": False,
         **pod_fields["spec"],
     }
     if role_spec.node_selector:
         pod_spec["nodeSelector"] = dict(role_spec.node_selector)
     if role_spec.tolerations:
-        pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in role_spec.tolerations]
+        pod_spec["tolerations"] = _tolerations(role_spec.tolerations)
     if dd.spec.scheduling.priority_class_name:
         pod_spec["priorityClassName"] = dd.spec.scheduling.priority_class_name
     affinity = _affinity(dd, gang.name, role_spec)
@@ -209,7 +228,8 @@ def worker_deployment(dd: DisaggDeployment, uid: str, role: str, gang: gangs.Gan
     }
 
 
-# The router needs no GPU: keep it off GPU nodes when others exist.
+# The router needs no GPU: keep it off GPU nodes when others exist (a preference: spec.router's
+# nodeSelector and tolerations decide where it may run, this only ranks those nodes).
 _OFF_GPU_NODES = {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
     {"weight": 100, "preference": {"matchExpressions": [
         {"key": f"{GPU_RESOURCE}.present", "operator": "DoesNotExist"}]}}]}}
@@ -219,20 +239,28 @@ def router_deployment(dd: DisaggDeployment, uid: str) -> dict[str, Any]:
     n = names(dd.metadata.name)
     r = dd.spec.router
     labels = {**selector(dd.metadata.name, ROLE_ROUTER), LABEL_MANAGED_BY: MANAGED_BY}
-    http = {"httpGet": {"path": "/health", "port": "http"}}
+    ready = {"httpGet": {"path": contract.ROUTER_READY_PATH, "port": "http"}}
+    live = {"httpGet": {"path": contract.ROUTER_LIVE_PATH, "port": "http"}}
+    engine_args = dd.spec.engine.args
+    context = contract.max_model_len(engine_args)
     container: dict[str, Any] = {
         "name": "router", "image": CONTROL_PLANE_IMAGE,
         "command": ["python", "-m", "disagg.router"],
         "args": ["--port", str(HTTP_PORT), "--model", dd.spec.model.name,
                  "--tokenizer", dd.spec.model.tokenizer or dd.spec.model.source,
+                 "--block-size", str(contract.block_size(engine_args)),
+                 *(["--max-model-len", str(context)] if context is not None else []),
+                 "--kv-events-topic", contract.KV_EVENTS_TOPIC,
                  "--policy", r.policy, "--overlap-weight", str(r.overlap_weight),
                  "--max-load-skew", str(r.max_load_skew), "--disaggregation", r.disaggregation,
                  "--local-prefill-threshold-tokens", str(r.local_prefill_threshold_tokens),
                  "--discovery", "endpointslices", "--namespace", dd.metadata.namespace or "default",
                  "--prefill-service", n[ROLE_PREFILL], "--decode-service", n[ROLE_DECODE]],
         "ports": [{"name": "http", "containerPort": HTTP_PORT}],
-        "readinessProbe": {**http, "periodSeconds": 5},
-        "livenessProbe": {**http, "periodSeconds": 10, "failureThreshold": 6},
+        # readiness: can serve (a healthy decode); liveness: the process answers. A decode outage
+        # takes routers out of the Service and never restarts them (their prefix index survives).
+        "readinessProbe": {**ready, "periodSeconds": 5},
+        "livenessProbe": {**live, "periodSeconds": 10, "failureThreshold": 6},
     }
     res = {k: {kk: str(vv) for kk, vv in v.items()}
            for k, v in (("requests", r.resources.requests), ("limits", r.resources.limits)) if v}
@@ -244,6 +272,10 @@ def router_deployment(dd: DisaggDeployment, uid: str) -> dict[str, Any]:
     volumes, mounts = _model_volumes(dd)
     pod_spec: dict[str, Any] = {"serviceAccountName": n[ROLE_ROUTER], "containers": [container],
                                 "enableServiceLinks": False, "affinity": _OFF_GPU_NODES}
+    if r.node_selector:
+        pod_spec["nodeSelector"] = dict(r.node_selector)
+    if r.tolerations:
+        pod_spec["tolerations"] = _tolerations(r.tolerations)
     if mounts:
         container["volumeMounts"] = mounts
         pod_spec["volumes"] = volumes

@@ -1,7 +1,7 @@
 """``python -m disagg.router``: runs the router.
 
     python -m disagg.router --config router.yaml                   # a RouterConfig (static workers)
-    python -m disagg.router --model m --tokenizer hf://org/m --discovery endpointslices \\
+    python -m disagg.router --model m --tokenizer hf://org/m --block-size 16 --discovery endpointslices \\
         --namespace ns --prefill-service x-prefill --decode-service x-decode [--policy kv-aware ...]
 
 The second form is what the operator runs in the router Deployment.
@@ -33,6 +33,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-load-skew", type=float)
     p.add_argument("--disaggregation")
     p.add_argument("--local-prefill-threshold-tokens", type=int)
+    p.add_argument("--block-size", type=int, help="the workers' KV block size (vLLM --block-size)")
+    p.add_argument("--max-model-len", type=int,
+                   help="the workers' context length (default: learned from their /v1/models)")
+    p.add_argument("--kv-events-topic", help="ZMQ topic of the workers' KV events")
     p.add_argument("--discovery", choices=["static", "endpointslices"], default="static")
     p.add_argument("--namespace", default="default")
     p.add_argument("--prefill-service")
@@ -56,8 +60,9 @@ def config_from(args: argparse.Namespace) -> RouterConfig:
         data["model"] = args.model
     if args.tokenizer:
         data["tokenizer"] = local_model_path(args.tokenizer)
-    if args.port is not None:
-        data["port"] = args.port
+    for flag in ("port", "block_size", "max_model_len", "kv_events_topic"):
+        if getattr(args, flag) is not None:
+            data[flag] = getattr(args, flag)
     return RouterConfig.model_validate(data)
 
 

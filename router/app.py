@@ -10,6 +10,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
+from disagg.api.contract import ROUTER_LIVE_PATH, ROUTER_READY_PATH
+
 from . import errors
 from .config import RouterConfig
 from .metrics import RouterMetrics
@@ -114,9 +116,16 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
+    """Readiness: 200 when the router can serve (a healthy decode worker), else 503."""
     router = request.app[ROUTER_KEY]
     ready = bool(router.pool.healthy("decode"))
     return web.json_response({"ready": ready}, status=200 if ready else 503)
+
+
+async def livez(request: web.Request) -> web.Response:
+    """Liveness: 200 while the event loop answers, whatever the workers do. A decode outage must take
+    routers out of the Service (readiness), never restart them and wipe their prefix index."""
+    return web.json_response({"alive": True})
 
 
 def make_app(config: RouterConfig, tokenizer=None, router: Router | None = None,
@@ -131,7 +140,8 @@ def make_app(config: RouterConfig, tokenizer=None, router: Router | None = None,
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/metrics", metrics)
-    app.router.add_get("/health", health)
+    app.router.add_get(ROUTER_READY_PATH, health)
+    app.router.add_get(ROUTER_LIVE_PATH, livez)
 
     async def lifecycle(app: web.Application):
         await router.start()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from disagg.api.contract import KV_EVENTS_TOPIC
 from disagg.api.v1alpha1 import RouterSpec
 
 
@@ -21,14 +22,18 @@ class RouterConfig(BaseModel):
     spec: RouterSpec = Field(default_factory=RouterSpec)
     prefill: list[WorkerEndpoint] = Field(default_factory=list)
     decode: list[WorkerEndpoint] = Field(default_factory=list)
-    block_size: int = Field(16, ge=1, description="KV block size of the workers, in tokens.")
-    max_model_len: int = Field(4096, ge=1, description="Context length; longer requests are refused (400).")
+    # Both from the same source as the workers' (see disagg.api.contract), never a default of the router's own.
+    block_size: int = Field(ge=1, description="KV block size of the workers, in tokens (vLLM's --block-size): "
+                                              "prompts are hashed in blocks of this size.")
+    max_model_len: int | None = Field(None, ge=1, description="Context length; longer requests are refused (400). "
+                                                              "Unset: learned from the workers' /v1/models "
+                                                              "(max_model_len), what vLLM derived itself.")
     max_prefill_active: int = Field(8, ge=1, description="Active prefills per prefill worker above which "
                                                          "prefill counts as saturated (conditional mode).")
     prefill_timeout_s: float = Field(30, gt=0, description="A slower prefill falls back to local prefill.")
     decode_attempts: int = Field(2, ge=1, description="Decode workers tried before the first token.")
     health_interval_s: float = Field(2, gt=0, description="How often each worker's /health is checked.")
-    kv_events_topic: str = "kv-events"
+    kv_events_topic: str = Field(KV_EVENTS_TOPIC, description="ZMQ topic of the workers' KV events.")
     max_body_bytes: int = Field(8 * 2**20, ge=1024)
     host: str = "0.0.0.0"
     port: int = Field(8080, ge=0, le=65535)

@@ -82,6 +82,8 @@ class Router:
         self._health_task: asyncio.Task | None = None
         self._discovery = discovery
         self._discovery_task: asyncio.Task | None = None
+        # the context refused beyond: configured (the engine args), else learned from a worker
+        self.max_model_len: int | None = config.max_model_len
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -135,6 +137,23 @@ class Router:
                 w.healthy = r.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError):
             w.healthy = False
+        if w.healthy and self.max_model_len is None:
+            await self._learn_context(w, timeout)
+
+    async def _learn_context(self, w: Worker, timeout: float) -> None:
+        """The context length vLLM derived (no --max-model-len in the engine args), from the model card
+        a serving worker lists on /v1/models; until one answers, the workers refuse over-long prompts."""
+        try:
+            async with self._session.get(f"{w.url}/v1/models", timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+                cards = (await r.json()).get("data") or [] if r.status == 200 else []
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):
+            return
+        for card in cards:
+            length = card.get("max_model_len") if isinstance(card, dict) else None
+            if card.get("id") == self.config.model and isinstance(length, int) and length > 0:
+                self.max_model_len = length
+                log.info("context length %d learned from %s /v1/models", length, w.name)
+                return
 
     async def _check_health(self) -> None:
         while True:
@@ -182,7 +201,9 @@ class Router:
             raise NotFound(f"The model `{req.model}` does not exist; this router serves `{self.config.model}`.",
                            param="model")
         ids = self.tokenizer.prompt_ids(req)
-        limit = self.config.max_model_len
+        limit = self.max_model_len
+        if limit is None:  # not learned yet: no worker has served; the workers refuse over-long prompts
+            return ids
         if len(ids) >= limit:
             raise BadRequest(f"The prompt has {len(ids)} tokens; this model's context is {limit} tokens.",
                              param="messages" if isinstance(req, ChatCompletionRequest) else "prompt")

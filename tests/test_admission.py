@@ -42,6 +42,8 @@ INVALID = [
     ("name-too-long", {"metadata.name": "a" * 49}, "metadata.name"),
     ("name-not-dns1035", {"metadata.name": "9lives"}, "metadata.name"),
     ("s3-without-tokenizer", {"spec.model.source": "s3://bucket/llama"}, "spec.model.tokenizer"),
+    ("role-sets-block-size", {"spec.decode.extraArgs": ["--block-size", "32"]}, "spec.decode.extraArgs"),
+    ("role-sets-context", {"spec.prefill.extraArgs": ["--max-model-len=8192"]}, "spec.prefill.extraArgs"),
 ]
 
 

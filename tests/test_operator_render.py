@@ -141,3 +141,29 @@ def test_pvc_sources_are_mounted_where_worker_and_router_look():
         assert mounts[f"{MODEL_MOUNT_ROOT}/toks"]["name"] == claims["toks"]
     assert local_model_path("pvc://weights/llama-70b") == f"{MODEL_MOUNT_ROOT}/weights/llama-70b"
     assert local_model_path("hf://org/m") == "org/m" and local_model_path("s3://b/m") == "s3://b/m"
+
+
+def test_router_placement_follows_spec_router():
+    """spec.router.nodeSelector and tolerations land in the router pod; the preference for nodes
+    without GPUs stays as a ranking among the nodes they allow."""
+    tolerations = [{"key": "disagg.dev/real-node", "operator": "Exists", "effect": "NoSchedule"}]
+    dd = _dd(router={"nodeSelector": {"kubernetes.io/hostname": "node-a"}, "tolerations": tolerations})
+    pod = render.router_deployment(dd, "uid")["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"kubernetes.io/hostname": "node-a"}
+    assert pod["tolerations"] == tolerations
+    assert "requiredDuringSchedulingIgnoredDuringExecution" not in pod["affinity"]["nodeAffinity"]
+    assert pod["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    plain = render.router_deployment(_dd(), "uid")["spec"]["template"]["spec"]
+    assert "nodeSelector" not in plain and "tolerations" not in plain
+
+
+def test_worker_pods_get_the_drain_vllm_runs_plus_the_supervisors_margin():
+    from disagg.api import contract
+
+    dd = _dd()
+    for role in ("prefill", "decode"):
+        dep = render.worker_deployment(dd, "uid", role, gangs.render("demo", dd.spec))
+        args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+        drain = int(args[args.index("--drain-seconds") + 1])
+        assert drain == contract.DRAIN_SECONDS == 120
+        assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == drain + contract.DRAIN_MARGIN_SECONDS

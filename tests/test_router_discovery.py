@@ -38,7 +38,7 @@ def test_ready_endpoints_become_workers_and_leave_with_their_slice(api_client, n
                                                       ("http://192.0.2.4:8000", "tcp://192.0.2.4:5557")]
     # The addresses are in TEST-NET-1 (192.0.2.0/24, documentation only; the API server refuses
     # loopback ones): the router is not started, so nothing is ever sent to them.
-    router = Router(RouterConfig(model="m", tokenizer="unused"), tokenizer=None, metrics=RouterMetrics())
+    router = Router(RouterConfig(model="m", tokenizer="unused", block_size=16), tokenizer=None, metrics=RouterMetrics())
     router.update_workers(ROLE_DECODE, decode)
     router.update_workers(ROLE_PREFILL, disc.list(ROLE_PREFILL))
     assert sorted(router.pool.workers[ROLE_DECODE]) == ["http://192.0.2.2:8000", "http://192.0.2.4:8000"]

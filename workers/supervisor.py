@@ -3,8 +3,10 @@
 vLLM's own graceful shutdown does the draining (``--shutdown-timeout``: stop
 taking new requests, let in-flight ones finish, then abort the rest); the
 supervisor forwards the signal, waits, and escalates to SIGKILL only after the
-grace period. KV a prefill produced stays pinned until the decode pulls it or
-its lease (``kv_lease_seconds``) expires, inside vLLM's NixlConnector.
+grace period: the drain plus ``DRAIN_MARGIN_SECONDS``, which is what the pod's
+``terminationGracePeriodSeconds`` adds to the drain too (``disagg.api.contract``).
+KV a prefill produced stays pinned until the decode pulls it or its lease
+(``kv_lease_seconds``) expires, inside vLLM's NixlConnector.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import signal
 import subprocess
 import sys
 import time
+
+from disagg.api.contract import DRAIN_MARGIN_SECONDS
 
 from .command import Command
 
@@ -33,7 +37,7 @@ def run(cmd: Command, drain_seconds: int) -> int:
     def on_signal(signum, _frame):
         if not deadline:
             log("draining", signal=signal.Signals(signum).name, grace_seconds=drain_seconds)
-            deadline.append(time.monotonic() + drain_seconds + 30)
+            deadline.append(time.monotonic() + drain_seconds + DRAIN_MARGIN_SECONDS)
             proc.send_signal(signal.SIGTERM)
 
     signal.signal(signal.SIGTERM, on_signal)

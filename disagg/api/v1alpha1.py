@@ -15,6 +15,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
+from . import contract
 from .names import DNS1035_LABEL, GROUP, MAX_NAME_LENGTH
 
 VERSION = "v1alpha1"
@@ -152,6 +153,15 @@ class EngineSpec(_Model):
                               json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
                               description="Extra environment variables for both roles.")
 
+    @model_validator(mode="after")
+    def _check(self) -> EngineSpec:
+        try:  # the operator hands both values to the router as numbers
+            contract.block_size(self.args)
+            contract.max_model_len(self.args)
+        except ValueError as e:
+            raise ValueError(f"args: {e}") from None
+        return self
+
 
 class KVTransferSpec(_Model):
     connector: str = Field("NixlConnector", json_schema_extra={"enum": ["NixlConnector"]},
@@ -195,6 +205,10 @@ def _gpu_rule(section: str) -> dict[str, Any]:
     )
 
 
+_SHARED_FLAGS_MESSAGE = ("extraArgs may not set --block-size or --max-model-len: prefill and decode (and the "
+                         "router) must agree on them; set them in engine.args")
+
+
 class RoleSpec(_Model):
     model_config = ConfigDict(json_schema_extra=_validations(
         cel("!has(self.minReplicas) || self.minReplicas <= self.replicas",
@@ -207,6 +221,9 @@ class RoleSpec(_Model):
             "minReplicas must not exceed maxReplicas", field_path=".minReplicas"),
         _gpu_rule("limits"),
         _gpu_rule("requests"),
+        cel("!has(self.extraArgs) || !self.extraArgs.exists(a, "
+            + " || ".join(f"a == '{f}' || a.startsWith('{f}=')" for f in contract.SHARED_ENGINE_FLAGS) + ")",
+            _SHARED_FLAGS_MESSAGE, field_path=".extraArgs"),
     ))
 
     replicas: int = Field(1, ge=0, le=1024,
@@ -248,6 +265,8 @@ class RoleSpec(_Model):
             if GPU_RESOURCE in section and str(section[GPU_RESOURCE]) != str(self.tensor_parallel_size):
                 raise ValueError(f"tensorParallelSize ({self.tensor_parallel_size}) must equal the {GPU_RESOURCE} "
                                  f"each replica requests in resources.{name} ({section[GPU_RESOURCE]})")
+        if contract.names_shared_flag(self.extra_args):
+            raise ValueError(_SHARED_FLAGS_MESSAGE)
         return self
 
 
@@ -272,6 +291,12 @@ class RouterSpec(_Model):
         description="With conditional disaggregation, prompts with fewer uncached tokens prefill on decode.")
     resources: ResourceRequirements = Field(default_factory=ResourceRequirements,
                                             description="Resources of one router replica.")
+    node_selector: dict[str, Annotated[str, Field(max_length=63)]] = Field(
+        default_factory=dict, max_length=32,
+        description="Node labels a router replica's node must carry. Without one, routers prefer nodes "
+                    "without GPUs.")
+    tolerations: list[Toleration] = Field(default_factory=list, max_length=32,
+                                          description="Taints a router replica tolerates.")
 
 
 class GangSpec(_Model):
