@@ -1,28 +1,175 @@
 """`disagg serve --local` brings up prefill + decode + router, answers a chat request and reports
-TTFT, tokens/s and the bytes NIXL moved (all real: vLLM CPU build, NIXL over UCX/TCP)."""
+TTFT, tokens/s and the bytes NIXL moved (all real: vLLM CPU build, NIXL over UCX/TCP), and every way
+of stopping it (SIGTERM as `timeout`, systemd or a container stop send, SIGHUP from a closed terminal)
+stops every process it started and frees their ports."""
 
 from __future__ import annotations
 
+import os
+import queue
 import re
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
-from disagg.workers.local import free_port
+import pytest
+
+from disagg.workers.local import free_port, parse_metrics
 from disagg.workers.testing import tiny_model, worker_python  # noqa: F401  (fixtures)
 
 
-def test_serve_local_answers_and_reports(tiny_model, worker_python, tmp_path):
-    exe = shutil.which("disagg", path=str(Path(sys.executable).parent))
-    out = subprocess.run([exe, "serve", "--local", "--once", "--port", str(free_port())],
-                         capture_output=True, text=True, timeout=400, cwd=tmp_path,
-                         env={"DISAGG_WORKER_PYTHON": worker_python, "PATH": "/usr/bin:/bin",
-                              "HOME": str(Path.home())})
-    assert out.returncode == 0, out.stdout + out.stderr
-    stats = re.search(r"TTFT: ([\d.]+) ms\s+tokens/s: ([\d.]+)\s+NIXL moved: (\d+) bytes", out.stdout)
-    assert stats, out.stdout
-    ttft, rate, moved = float(stats[1]), float(stats[2]), int(stats[3])
-    assert ttft > 0 and rate > 0 and moved > 0
-    assert re.search(r"^answer: ['\"]", out.stdout, re.M)
-    assert re.search(r"^path: remote_prefill \(prefill http://\S+ -> decode http://\S+\)$", out.stdout, re.M)
+def _descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (from /proc), whatever session it runs in."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if fields[0] != "Z":
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    out, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.add(child)
+            todo.append(child)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]) != "Z"
+    except OSError:
+        return False
+
+
+def _listening_ports(pids: set[int]) -> set[int]:
+    """TCP ports the given processes listen on (their socket inodes matched in /proc/net/tcp{,6})."""
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except OSError:
+            continue
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            f = line.split()
+            if f[3] == "0A" and f[9] in inodes:      # LISTEN
+                ports.add(int(f[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("0.0.0.0", port))
+            return True
+        except OSError:
+            return False
+
+
+def _wait(pred, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while not (value := pred()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+    return value
+
+
+class Serve:
+    """`disagg serve --local` as a user runs it, its stdout read line by line as it comes."""
+
+    def __init__(self, worker_python: str, cwd: Path):
+        exe = shutil.which("disagg", path=str(Path(sys.executable).parent))
+        self.port = free_port()
+        self.proc = subprocess.Popen([exe, "serve", "--local", "--port", str(self.port)], stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, cwd=cwd,
+                                     env={"DISAGG_WORKER_PYTHON": worker_python, "PATH": "/usr/bin:/bin",
+                                          "HOME": str(Path.home())})
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.out: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.put(line)
+
+    def until(self, text: str, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self.lines.get(timeout=max(deadline - time.monotonic(), 0.01))
+            except queue.Empty:
+                raise AssertionError(f"no {text!r} after {timeout}s:\n{''.join(self.out)}") from None
+            self.out.append(line)
+            if text in line:
+                return "".join(self.out)
+
+    def stop_and_check(self, sig: signal.Signals) -> None:
+        """Send ``sig``; every descendant must be gone, every port it listened on free."""
+        children = _descendants(self.proc.pid)
+        assert children, "serve --local started no processes"
+        ports = _listening_ports(children)
+        self.proc.send_signal(sig)
+        rc = self.proc.wait(timeout=90)
+        assert rc == 0, "".join(self.out)
+        # serve waited for its children; theirs (vLLM's engine processes) may take a moment longer
+        _wait(lambda: not any(_alive(p) for p in children), 30, "every process serve --local started to exit")
+        assert all(_bindable(p) for p in ports), [p for p in ports if not _bindable(p)]
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def test_serve_local_answers_reports_and_stops_everything_on_sigterm(tiny_model, worker_python, tmp_path):
+    serve = Serve(worker_python, tmp_path)
+    try:
+        out = serve.until("serving; Ctrl-C stops", timeout=400)
+        stats = re.search(r"TTFT: ([\d.]+) ms\s+tokens/s: ([\d.]+)\s+NIXL moved: (\d+) bytes", out)
+        assert stats, out
+        ttft, rate, moved = float(stats[1]), float(stats[2]), int(stats[3])
+        assert ttft > 0 and rate > 0 and moved > 0
+        assert re.search(r"^answer: ['\"]", out, re.M)
+        assert re.search(r"^path: remote_prefill \(prefill http://\S+ -> decode http://\S+\)$", out, re.M)
+        assert serve.port in _listening_ports(_descendants(serve.proc.pid))
+        serve.stop_and_check(signal.SIGTERM)
+    finally:
+        serve.kill()
+
+
+def test_sighup_while_starting_stops_the_children(worker_python, tiny_model, tmp_path):
+    serve = Serve(worker_python, tmp_path)
+    try:
+        serve.until("starting prefill, decode and router", timeout=60)
+        # both workers' supervisors have started vLLM (a process below each)
+        _wait(lambda: len(_descendants(serve.proc.pid)) >= 4, 60, "both workers' vLLM processes")
+        serve.stop_and_check(signal.SIGHUP)
+    finally:
+        serve.kill()
+
+
+@pytest.mark.parametrize("text,want", [
+    # a timestamp after the value (the last field is not the value)
+    ('m_total{path="a b"} 3 1700000000000\n', {'m_total{path="a b"}': 3.0}),
+    # escaped quotes and backslashes in a label value, as they print
+    ('# TYPE m gauge\nm{q="say \\"hi\\" \\\\ there"} 1.5\n', {'m{q="say \\"hi\\" \\\\ there"}': 1.5}),
+    ('vllm:num_requests_running{engine="0",model_name="tiny"} 2.0\nplain 4\n',
+     {'vllm:num_requests_running{engine="0",model_name="tiny"}': 2.0, "plain": 4.0}),
+])
+def test_metrics_text_is_read_with_prometheus_clients_parser(text, want):
+    assert parse_metrics(text) == want

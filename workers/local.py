@@ -18,6 +18,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from disagg.api.metrics import PATH_REMOTE_PREFILL, VLLM_NIXL_BYTES_TRANSFERRED
 
 from .command import build
@@ -30,15 +32,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def scrape(url: str, timeout: float = 30) -> dict[str, float]:
-    """A /metrics page as {series: value}, series keyed as they print ('name{labels}')."""
-    text = urllib.request.urlopen(f"{url}/metrics", timeout=timeout).read().decode()
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text format as {series: value}, each series keyed as it prints ('name{a="x",b="y"}',
+    labels in the order given); timestamps, escapes and comments handled by prometheus_client's parser."""
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            out[key] = float(value)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{_escape(v)}"' for k, v in sample.labels.items())
+            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = float(sample.value)
     return out
+
+
+def scrape(url: str, timeout: float = 30) -> dict[str, float]:
+    """A /metrics page as {series: value} (see :func:`parse_metrics`)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=timeout) as r:
+        return parse_metrics(r.read().decode())
 
 
 def metric_sum(samples: dict[str, float], name: str) -> float:
@@ -98,13 +110,24 @@ class LocalProcess:
             self.proc.wait()
 
     def stop(self, grace: float = 20) -> None:
-        if not self.proc or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
+        stop_all([self], grace)
+
+
+def stop_all(procs: list[LocalProcess], grace: float = 20) -> None:
+    """SIGTERM to every process group at once (they drain in parallel), SIGKILL to those still
+    there after ``grace`` seconds."""
+    running = [p for p in procs if p.proc and p.proc.poll() is None]
+    for p in running:
         try:
-            self.proc.wait(grace)
+            os.killpg(p.proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + grace
+    for p in running:
+        try:
+            p.proc.wait(max(deadline - time.monotonic(), 0))
         except subprocess.TimeoutExpired:
-            self.kill()
+            p.kill()
 
 
 def worker(name: str, settings: WorkerSettings, python: str, log_dir: Path) -> LocalProcess:
@@ -155,10 +178,33 @@ def _chat(url: str, question: str):
     return route, first, time.monotonic(), chunks, text, start
 
 
+class Stopped(Exception):
+    """A stop was asked for (SIGINT, SIGTERM, SIGHUP)."""
+
+
+# Ctrl-C, `timeout`, systemd and container runtimes (SIGTERM), a closed terminal (SIGHUP)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _raise_stopped(signum, _frame):
+    raise Stopped(signal.Signals(signum).name)
+
+
 def serve_local(port: int = 8080, model: str | None = None, once: bool = False, log_dir: Path | None = None,
                 out=sys.stdout) -> int:
     """`disagg serve --local`: a prefill and a decode worker (one core each) and the router on this
-    machine; answers one OpenAI chat request and prints TTFT, tokens/s and the bytes NIXL moved."""
+    machine; answers one OpenAI chat request and prints TTFT, tokens/s and the bytes NIXL moved.
+    Its children run in their own sessions (a terminal's Ctrl-C reaches only this process), so every
+    way of stopping it ends here and stops them: nothing keeps their ports and cores afterwards."""
+    previous = {sig: signal.signal(sig, _raise_stopped) for sig in STOP_SIGNALS}
+    try:
+        return _serve_local(port, model, once, log_dir, out)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _serve_local(port: int, model: str | None, once: bool, log_dir: Path | None, out) -> int:
     import json as _json
 
     from .envpath import worker_python
@@ -212,8 +258,11 @@ def serve_local(port: int = 8080, model: str | None = None, once: bool = False, 
         while all(p.proc.poll() is None for p in procs):
             time.sleep(1)
         return 1
-    except KeyboardInterrupt:
+    except (Stopped, KeyboardInterrupt) as e:
+        print(f"stopping ({e or 'SIGINT'}) ...", file=out, flush=True)
         return 0
     finally:
-        for p in reversed(procs):
-            p.stop()
+        # a second signal must not cut the clean-up short
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+        stop_all(procs)
