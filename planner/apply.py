@@ -5,6 +5,8 @@
   enabled; a user's ``kubectl apply`` of a manifest without replicas leaves them alone);
 * ``status.planner`` (inputs, prediction, decision, reason, who owns the replicas) and the
   ``PlannerActive`` condition, by server-side apply on the status subresource;
+* ``status.latency`` and the ``SLOMet`` condition (:mod:`.slo`), in the same apply, and on their own
+  for deployments with ``spec.slo`` but no planner;
 * an Event when the size changes or the planner starts or stops holding for want of metrics;
 * ``disagg_planner_*`` metrics.
 """
@@ -20,6 +22,7 @@ from disagg.api.names import GROUP, ROLE_DECODE, ROLE_PREFILL
 from disagg.api.v1alpha1 import API_VERSION, KIND, PLURAL, VERSION, ConditionType
 
 from .decide import Decision, Target
+from .slo import Verdict
 
 FIELD_MANAGER = "disagg-planner"
 APPLY = "application/apply-patch+yaml"
@@ -42,6 +45,19 @@ def replicas_owner(obj: dict[str, Any]) -> str:
                 if entry["manager"] not in owners:
                     owners.append(entry["manager"])
     return ",".join(owners)
+
+
+def _find(obj: dict[str, Any], ctype: str) -> dict[str, Any] | None:
+    return next((c for c in (obj.get("status") or {}).get("conditions") or [] if c.get("type") == ctype), None)
+
+
+def _condition(obj: dict[str, Any], ctype: str, status: str, reason: str, message: str) -> dict[str, Any]:
+    """A condition whose lastTransitionTime moves only when its status flips."""
+    previous = _find(obj, ctype)
+    return {"type": str(ctype), "status": status, "reason": reason, "message": message[:32768],
+            "lastTransitionTime": previous["lastTransitionTime"]
+            if previous and previous.get("status") == status else _now(),
+            "observedGeneration": obj["metadata"].get("generation")}
 
 
 class PlannerMetrics:
@@ -86,8 +102,10 @@ class Executor:
         self.core = client.CoreV1Api(api_client)
         self.metrics = metrics
 
-    def apply(self, obj: dict[str, Any], decision: Decision, target: Target) -> dict[str, Any]:
-        """Carry ``decision`` out on ``obj`` (the DisaggDeployment as read); returns the object after it."""
+    def apply(self, obj: dict[str, Any], decision: Decision, target: Target,
+              verdict: Verdict | None = None) -> dict[str, Any]:
+        """Carry ``decision`` out on ``obj`` (the DisaggDeployment as read); returns the object after it.
+        With a ``verdict``, status.latency and SLOMet are written in the same status apply."""
         meta = obj["metadata"]
         ns, name = meta["namespace"], meta["name"]
         owner = replicas_owner(obj)
@@ -114,10 +132,17 @@ class Executor:
                    "reason": decision.reason, "message": decision.message[:32768],
                    "inputs": decision.inputs, "prediction": decision.prediction}
         planner = {k: v for k, v in planner.items() if v != {}}  # (an empty map would be sent as null)
+        written: dict[str, Any] = {"planner": planner, "conditions": [condition]}
+        before = obj
+        if verdict is not None:
+            written["latency"] = verdict.latency
+            written["conditions"].append(_condition(obj, ConditionType.SLO_MET, *verdict.condition()))
         body = {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name, "namespace": ns},
-                "status": {"planner": planner, "conditions": [condition]}}
+                "status": written}
         obj = self.custom.patch_namespaced_custom_object_status(
             GROUP, VERSION, ns, PLURAL, name, body, field_manager=FIELD_MANAGER, force=True, _content_type=APPLY)
+        if verdict is not None:
+            self._slo_event(before, obj, verdict)
         if decision.changes(target):
             self._event(obj, "Normal", decision.reason, decision.message)
         elif previous is None or previous.get("status") != status:
@@ -127,6 +152,25 @@ class Executor:
         log.info('{"deployment": "%s/%s", "prefill": %d, "decode": %d, "reason": "%s"}', ns, name,
                  decision.prefill.replicas, decision.decode.replicas, decision.reason)
         return obj
+
+    def report(self, obj: dict[str, Any], verdict: Verdict) -> dict[str, Any]:
+        """status.latency and SLOMet alone (a deployment with spec.slo and no planner)."""
+        meta = obj["metadata"]
+        body = {"apiVersion": API_VERSION, "kind": KIND,
+                "metadata": {"name": meta["name"], "namespace": meta["namespace"]},
+                "status": {"latency": verdict.latency,
+                           "conditions": [_condition(obj, ConditionType.SLO_MET, *verdict.condition())]}}
+        after = self.custom.patch_namespaced_custom_object_status(
+            GROUP, VERSION, meta["namespace"], PLURAL, meta["name"], body, field_manager=FIELD_MANAGER, force=True,
+            _content_type=APPLY)
+        self._slo_event(obj, after, verdict)
+        return after
+
+    def _slo_event(self, before: dict[str, Any], after: dict[str, Any], verdict: Verdict) -> None:
+        old = _find(before, ConditionType.SLO_MET)
+        if old is None or old.get("status") != verdict.status:
+            self._event(after, "Warning" if verdict.status == "False" else "Normal", verdict.reason,
+                        f"SLOMet={verdict.status}: {verdict.message}")
 
     def _event(self, obj: dict[str, Any], kind: str, reason: str, message: str) -> None:
         meta = obj["metadata"]

@@ -18,9 +18,9 @@ import yaml
 from disagg.api.names import GROUP
 from disagg.api.v1alpha1 import PLURAL, VERSION, ConditionType, DisaggDeploymentSpec
 
-from . import perfmodel
+from . import perfmodel, slo
 from .apply import Executor
-from .decide import Decision, Memory, RoleModels, Target, decide
+from .decide import Decision, Memory, Observation, RoleModels, Target, decide
 from .metrics_source import MetricsSource
 
 log = logging.getLogger("disagg.planner")
@@ -97,7 +97,10 @@ class PlannerLoop:
             items = self.custom.list_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL)["items"]
         else:
             items = self.custom.list_cluster_custom_object(GROUP, VERSION, PLURAL)["items"]
-        return [o for o in items if (o.get("spec", {}).get("planner") or {}).get("enabled")]
+        # the planner sizes those with the planner enabled, and reports latency against spec.slo for
+        # every deployment that has one
+        return [o for o in items if (o.get("spec", {}).get("planner") or {}).get("enabled")
+                or o.get("spec", {}).get("slo")]
 
     def _models(self, obj: dict[str, Any], spec: DisaggDeploymentSpec) -> RoleModels:
         name, gpu = resolve_model_name(spec), resolve_gpu(obj, spec)
@@ -116,21 +119,34 @@ class PlannerLoop:
         ready, rolling = readiness(obj)
         target = Target.from_spec(spec, ready=ready, rolling=rolling)
         state = self.state.setdefault(meta["uid"], _State())
-        url = spec.planner.prometheus_url or self.default_url
-        if not url:
-            from .decide import Observation
-            obs = Observation.unavailable(now, "no Prometheus URL: set spec.planner.prometheusUrl or the planner's "
-                                               "--prometheus-url")
-        else:
-            obs = self.source_for(url).observe(meta["namespace"], meta["name"], spec.slo.percentile,
-                                               max(spec.planner.interval_seconds, 10))
+        obs, window = self._observe(meta, spec, now)
         decision, state.memory = decide(obs, target, state.memory, self._models(obj, spec), now)
         state.last = now
-        self.executor.apply(obj, decision, target)
+        self.executor.apply(obj, decision, target, slo.judge(obs, spec.slo, window))
         return decision
 
-    def step(self, now: float | None = None) -> list[tuple[str, str, Decision]]:
-        """One pass: plan every enabled deployment whose interval has passed."""
+    def report_one(self, obj: dict[str, Any], now: float | None = None) -> slo.Verdict:
+        """Latency and SLOMet for a deployment with spec.slo and no planner."""
+        now = self.clock() if now is None else now
+        spec = DisaggDeploymentSpec.model_validate(obj["spec"])
+        obs, window = self._observe(obj["metadata"], spec, now)
+        verdict = slo.judge(obs, spec.slo, window)
+        self.state.setdefault(obj["metadata"]["uid"], _State()).last = now
+        self.executor.report(obj, verdict)
+        return verdict
+
+    def _observe(self, meta: dict[str, Any], spec: DisaggDeploymentSpec, now: float) -> tuple[Observation, float]:
+        """The last interval's observation from the deployment's Prometheus, and that window in seconds."""
+        window = max(spec.planner.interval_seconds, 10)
+        url = spec.planner.prometheus_url or self.default_url
+        if not url:
+            return Observation.unavailable(now, "no Prometheus URL: set spec.planner.prometheusUrl or the planner's "
+                                                "--prometheus-url"), window
+        return self.source_for(url).observe(meta["namespace"], meta["name"], spec.slo.percentile, window), window
+
+    def step(self, now: float | None = None) -> list[tuple[str, str, Decision | slo.Verdict]]:
+        """One pass: plan every enabled deployment whose interval has passed (a Decision each), and report
+        latency for those with spec.slo and no planner (a Verdict each)."""
         now = self.clock() if now is None else now
         done = []
         for obj in self._list():
@@ -140,7 +156,10 @@ class PlannerLoop:
             if state and state.last is not None and now - state.last < interval:
                 continue
             try:
-                done.append((meta["namespace"], meta["name"], self.plan_one(obj, now)))
+                if (obj["spec"].get("planner") or {}).get("enabled"):
+                    done.append((meta["namespace"], meta["name"], self.plan_one(obj, now)))
+                else:
+                    done.append((meta["namespace"], meta["name"], self.report_one(obj, now)))
             except Exception as e:  # one broken deployment must not stop the others
                 log.exception('{"deployment": "%s/%s", "error": "%s"}', meta["namespace"], meta["name"], e)
         return done

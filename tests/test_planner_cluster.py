@@ -18,6 +18,7 @@ from disagg.e2e.testing import wait_for
 from disagg.planner import decide as dc
 from disagg.planner.apply import FIELD_MANAGER, Executor, PlannerMetrics, replicas_owner
 from disagg.planner.loop import PlannerLoop, resolve_gpu, resolve_model_name
+from disagg.planner import slo
 from disagg.planner.metrics_source import PrometheusSource
 
 pytestmark = pytest.mark.cluster
@@ -91,6 +92,10 @@ def test_decision_lands_and_a_users_apply_without_replicas_keeps_it(cluster, api
     assert planner["inputs"]["ttft"] > 2 and planner["prediction"]["requestRate"] > 10
     cond = next(c for c in obj["status"]["conditions"] if c["type"] == "PlannerActive")
     assert cond["status"] == "True" and cond["reason"] == "MetricsAvailable"
+    # the same observation, against spec.slo: both targets missed, with the numbers
+    met = next(c for c in obj["status"]["conditions"] if c["type"] == "SLOMet")
+    assert met["status"] == "False" and met["reason"] == slo.BOTH_ABOVE and "target 1000 ms" in met["message"]
+    assert obj["status"]["latency"]["ttftMs"] > 2000 and obj["status"]["latency"]["percentile"] == 90
     events = client.CoreV1Api(api_client).list_namespaced_event(
         namespace, field_selector=f"involvedObject.name={NAME}").items
     assert any(e.reason == dc.SCALED and e.source.component == FIELD_MANAGER and "prefill 1->" in e.message
@@ -127,6 +132,9 @@ def test_decision_lands_and_a_users_apply_without_replicas_keeps_it(cluster, api
     assert obj["status"]["planner"]["reason"] == dc.PROMETHEUS_UNREACHABLE
     cond = next(c for c in obj["status"]["conditions"] if c["type"] == "PlannerActive")
     assert cond["status"] == "False" and cond["reason"] == dc.PROMETHEUS_UNREACHABLE and prom.url in cond["message"]
+    met = next(c for c in obj["status"]["conditions"] if c["type"] == "SLOMet")
+    assert met["status"] == "Unknown" and met["reason"] == slo.UNREACHABLE and prom.url in met["message"]
+    assert "ttftMs" not in obj["status"]["latency"]      # no stale figure once nothing is measured
     assert metrics.registry.get_sample_value(m.PLANNER_METRICS_AVAILABLE,
                                              {"namespace": namespace, "deployment": NAME}) == 0
     warnings = client.CoreV1Api(api_client).list_namespaced_event(
@@ -161,3 +169,31 @@ def test_planner_example_is_admitted_and_planned(cluster, api_client, crd_instal
     t = dc.Target.from_spec(dd.spec)
     assert (t.prefill, t.decode, t.gpu_budget, t.predictor) == (1, 1, 16, "holt-winters")
     assert resolve_model_name(dd.spec) == "meta-llama/Llama-3.1-8B-Instruct"
+
+
+def test_latency_and_slo_met_without_the_planner_fill_kubectls_columns(cluster, api_client, crd_installed, namespace,
+                                                                       metrics_world):
+    """A deployment with spec.slo and the planner off: latency and SLOMet are still written (the
+    TTFT-MS and ITL-MS columns), and its replicas are left alone."""
+    exporter, prom = metrics_world
+    doc = manifest(namespace, prom.url)
+    doc["spec"]["planner"] = {"prometheusUrl": prom.url, "intervalSeconds": 5}
+    out = _kubectl_apply(cluster, doc)
+    assert out.returncode == 0, out.stderr
+    exporter.traffic = replace(exporter.traffic, rate=10.0, ttft=0.3, itl=0.02, prefill_waiting=0)
+    source = PrometheusSource(prom.url, timeout=3)
+    wait_for(lambda: (lambda o: o.request_rate and o.ttft and o.ttft < 0.5 and o.itl and o.itl < 0.03)(
+        source.observe(namespace, NAME, 90, 10)), 60, "steady traffic in Prometheus", interval=0.5)
+    loop = PlannerLoop(api_client, Executor(api_client), lambda url: source, namespace=namespace)
+    [(_, _, verdict)] = loop.step(now=1000.0)
+    assert isinstance(verdict, slo.Verdict) and verdict.status == "True"
+    obj = _get(api_client, namespace)
+    met = next(c for c in obj["status"]["conditions"] if c["type"] == "SLOMet")
+    assert met["status"] == "True" and met["reason"] == slo.MET and "p90 TTFT" in met["message"]
+    assert 200 < obj["status"]["latency"]["ttftMs"] <= 400 and 10 < obj["status"]["latency"]["itlMs"] <= 30
+    assert _replicas(obj) == (1, 1) and "planner" not in obj["status"]
+    row = cluster.kubectl("get", "dd", NAME, "-n", namespace, "--no-headers").stdout.split()
+    header = cluster.kubectl("get", "dd", NAME, "-n", namespace).stdout.splitlines()[0].split()
+    columns = dict(zip(header, row))
+    assert float(columns["TTFT-MS"]) == obj["status"]["latency"]["ttftMs"]
+    assert float(columns["ITL-MS"]) == obj["status"]["latency"]["itlMs"]
