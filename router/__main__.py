@@ -1,7 +1,7 @@
 """``python -m disagg.router``: runs the router.
 
     python -m disagg.router --config router.yaml                   # a RouterConfig (static workers)
-    python -m disagg.router --model m --tokenizer hf://org/m --block-size 16 --discovery endpointslices \\
+    python -m disagg.router --model m --tokenizer hf://org/m --block-size 32 --discovery endpointslices \\
         --namespace ns --prefill-service x-prefill --decode-service x-decode [--policy kv-aware ...]
 
 The second form is what the operator runs in the router Deployment.

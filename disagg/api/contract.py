@@ -4,7 +4,7 @@ test (tests/test_operator_contract.py) parses what the operator renders with the
 
 * KV block size: ``--block-size`` in ``spec.engine.args`` when given, else :data:`DEFAULT_BLOCK_SIZE`.
   The operator always passes it to both workers explicitly, because vLLM's own default depends on
-  the backend (16 on CUDA; the CPU build picks its own), and passes the same value to the router,
+  the backend (vLLM 0.32: 16 on CUDA, 128 on the CPU build), and passes the same value to the router,
   which hashes prompt blocks of that size to match the KV events workers publish.
 * Context length: ``--max-model-len`` in ``spec.engine.args`` when given, and the router is told the
   same. When not given, nobody guesses: vLLM derives it from the model's config, and the router learns
@@ -22,7 +22,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-DEFAULT_BLOCK_SIZE = 16
+# A size every vLLM 0.32 attention backend takes: CUDA's want multiples of 16, the CPU kernels
+# multiples of 32 (vllm/v1/attention/backends/cpu_attn.py).
+DEFAULT_BLOCK_SIZE = 32
 # How long a worker lets in-flight requests finish (and a prefill's KV be pulled) after SIGTERM.
 DRAIN_SECONDS = 120
 # After the drain, how long vLLM has to shut down before the supervisor kills it (and before the
