@@ -148,9 +148,11 @@ class Router:
                 cards = (await r.json()).get("data") or [] if r.status == 200 else []
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):
             return
-        for card in cards:
-            length = card.get("max_model_len") if isinstance(card, dict) else None
-            if card.get("id") == self.config.model and isinstance(length, int) and length > 0:
+        for card in cards if isinstance(cards, list) else []:
+            if not isinstance(card, dict) or card.get("id") != self.config.model:
+                continue
+            length = card.get("max_model_len")
+            if isinstance(length, int) and length > 0:
                 self.max_model_len = length
                 log.info("context length %d learned from %s /v1/models", length, w.name)
                 return

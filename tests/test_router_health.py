@@ -31,8 +31,12 @@ async def _scenario() -> None:
     async def healthy(_request: web.Request) -> web.Response:
         return web.Response(text="ok")
 
+    async def models(_request: web.Request) -> web.Response:   # vLLM's model card shape
+        return web.json_response({"object": "list", "data": [{"id": "m", "object": "model", "max_model_len": 512}]})
+
     worker = web.Application()
     worker.router.add_get("/health", healthy)
+    worker.router.add_get("/v1/models", models)
     decode = TestServer(worker, host="127.0.0.1")
     await decode.start_server()
     config = RouterConfig(model="m", tokenizer="unused", block_size=16, health_interval_s=0.05,
@@ -45,6 +49,7 @@ async def _scenario() -> None:
     try:
         async with aiohttp.ClientSession() as s:
             await _wait_status(s, base + ROUTER_READY_PATH, 200)
+            assert router.max_model_len == 512       # configured with none: learned from the worker
             async with s.get(base + ROUTER_LIVE_PATH) as r:
                 assert r.status == 200
             await decode.close()                       # the decode outage
