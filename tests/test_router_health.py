@@ -49,7 +49,11 @@ async def _scenario() -> None:
     try:
         async with aiohttp.ClientSession() as s:
             await _wait_status(s, base + ROUTER_READY_PATH, 200)
-            assert router.max_model_len == 512       # configured with none: learned from the worker
+            # configured with none: learned from the worker's model card (right after its /health answered)
+            deadline = asyncio.get_running_loop().time() + 10
+            while router.max_model_len is None and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.05)
+            assert router.max_model_len == 512
             async with s.get(base + ROUTER_LIVE_PATH) as r:
                 assert r.status == 200
             await decode.close()                       # the decode outage
