@@ -28,10 +28,13 @@ def _crds(args: argparse.Namespace) -> int:
 def _cluster(args: argparse.Namespace) -> int:
     from disagg.e2e.localcluster import LocalCluster
 
-    cluster = LocalCluster(args.name)
+    cluster = LocalCluster(args.name, real_node=args.real_node)
     if args.action == "up":
         cluster.up(nodes_file=Path(args.nodes) if args.nodes else None)
-        print(f"cluster {args.name!r} is up; use it with:\n  export KUBECONFIG={cluster.kubeconfig}")
+        node = cluster.node
+        print(f"cluster {args.name!r} is up; use it with:\n  export KUBECONFIG={cluster.kubeconfig}"
+              + (f"\nreal node: containerd at {node.containerd_socket} (namespace {node.containerd_namespace})"
+                 if node else ""))
     elif args.action == "down":
         cluster.down()
         print(f"cluster {args.name!r} is down")
@@ -85,10 +88,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check", action="store_true", help="exit 1 if crds/ differs from the models")
     p.set_defaults(func=_crds)
 
-    p = sub.add_parser("cluster", help="the local control plane with simulated GPU node pools")
+    p = sub.add_parser("cluster", help="the local control plane with simulated GPU node pools and one real node")
     p.add_argument("action", choices=["up", "down", "status"])
     p.add_argument("--name", default="default", help="cluster name (one state directory each)")
     p.add_argument("--nodes", help="node pool file (default: e2e/clusters/default.yaml)")
+    p.add_argument("--no-real-node", dest="real_node", action="store_false",
+                   help="up: only simulated nodes, no containerd/kubelet on this machine (one real node per machine)")
     p.set_defaults(func=_cluster)
 
     p = sub.add_parser("demo", help="bring up the local cluster and show the API at work")

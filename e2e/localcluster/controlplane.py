@@ -30,9 +30,17 @@ HERE = Path(__file__).resolve().parent
 # scheduling: the scheduler enables its gang plugins when these gates are on.
 FEATURE_GATES = "GenericWorkload=true,CompositePodGroup=true,TopologyAwareWorkloadScheduling=true"
 RUNTIME_CONFIG = "scheduling.k8s.io/v1beta1=true,scheduling.k8s.io/v1alpha3=true"
-SERVICE_CIDR = "10.96.0.0/16"
-KUBERNETES_SERVICE_IP = "10.96.0.1"
-POD_CIDR = "10.64.0.1/12"
+# Address plan: all inside the benchmarking range 198.18.0.0/15 (RFC 2544), never a private range this
+# machine's real networks may use; with a real node the whole /15 is routed to its bridge, so none of it
+# leaves the machine.
+#   198.18.0.0/24    the real node's bridge (198.18.0.1: host side, API server, node) and its pods (node.py)
+#   198.18.64.0/18   simulated (kwok) nodes (nodepools.py)
+#   198.18.128.0/17  simulated pods
+#   198.19.0.0/16    Services
+SERVICE_CIDR = "198.19.0.0/16"
+KUBERNETES_SERVICE_IP = "198.19.0.1"
+POD_CIDR = "198.18.128.1/17"  # kwok's --cidr: the first address to hand out, and the prefix
+LOOPBACK = "127.0.0.1"
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
 
 
@@ -57,10 +65,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _port_open(port: int) -> bool:
+def _port_open(port: int, host: str = LOOPBACK) -> bool:
     with socket.socket() as s:
         s.settimeout(0.2)
-        return s.connect_ex(("127.0.0.1", port)) == 0
+        return s.connect_ex((host, port)) == 0
 
 
 def _alive(pid: int) -> bool:
@@ -91,11 +99,14 @@ class Endpoint:
 
 
 class LocalCluster:
-    def __init__(self, name: str = "default", state_dir: Path | None = None, audit_writes: bool = False):
+    def __init__(self, name: str = "default", state_dir: Path | None = None, audit_writes: bool = False,
+                 real_node: bool = False):
         """`audit_writes`: log every write request (create/update/patch/delete) to <state>/audit.log,
-        so benchmarks can count what a client writes."""
+        so benchmarks can count what a client writes. `real_node`: also run one real node (node.py:
+        containerd, kubelet, kube-proxy) that runs pods for real; one per machine at a time."""
         self.name = name
         self.audit_writes = audit_writes
+        self.real_node = real_node
         self.dir = Path(state_dir) if state_dir else cache_root() / "clusters" / name
         self.pki = PKI(self.dir / "pki")
         self.logs = self.dir / "logs"
@@ -114,13 +125,36 @@ class LocalCluster:
         self._state_file.write_text(json.dumps(state, indent=2))
 
     @property
+    def address(self) -> str:
+        """Where the API server listens: loopback, or the real node's bridge address (pods must reach it)."""
+        return self._state().get("address", LOOPBACK)
+
+    @property
     def server(self) -> str:
-        return f"https://127.0.0.1:{self._state()['ports']['apiserver']}"
+        return f"https://{self.address}:{self._state()['ports']['apiserver']}"
+
+    @property
+    def node(self):
+        """The real node (containerd socket and namespace, image import), or None when the cluster has none."""
+        from .node import RealNode
+
+        state = self._state()
+        if not state.get("real_node"):
+            return None
+        node = RealNode(self.dir / "node")
+        if state.get("node_bin"):
+            node.bins = Path(state["node_bin"])
+        return node
+
+    def _components(self, state: dict[str, Any]) -> tuple[str, ...]:
+        from .node import COMPONENTS as NODE_COMPONENTS
+
+        return COMPONENTS + (NODE_COMPONENTS if state.get("real_node") else ())
 
     def running(self) -> bool:
         state = self._state()
         pids = state.get("pids", {})
-        return (set(pids) == set(COMPONENTS) and all(_alive(p) for p in pids.values())
+        return (set(pids) == set(self._components(state)) and all(_alive(p) for p in pids.values())
                 and self._readyz(state["ports"]["apiserver"]))
 
     # ------------------------------------------------------------ health
@@ -131,7 +165,8 @@ class LocalCluster:
 
     def _readyz(self, port: int) -> bool:
         try:
-            with urllib.request.urlopen(f"https://127.0.0.1:{port}/readyz", context=self._tls(), timeout=2) as r:
+            with urllib.request.urlopen(f"https://{self.address}:{port}/readyz", context=self._tls(),
+                                        timeout=2) as r:
                 return r.status == 200
         except (OSError, urllib.error.URLError, ssl.SSLError):
             return False
@@ -168,11 +203,13 @@ class LocalCluster:
             return "(no log)"
 
     # ------------------------------------------------------------ processes
-    def _spawn(self, state: dict[str, Any], component: str, argv: list[str]) -> None:
+    def _spawn(self, state: dict[str, Any], component: str, argv: list[str],
+               env: dict[str, str] | None = None) -> None:
         self.logs.mkdir(parents=True, exist_ok=True)
         with open(self.logs / f"{component}.log", "ab") as log:
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True, cwd=self.dir)
+                                    start_new_session=True, cwd=self.dir,
+                                    env={**os.environ, **env} if env else None)
         state["pids"][component] = proc.pid
         self._save(state)
 
@@ -209,29 +246,41 @@ class LocalCluster:
         """Start the cluster, or do nothing if it already runs (starting twice is harmless)."""
         if self.running():
             return
-        if self._state().get("pids"):
+        if self._state().get("pids") or self._state().get("real_node"):
             self.down()  # a partial or crashed cluster: start clean
         bins = binaries()
-        state = {"bin": str(bins), "pids": {}, "ports": {
+        state = {"bin": str(bins), "pids": {}, "real_node": self.real_node, "address": LOOPBACK, "ports": {
             "etcd": free_port(), "etcd_peer": free_port(), "apiserver": free_port(),
             "controller_manager": free_port(), "scheduler": free_port()}}
         self._save(state)
-        self.pki.ensure(dns_names=["localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc",
-                                   "kubernetes.default.svc.cluster.local"],
-                        ips=["127.0.0.1", KUBERNETES_SERVICE_IP])
-        for user, cn, org in (("admin", "disagg-admin", "system:masters"),
-                              ("controller-manager", "system:kube-controller-manager", None),
-                              ("scheduler", "system:kube-scheduler", None)):
-            cert, key = self.pki.issue(user, cn, org)
-            path = self.kubeconfig if user == "admin" else self.dir / f"{user}.kubeconfig"
-            self.pki.kubeconfig(path, f"https://127.0.0.1:{state['ports']['apiserver']}", user, cert, key)
         try:
+            if self.real_node:
+                from .node import NODE_IP, RealNode
+
+                node = RealNode(self.dir / "node")
+                node.claim()
+                node.network_up()  # the API server binds to the bridge's address
+                state["address"] = NODE_IP
+                self._save(state)
+            self.pki.ensure(dns_names=["localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc",
+                                       "kubernetes.default.svc.cluster.local"],
+                            ips=[LOOPBACK, state["address"], KUBERNETES_SERVICE_IP])
+            for user, cn, org in (("admin", "disagg-admin", "system:masters"),
+                                  ("controller-manager", "system:kube-controller-manager", None),
+                                  ("scheduler", "system:kube-scheduler", None),
+                                  ("apiserver-kubelet-client", "kube-apiserver-kubelet-client", "system:masters")):
+                cert, key = self.pki.issue(user, cn, org)
+                if user != "apiserver-kubelet-client":
+                    path = self.kubeconfig if user == "admin" else self.dir / f"{user}.kubeconfig"
+                    self.pki.kubeconfig(path, self.server, user, cert, key)
             for component in COMPONENTS:
                 getattr(self, f"_start_{component.replace('-', '_')}")(state, bins, timeout)
-            from .nodepools import apply_node_pools, wait_ready
+            from .nodepools import apply_node_pools, real_node_labels, wait_ready
 
             apply_node_pools(self, nodes_file)
             wait_ready(self, timeout)
+            if self.real_node:
+                node.start(self, state, timeout, real_node_labels(nodes_file))
         except BaseException:
             self.down(keep_logs=True)
             raise
@@ -253,14 +302,22 @@ class LocalCluster:
         self._spawn(state, "kube-apiserver", [
             str(bins / "kube-apiserver"),
             f"--etcd-servers=http://127.0.0.1:{p['etcd']}",
-            "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", f"--secure-port={p['apiserver']}",
+            f"--bind-address={state['address']}", f"--advertise-address={state['address']}",
+            f"--secure-port={p['apiserver']}",
             f"--cert-dir={pki}", f"--tls-cert-file={pki / 'apiserver.crt'}",
             f"--tls-private-key-file={pki / 'apiserver.key'}", f"--client-ca-file={pki / 'ca.crt'}",
             f"--service-account-key-file={pki / 'sa.pub'}", f"--service-account-signing-key-file={pki / 'sa.key'}",
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
             f"--service-cluster-ip-range={SERVICE_CIDR}",
-            # No kubelets: loopback cannot be an endpoint address, so skip that reconciler.
-            "--endpoint-reconciler-type=none",
+            # Without a real node the API server listens on loopback, which cannot be an endpoint address:
+            # skip that reconciler. With one, pods reach it through the `kubernetes` Service.
+            f"--endpoint-reconciler-type={'lease' if state.get('real_node') else 'none'}",
+            # For kubectl logs/exec/port-forward: the kubelet's serving address, and the API server's
+            # client certificate the kubelet authenticates.
+            "--kubelet-preferred-address-types=InternalIP",
+            f"--kubelet-client-certificate={pki / 'apiserver-kubelet-client.crt'}",
+            f"--kubelet-client-key={pki / 'apiserver-kubelet-client.key'}",
+            f"--kubelet-certificate-authority={pki / 'ca.crt'}",
             "--authorization-mode=Node,RBAC", "--allow-privileged=true",
             f"--feature-gates={FEATURE_GATES}", f"--runtime-config={RUNTIME_CONFIG}",
             "--enable-priority-and-fairness=false", "--v=1",
@@ -326,14 +383,25 @@ class LocalCluster:
             raise ClusterError("kwok exited at start; last log lines:\n" + self.tail("kwok"))
 
     def down(self, keep_logs: bool = False) -> None:
-        """Stop every process this cluster started and remove its state; leaves no process or port behind."""
+        """Stop every process this cluster started and remove its state; leaves no process or port behind
+        (and, with a real node, no container, mount, cgroup, bridge or nftables table either)."""
         state = self._state()
         bins = state.get("bin", "")
+        node = None
+        if state.get("real_node"):
+            from .node import RealNode
+
+            node = RealNode(self.dir / "node")
+            node.stop(self, state)
         for component in reversed(COMPONENTS):
             pid = state.get("pids", {}).get(component)
             if pid:
                 self._stop(component, pid, bins or component)
-        busy = [f"{k}={v}" for k, v in state.get("ports", {}).items() if _port_open(v)]
+        address = state.get("address", LOOPBACK)
+        busy = [f"{k}={v}" for k, v in state.get("ports", {}).items()
+                if _port_open(v) or (address != LOOPBACK and _port_open(v, address))]
+        if node:
+            node.release()  # after every process: the bridge holds the API server's address
         if busy:
             raise ClusterError(f"ports still in use after stopping the cluster: {', '.join(busy)}")
         if keep_logs:

@@ -7,6 +7,7 @@ without a cluster); ``apply_node_pools`` creates them; kwok's stages (written by
 
 from __future__ import annotations
 
+import ipaddress
 import string
 import time
 from pathlib import Path
@@ -31,6 +32,9 @@ KWOK_ANNOTATION = "kwok.x-k8s.io/node"
 # instead of becoming Ready (ImagePullBackOff or CrashLoopBackOff), so status
 # reporting can be tested against the real control plane.
 FAULT_ANNOTATION = "sim.disagg.dev/fault"
+# Simulated nodes' addresses: a slice of the benchmarking range 198.18.0.0/15 (see controlplane.py's address
+# plan), never a private range a machine's real networks may use. Nothing is ever sent to them.
+KWOK_NODE_CIDR = ipaddress.ip_network("198.18.64.0/18")
 
 
 class Taint(BaseModel):
@@ -67,34 +71,37 @@ def load(path: Path | None = None) -> PoolFile:
     return PoolFile.model_validate(yaml.safe_load(Path(path).read_text()))
 
 
+def domain_labels(pool: Pool, zone: int, rack: int, domain: int) -> dict[str, str]:
+    """The labels every node of one NVLink domain carries (topology, pool, GPU product), so a real node can
+    join a domain of a pool file exactly as its simulated nodes do."""
+    zone_name = f"zone-{string.ascii_lowercase[zone]}"
+    rack_name = f"{zone_name}-rack-{rack}"
+    labels = {ZONE_LABEL: zone_name, RACK_LABEL: rack_name, POOL_LABEL: pool.name,
+              **({"node.kubernetes.io/instance-type": pool.instance_type} if pool.instance_type else {}),
+              **pool.labels}
+    if pool.gpus:
+        labels |= {CLIQUE_LABEL: f"{pool.name}.{rack_name}-nvl-{domain}", f"{GPU}.present": "true",
+                   f"{GPU}.count": str(pool.gpus), f"{GPU}.product": pool.gpu_product or "simulated"}
+    return labels
+
+
 def nodes(pools: PoolFile) -> list[dict[str, Any]]:
     """Node manifests (with status) for every node of every pool."""
     out = []
-    for p_idx, pool in enumerate(pools.pools):
-        serial = 0
+    serial = 0
+    for pool in pools.pools:
         for z in range(pool.zones):
-            zone = f"zone-{string.ascii_lowercase[z]}"
             for r in range(pool.racks_per_zone):
-                rack = f"{zone}-rack-{r}"
                 for d in range(pool.nvlink_domains_per_rack):
-                    clique = f"{pool.name}.{rack}-nvl-{d}"
                     for n in range(pool.nodes_per_domain):
-                        name = f"{pool.name}-{zone[-1]}{r}-{d}-{n}"
-                        labels = {
-                            "kubernetes.io/hostname": name, "kubernetes.io/os": "linux",
-                            "kubernetes.io/arch": "amd64", "type": "kwok",
-                            ZONE_LABEL: zone, RACK_LABEL: rack, POOL_LABEL: pool.name,
-                            **({"node.kubernetes.io/instance-type": pool.instance_type} if pool.instance_type else {}),
-                            **pool.labels,
-                        }
+                        name = f"{pool.name}-{string.ascii_lowercase[z]}{r}-{d}-{n}"
+                        labels = {"kubernetes.io/hostname": name, "kubernetes.io/os": "linux",
+                                  "kubernetes.io/arch": "amd64", "type": "kwok", **domain_labels(pool, z, r, d)}
                         resources = {"cpu": pool.cpu, "memory": pool.memory, "pods": pool.pods,
                                      "ephemeral-storage": "1Ti"}
                         if pool.gpus:
-                            labels |= {CLIQUE_LABEL: clique, f"{GPU}.present": "true",
-                                       f"{GPU}.count": str(pool.gpus),
-                                       f"{GPU}.product": pool.gpu_product or "simulated"}
                             resources[GPU] = str(pool.gpus)
-                        ip = f"10.{240 + p_idx % 16}.{serial // 250}.{serial % 250 + 2}"
+                        ip = str(KWOK_NODE_CIDR[serial])
                         serial += 1
                         out.append({
                             "apiVersion": "v1", "kind": "Node",
@@ -106,7 +113,17 @@ def nodes(pools: PoolFile) -> list[dict[str, Any]]:
                                        "addresses": [{"type": "InternalIP", "address": ip},
                                                      {"type": "Hostname", "address": name}]},
                         })
+    if serial > KWOK_NODE_CIDR.num_addresses:
+        raise ValueError(f"{serial} simulated nodes do not fit their address range {KWOK_NODE_CIDR}")
     return out
+
+
+def real_node_labels(path: Path | None = None) -> dict[str, str]:
+    """The labels of the NVLink domain the real node joins: the first domain of the first GPU pool."""
+    pool = next((p for p in load(path).pools if p.gpus), None)
+    if pool is None:
+        raise ValueError(f"{path or DEFAULT_POOLS}: no GPU pool for the real node to join")
+    return domain_labels(pool, 0, 0, 0)
 
 
 def apply_node_pools(cluster: LocalCluster, path: Path | None = None) -> list[str]:

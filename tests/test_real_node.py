@@ -1,0 +1,223 @@
+"""The real node of the local cluster: containerd + kubelet + kube-proxy on this machine run pods for real.
+
+One cluster with a real node for the module: the node joins Ready with its GPUs and NVLink-domain labels,
+a pod from a locally packed busybox image becomes Ready through a real probe on the node's bridge,
+kubectl logs/exec/port-forward reach it through the kubelet, a pod reaches the API server through the
+`kubernetes` Service and the host reaches a pod through a Service, a GPU pod that tolerates the node's
+taint lands on it; and `down` leaves nothing of the node behind on the machine.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from disagg.e2e.localcluster import LocalCluster, nodepools
+from disagg.e2e.localcluster import node as real
+from disagg.e2e.localcluster.controlplane import KUBERNETES_SERVICE_IP
+from disagg.e2e.localcluster.ociimage import Image
+from disagg.e2e.testing import wait_for
+
+# Debian's static busybox, plus the control plane's kubectl (static Go) as an in-cluster API client.
+IMAGE = "disagg.local/toolbox:1"
+APPLETS = ("sh", "cat", "echo", "httpd", "mkdir", "sleep", "wget")
+TIMINGS: dict[str, float] = {}
+
+
+def _static_busybox() -> Path:
+    path = shutil.which("busybox")
+    assert path, "busybox not found: apt-get install -y busybox-static"
+    head = Path(path).read_bytes()[:4096]
+    assert b"ld-linux" not in head, f"{path} is dynamically linked: apt-get install -y busybox-static"
+    return Path(path)
+
+
+@pytest.fixture(scope="module")
+def real_cluster(tmp_path_factory):
+    c = LocalCluster(f"real-{os.getpid()}", state_dir=tmp_path_factory.mktemp("real-cluster"), real_node=True)
+    forward_before = real.IP_FORWARD.read_text().strip()
+    started = time.monotonic()
+    try:
+        c.up()
+        TIMINGS["cluster up with real node (s)"] = time.monotonic() - started
+        TIMINGS["kubelet start to node Ready (s)"] = c._state()["node_ready_s"]
+        kubectl = Path(c._state()["bin"]) / "kubectl"
+        c.node.import_image(Image(name=IMAGE, files={"/bin/busybox": _static_busybox(), "/bin/kubectl": kubectl},
+                                  links={f"/bin/{a}": "busybox" for a in APPLETS}))
+        c.forward_before = forward_before
+        yield c
+    finally:
+        c.down()
+    print("\nreal node timings:", json.dumps({k: round(v, 1) for k, v in TIMINGS.items()}))
+
+
+@pytest.fixture(scope="module")
+def core(real_cluster):
+    from kubernetes import client, config
+
+    api = config.new_client_from_config(str(real_cluster.kubeconfig))
+    yield client.CoreV1Api(api)
+    api.close()
+
+
+@pytest.fixture(scope="module")
+def ns(core, real_cluster):
+    name = "real-node"
+    core.create_namespace({"metadata": {"name": name}})
+    wait_for(lambda: any(sa.metadata.name == "default" for sa in core.list_namespaced_service_account(name).items),
+             30, "default ServiceAccount")
+    return name
+
+
+def _ready(pod) -> bool:
+    return any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or [])
+
+
+def _if(pod, check):
+    return pod if check(pod) else None
+
+
+def _pod(name: str, command: str, gpus: int = 0, port: int | None = None) -> dict:
+    container = {"name": "main", "image": IMAGE, "imagePullPolicy": "Never", "command": ["sh", "-c", command]}
+    if port:
+        container["ports"] = [{"containerPort": port}]
+        container["readinessProbe"] = {"httpGet": {"path": "/index.html", "port": port}, "periodSeconds": 1}
+    if gpus:
+        container["resources"] = {"limits": {nodepools.GPU: str(gpus)}}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": {"app": name}},
+            "spec": {"containers": [container], "nodeSelector": real.REAL_NODE_SELECTOR,
+                     "tolerations": [real.REAL_NODE_TOLERATION], "terminationGracePeriodSeconds": 1}}
+
+
+WEB = "mkdir -p /www && echo hello-from-pod > /www/index.html && echo web-started && exec httpd -f -p 8080 -h /www"
+
+
+@pytest.fixture(scope="module")
+def web(core, ns, real_cluster):
+    """A web server pod on the real node, Ready through its HTTP readiness probe, behind a Service."""
+    started = time.monotonic()
+    core.create_namespaced_pod(ns, _pod("web", WEB, port=8080))
+    pod = wait_for(lambda: _if(core.read_namespaced_pod("web", ns), _ready), 120, "pod web Ready", interval=0.1)
+    TIMINGS["small pod Ready (s)"] = time.monotonic() - started
+    core.create_namespaced_service(ns, {"metadata": {"name": "web"}, "spec": {
+        "selector": {"app": "web"}, "ports": [{"port": 80, "targetPort": 8080}]}})
+    return pod
+
+
+def test_node_ready_with_gpus_labels_and_taint(core, real_cluster):
+    node = core.read_node(real.NODE_NAME)
+    assert _ready(node)
+    assert node.status.capacity[nodepools.GPU] == node.status.allocatable[nodepools.GPU] == str(real.GPUS)
+    labels = node.metadata.labels
+    assert labels[real.REAL_NODE_LABEL] == "true"
+    expected = nodepools.real_node_labels()
+    assert {k: labels.get(k) for k in expected} == expected
+    # ...the same NVLink domain as simulated nodes of the pool, so a gang with a required topology fits it
+    peers = core.list_node(label_selector=f"{nodepools.CLIQUE_LABEL}={labels[nodepools.CLIQUE_LABEL]},type=kwok")
+    assert peers.items
+    assert [t.to_dict() for t in node.spec.taints or [] if t.key == real.REAL_NODE_LABEL] == [
+        {**real.REAL_NODE_TAINT, "time_added": None}]
+    assert {a.type: a.address for a in node.status.addresses}["InternalIP"] == real.NODE_IP
+    assert node.status.node_info.kubelet_version.startswith("v1.37")
+    assert node.status.node_info.container_runtime_version.startswith("containerd://2.")
+
+
+def test_pod_runs_ready_on_the_bridge(web):
+    assert web.spec.node_name == real.NODE_NAME
+    assert ipaddress.ip_address(web.status.pod_ip) in real.NODE_CIDR
+    assert web.status.container_statuses[0].ready
+
+
+def test_kubectl_logs_exec_and_port_forward(real_cluster, ns, web):
+    logs = wait_for(lambda: real_cluster.kubectl("-n", ns, "logs", "web", check=False).stdout, 30, "logs")
+    assert "web-started" in logs
+    out = real_cluster.kubectl("-n", ns, "exec", "web", "--", "cat", "/www/index.html")
+    assert out.stdout.strip() == "hello-from-pod"
+    bins = Path(real_cluster._state()["bin"])
+    pf = subprocess.Popen([str(bins / "kubectl"), f"--kubeconfig={real_cluster.kubeconfig}", "-n", ns,
+                           "port-forward", "pod/web", ":8080"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True)
+    try:
+        line = pf.stdout.readline()
+        match = re.search(r"127\.0\.0\.1:(\d+) -> 8080", line)
+        assert match, line
+        with urllib.request.urlopen(f"http://127.0.0.1:{match.group(1)}/index.html", timeout=10) as r:
+            assert r.read().decode().strip() == "hello-from-pod"
+    finally:
+        pf.terminate()
+        pf.wait(10)
+
+
+def test_host_reaches_pod_through_service(core, ns, web):
+    ip = core.read_namespaced_service("web", ns).spec.cluster_ip
+    assert ipaddress.ip_address(ip) in ipaddress.ip_network(real.CLUSTER_NETWORK)
+
+    def fetch() -> str:
+        try:
+            with urllib.request.urlopen(f"http://{ip}/index.html", timeout=2) as r:
+                return r.read().decode().strip()
+        except OSError:
+            return ""
+
+    assert wait_for(fetch, 60, f"Service web at {ip} from the host") == "hello-from-pod"
+
+
+def test_pod_reaches_api_server_through_kubernetes_service(real_cluster, ns, web):
+    # kubectl's in-cluster configuration, as the operator and routers use theirs: the `kubernetes` Service's
+    # address from the environment, the ServiceAccount's token, and the cluster CA verifying the API server.
+    out = real_cluster.kubectl("-n", ns, "exec", "web", "--", "kubectl", "get", "--raw", "/version", check=False)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["gitVersion"] == "v1.37.2"
+    denied = real_cluster.kubectl("-n", ns, "exec", "web", "--", "kubectl", "get", "pods", check=False)
+    assert f'"system:serviceaccount:{ns}:default" cannot list resource "pods"' in denied.stderr  # authenticated
+    env = real_cluster.kubectl("-n", ns, "exec", "web", "--", "sh", "-c", "echo $KUBERNETES_SERVICE_HOST").stdout
+    assert env.strip() == KUBERNETES_SERVICE_IP
+
+
+def test_gpu_pod_lands_on_the_real_node(core, ns):
+    core.create_namespaced_pod(ns, _pod("gpu", "echo gpu-pod && exec sleep 3600", gpus=2))
+    pod = wait_for(lambda: _if(core.read_namespaced_pod("gpu", ns), lambda p: p.status.phase == "Running"), 120,
+                   "GPU pod Running")
+    assert pod.spec.node_name == real.NODE_NAME
+
+
+def _leftovers(cluster: LocalCluster) -> dict[str, object]:
+    state_dir = str(cluster.dir)
+    procs = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                cmd = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if state_dir in cmd:
+                procs.append(f"{p.name}: {cmd[:120]}")
+    mounts = [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()
+              if line.split()[4].startswith(state_dir)]
+    bridge = subprocess.run(["ip", "link", "show", real.BRIDGE], capture_output=True).returncode == 0
+    cgroups = [str(d) for d in real._cgroup_dirs() if d.exists()]
+    ruleset = subprocess.run(["nft", "list", "ruleset"], capture_output=True, text=True).stdout
+    return {"processes": procs, "mounts": mounts, "bridge": bridge, "cgroups": cgroups,
+            "nftables": [line.strip() for line in ruleset.splitlines()
+                         if real.NFT_TABLE in line or "kube-proxy" in line or "KUBE-" in line],
+            "state dir": Path(state_dir).exists()}
+
+
+def test_down_leaves_nothing_behind(real_cluster, core, ns, web):
+    # Pods are running when the cluster goes down, so there is something to clean up.
+    assert _leftovers(real_cluster)["mounts"]
+    started = time.monotonic()
+    real_cluster.down()
+    TIMINGS["down (s)"] = time.monotonic() - started
+    assert _leftovers(real_cluster) == {"processes": [], "mounts": [], "bridge": False, "cgroups": [],
+                                        "nftables": [], "state dir": False}
+    assert real.IP_FORWARD.read_text().strip() == real_cluster.forward_before
