@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import time
 import urllib.request
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from disagg.e2e.localcluster import LocalCluster, nodepools
+from disagg.e2e.localcluster import ClusterError, LocalCluster, nodepools
 from disagg.e2e.localcluster import node as real
 from disagg.e2e.localcluster.controlplane import KUBERNETES_SERVICE_IP
 from disagg.e2e.localcluster.ociimage import Image
@@ -190,6 +191,14 @@ def test_gpu_pod_lands_on_the_real_node(core, ns):
     assert pod.spec.node_name == real.NODE_NAME
 
 
+def test_a_second_real_node_is_refused(real_cluster, tmp_path):
+    other = LocalCluster("other", state_dir=tmp_path / "other", real_node=True)
+    with pytest.raises(ClusterError, match=f"held by the cluster in {real_cluster.dir}"):
+        other.up()
+    assert real_cluster.running()
+    assert subprocess.run(["ip", "link", "show", real.BRIDGE], capture_output=True).returncode == 0
+
+
 def _leftovers(cluster: LocalCluster) -> dict[str, object]:
     state_dir = str(cluster.dir)
     procs = []
@@ -221,3 +230,37 @@ def test_down_leaves_nothing_behind(real_cluster, core, ns, web):
     assert _leftovers(real_cluster) == {"processes": [], "mounts": [], "bridge": False, "cgroups": [],
                                         "nftables": [], "state dir": False}
     assert real.IP_FORWARD.read_text().strip() == real_cluster.forward_before
+
+
+def test_next_cluster_clears_what_a_crashed_one_left(tmp_path_factory):
+    """A cluster killed outright (its pods still running, their mounts and cgroups in place) does not hold the
+    machine's real node: the next cluster with one clears it all and starts."""
+    crashed = LocalCluster("crashed", state_dir=tmp_path_factory.mktemp("crashed"), real_node=True)
+    crashed.up()
+    try:
+        core = _core(crashed)
+        core.create_namespaced_pod("default", _pod("survivor", "exec sleep 3600"))
+        wait_for(lambda: core.read_namespaced_pod("survivor", "default").status.phase == "Running", 120,
+                 "pod survivor Running")
+        for pid in crashed._state()["pids"].values():
+            os.killpg(pid, signal.SIGKILL)
+        assert _leftovers(crashed)["mounts"] and _leftovers(crashed)["cgroups"]
+        successor = LocalCluster("successor", state_dir=tmp_path_factory.mktemp("successor"), real_node=True)
+        successor.up()
+        try:
+            assert _ready(_core(successor).read_node(real.NODE_NAME))
+            left = _leftovers(crashed)
+            assert (left["processes"], left["mounts"]) == ([], [])
+        finally:
+            successor.down()
+        assert _leftovers(successor) == {"processes": [], "mounts": [], "bridge": False, "cgroups": [],
+                                         "nftables": [], "state dir": False}
+    finally:
+        crashed.down()
+    assert not crashed.dir.exists()
+
+
+def _core(cluster: LocalCluster):
+    from kubernetes import client, config
+
+    return client.CoreV1Api(config.new_client_from_config(str(cluster.kubeconfig)))

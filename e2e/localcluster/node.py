@@ -128,15 +128,15 @@ class RealNode:
 
     @staticmethod
     def _owner_alive(owner: dict[str, Any]) -> bool:
-        """The owning cluster still runs one of its node processes, or the process that claimed the node
-        (and may be starting them right now) still lives."""
+        """The owning cluster still runs one of its node processes or, before it started any, the process
+        that claimed the node (and is starting them right now) still lives."""
         try:
             state = json.loads((Path(owner["state_dir"]).parent / "state.json").read_text())
         except (OSError, ValueError, KeyError):
             state = {}
-        if any(_alive(pid) and component in _cmdline(pid)
-               for component, pid in state.get("pids", {}).items() if component in COMPONENTS):
-            return True
+        started = {c: pid for c, pid in state.get("pids", {}).items() if c in COMPONENTS}
+        if started:
+            return any(_alive(pid) and c in _cmdline(pid) for c, pid in started.items())
         pid = owner.get("pid", 0)
         return bool(pid) and _alive(pid) and _cmdline(pid) == owner.get("cmdline")
 
@@ -436,13 +436,16 @@ disabled_plugins = ['io.containerd.internal.v1.opt', 'io.containerd.nri.v1.nri']
         if self.dir.exists():
             subprocess.run(["rm", "-rf", "--one-file-system", str(self.dir)], check=False)
 
+    def _is_shim(self, cmdline: str) -> bool:
+        return "containerd-shim" in cmdline and str(self.containerd_socket) in cmdline
+
     def _kill_leftovers(self) -> None:
         """Pod processes (found by their cgroups) and shims of this node's containerd (by their socket)."""
         for _ in range(50):
             pids = {int(p) for d in _cgroup_dirs() if d.exists() for f in d.rglob("cgroup.procs")
                     for p in f.read_text().split()}
-            pids |= {int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
-                     and "containerd-shim" in _cmdline(int(p.name)) and str(self.containerd_socket) in _cmdline(int(p.name))}
+            pids |= {int(p.name) for p in Path("/proc").iterdir()
+                     if p.name.isdigit() and self._is_shim(_cmdline(int(p.name)))}
             pids.discard(os.getpid())
             if not pids:
                 return
