@@ -51,7 +51,8 @@ def pd(reference, tiny_model, worker_python, tmp_path_factory):
     prefill_s = cpu_settings("prefill", tiny_model, "0")
     decode_s = cpu_settings("decode", tiny_model, "1")
     port = free_port()
-    config = {"model": "tiny", "tokenizer": tiny_model, "block_size": 32, "max_model_len": 1024, "port": port,
+    # no max_model_len: the router learns the workers' (1024, cpu_settings) from their /v1/models
+    config = {"model": "tiny", "tokenizer": tiny_model, "block_size": prefill_s.block_size, "port": port,
               "host": "127.0.0.1", "spec": {"disaggregation": "always"}, "health_interval_s": 60,
               # vLLM CPU workers sometimes stall for one NIXL lease (30 s) on a loaded 2-core machine; the
               # test checks the P/D path, so a slow prefill must not turn into a (correct) fallback
@@ -85,6 +86,18 @@ def test_openai_client_gets_the_aggregated_servers_text(pd, reference):
     assert r.usage.completion_tokens == MAX_TOKENS and r.usage.prompt_tokens > 5
 
 
+def test_the_router_refuses_by_the_context_the_workers_run_with(pd):
+    """The router was given no context length: it refuses by the one vLLM runs with (learned from the
+    workers' /v1/models), in its own words, before any worker sees the prompt."""
+    import openai
+
+    client = OpenAI(base_url=f"{pd['router'].url}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="word " * 1500, max_tokens=4)
+    assert "this model's context is 1024 tokens" in str(e.value)
+    assert client.completions.create(model="tiny", prompt="word " * 100, max_tokens=4).choices[0].text is not None
+
+
 def test_streaming_gets_the_same_text_and_usage(pd, reference):
     client = OpenAI(base_url=f"{pd['router'].url}/v1", api_key="unused")
     for prompt, want in zip(PROMPTS, reference["completions"]):
@@ -108,8 +121,10 @@ def test_kv_blocks_moved_over_nixl_and_every_request_prefilled_remotely(pd):
     assert metric_sum(decode, m.VLLM_NIXL_FAILED_TRANSFERS + "_total") == 0
     routed = scrape(pd["router"].url)
     assert routed[f'{m.ROUTER_REQUESTS}{{outcome="success",path="{m.PATH_REMOTE_PREFILL}"}}'] >= 8
-    assert metric_sum(routed, m.ROUTER_REQUESTS) == metric_sum(
-        {k: v for k, v in routed.items() if m.PATH_REMOTE_PREFILL in k}, m.ROUTER_REQUESTS)
+    # every request the router served (refused ones, such as the over-long prompt, reach no worker)
+    served = {k: v for k, v in routed.items() if f'outcome="{m.OUTCOME_CLIENT_ERROR}"' not in k}
+    assert metric_sum(served, m.ROUTER_REQUESTS) == metric_sum(
+        {k: v for k, v in served.items() if m.PATH_REMOTE_PREFILL in k}, m.ROUTER_REQUESTS)
     # the route is in the response headers, so a client can tell a fallback from a P/D request
     client = OpenAI(base_url=f"{pd['router'].url}/v1", api_key="unused")
     raw = client.completions.with_raw_response.create(model="tiny", prompt=PROMPTS[0], max_tokens=4, temperature=0)
