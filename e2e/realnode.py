@@ -1,0 +1,164 @@
+"""A DisaggDeployment that really serves, on the local cluster's real node: shared by the end-to-end
+suite (tests/test_e2e_realnode.py), `make demo` and the time-to-first-token benchmark.
+
+What runs is what a user runs: the chart installed by `helm install` with the operator pod from the
+control-plane image under the chart's ServiceAccount; a DisaggDeployment whose prefill and decode pods
+run the CPU worker image and whose router pod runs the control-plane image, as the operator renders
+them. The tiny model (generated locally, no hub) reaches the pods as a `pvc://` source: a hostPath
+PersistentVolume on the real node, bound to a claim in the deployment's namespace.
+
+Test-specific choices, each a setting a user of a GPU-less cluster would make too: the real node's
+taint is tolerated and its label selected (kwok's simulated nodes cannot run anything); the CPU
+worker image's settings (float32, eager, a small KV cache) come from the spec's engine env and args.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from .localcluster.node import NODE_NAME, REAL_NODE_SELECTOR, REAL_NODE_TOLERATION
+from .providers import CHART
+from .testing import wait_for
+
+MODEL_CLAIM = "tiny-model"
+SERVED_MODEL = "tiny"
+# The tiny model's settings for the CPU build: a context the tokenizer's prompts fit, and a KV cache
+# small enough for two vLLM instances and everything else on a 2-core, 24 GiB machine.
+ENGINE_ARGS = ["--max-model-len", "1024", "--max-num-seqs", "64"]
+ENGINE_ENV = {"DISAGG_KV_CACHE_BYTES": str(64 * 2**20)}
+
+
+def placement() -> dict[str, Any]:
+    """nodeSelector + tolerations that put a pod on the real node (and only there)."""
+    return {"nodeSelector": dict(REAL_NODE_SELECTOR), "tolerations": [dict(REAL_NODE_TOLERATION)]}
+
+
+def chart_values(control_plane_image: str) -> list[str]:
+    """`helm install` values: the operator pod from the locally built image, never pulled, on the real
+    node; the planner sidecar off (no Prometheus URL in this cluster's chart values)."""
+    repository, _, tag = control_plane_image.rpartition(":")
+    p = placement()
+    label_key, label_value = next(iter(p["nodeSelector"].items()))
+    tol = p["tolerations"][0]
+    return ["--set", f"image.repository={repository}", "--set", f"image.tag={tag}",
+            "--set", "image.pullPolicy=Never",
+            "--set-string", f"operator.nodeSelector.{label_key.replace('.', chr(92) + '.')}={label_value}",
+            "--set", f"operator.tolerations[0].key={tol['key']}",
+            "--set", f"operator.tolerations[0].operator={tol['operator']}",
+            "--set", f"operator.tolerations[0].value={tol['value']}",
+            "--set", f"operator.tolerations[0].effect={tol['effect']}",
+            "--set", "planner.enabled=false"]
+
+
+def helm(cluster, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """The cluster's helm (built with its binaries) against its kubeconfig; a failure raises with helm's output."""
+    out = subprocess.run([str(Path(cluster._state()["bin"]) / "helm"), f"--kubeconfig={cluster.kubeconfig}", *args],
+                         capture_output=True, text=True)
+    if check and out.returncode != 0:
+        raise AssertionError(f"helm {' '.join(args)} failed ({out.returncode}):\n{out.stdout}\n{out.stderr}")
+    return out
+
+
+def install_model(api: client.ApiClient, namespace: str, host_dir: Path | str, node_name: str = NODE_NAME) -> str:
+    """A read-only hostPath PersistentVolume of `host_dir` on the real node, bound to the claim
+    MODEL_CLAIM in `namespace`; returns the `pvc://` source."""
+    core = client.CoreV1Api(api)
+    pv_name = f"{MODEL_CLAIM}-{namespace}"
+    pv = {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv_name},
+          "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadOnlyMany"],
+                   "persistentVolumeReclaimPolicy": "Retain", "storageClassName": "",
+                   "hostPath": {"path": str(host_dir), "type": "Directory"},
+                   "claimRef": {"namespace": namespace, "name": MODEL_CLAIM},
+                   "nodeAffinity": {"required": {"nodeSelectorTerms": [{"matchExpressions": [
+                       {"key": "kubernetes.io/hostname", "operator": "In", "values": [node_name]}]}]}}}}
+    try:
+        core.create_persistent_volume(pv)
+    except ApiException as e:
+        if e.status != 409:
+            raise
+    core.create_namespaced_persistent_volume_claim(namespace, {
+        "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": MODEL_CLAIM},
+        "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": "", "volumeName": pv_name,
+                 "resources": {"requests": {"storage": "1Gi"}}}})
+    wait_for(lambda: core.read_namespaced_persistent_volume_claim(MODEL_CLAIM, namespace).status.phase == "Bound",
+             60, f"claim {MODEL_CLAIM} bound")
+    return f"pvc://{MODEL_CLAIM}"
+
+
+def remove_model(api: client.ApiClient, namespace: str) -> None:
+    try:
+        client.CoreV1Api(api).delete_persistent_volume(f"{MODEL_CLAIM}-{namespace}")
+    except ApiException as e:
+        if e.status != 404:
+            raise
+
+
+def deployment(name: str, source: str, worker_image: str, prefill: int = 1, decode: int = 1,
+               disaggregation: str = "always") -> dict[str, Any]:
+    """The tiny model as a DisaggDeployment whose every pod lands on the real node."""
+    p = placement()
+    role = {"tensorParallelSize": 1, **p}
+    spec: dict[str, Any] = {
+        "model": {"name": SERVED_MODEL, "source": source},
+        "engine": {"image": worker_image, "imagePullPolicy": "Never", "args": list(ENGINE_ARGS),
+                   "env": [{"name": k, "value": v} for k, v in ENGINE_ENV.items()]},
+        "kvTransfer": {"bufferDevice": "cpu"},
+        "prefill": {"replicas": prefill, "minReplicas": 0 if prefill == 0 else 1, **role},
+        "decode": {"replicas": decode, **role},
+        "router": {"replicas": 1, "disaggregation": disaggregation, **p},
+        "scheduling": {"gang": {"minPrefill": min(prefill, 1), "minDecode": 1}},
+    }
+    return {"apiVersion": "serving.disagg.dev/v1alpha1", "kind": "DisaggDeployment",
+            "metadata": {"name": name}, "spec": spec}
+
+
+def router_url(api: client.ApiClient, namespace: str, name: str) -> str:
+    """The OpenAI base URL of the deployment's Service (kube-proxy routes the ClusterIP from this host)."""
+    svc = client.CoreV1Api(api).read_namespaced_service(name, namespace)
+    return f"http://{svc.spec.cluster_ip}:{svc.spec.ports[0].port}/v1"
+
+
+def ready_pods(api: client.ApiClient, namespace: str, selector: str) -> list[client.V1Pod]:
+    pods = client.CoreV1Api(api).list_namespaced_pod(namespace, label_selector=selector).items
+    return [p for p in pods if not p.metadata.deletion_timestamp and p.status.phase == "Running"
+            and all(c.ready for c in p.status.container_statuses or [])]
+
+
+def wait_serving(url: str, timeout: float = 600) -> float:
+    """Until /v1/models answers through the router; returns the seconds waited."""
+    import urllib.request
+
+    start = time.monotonic()
+
+    def answers() -> bool:
+        try:
+            with urllib.request.urlopen(f"{url}/models", timeout=5) as r:
+                return r.status == 200
+        except OSError:
+            return False
+    wait_for(answers, timeout, f"{url}/models to answer", interval=1)
+    return time.monotonic() - start
+
+
+def chat(url: str, question: str) -> str:
+    """One streamed chat request through the router at `url` (…/v1): the answer and the route it took."""
+    from disagg.workers.local import _chat
+
+    route, first, end, chunks, text, start = _chat(url.removesuffix("/v1"), question)
+    path = route.get("x-disagg-path")
+    via = (f"prefill {route.get('x-disagg-prefill')} -> decode {route.get('x-disagg-decode')}"
+           if route.get("x-disagg-prefill") else f"decode {route.get('x-disagg-decode')}")
+    fallback = f" (fallback: {route['x-disagg-fallback']})" if route.get("x-disagg-fallback") else ""
+    return (f"question: {question!r}\nanswer:   {''.join(text)!r}\n"
+            f"route:    {path}{fallback}: {via}\n"
+            f"TTFT {1000 * (first - start):.0f} ms, {chunks} chunks in {end - start:.1f} s")
+
+
+__all__ = ["chat", "CHART", "helm", "MODEL_CLAIM", "SERVED_MODEL", "chart_values", "deployment", "install_model",
+           "placement", "ready_pods", "remove_model", "router_url", "wait_serving"]
