@@ -37,7 +37,12 @@ def test_queries_labels_and_targets(prom):
              30, "two scrapes in range", interval=0.5)
     assert NAME in prom.label_values("deployment", sel)
     assert [t["health"] for t in prom.scrape_targets()["activeTargets"]] == ["up"]
-    assert prom.api("query", query=f"sum({sel})")["data"]["result"][0]["value"]
+    # the answer shape existing callers read (status, data.result), through the same client
+    assert prom.api("query", query=f"sum({sel})", time=time.time())["data"]["result"][0]["value"]
+    r = prom.api("query_range", query=f"sum({sel})", start=start, end=time.time(), step="1s")
+    assert r["status"] == "success" and len(r["data"]["result"][0]["values"]) >= 2
+    assert NAME in prom.api("label/deployment/values", **{"match[]": sel})["data"]
+    assert prom.api("targets")["data"]["activeTargets"][0]["health"] == "up"
 
 
 def test_rules_and_alerts(prom):
