@@ -30,7 +30,7 @@ from disagg.e2e.testing import wait_for
 
 # Debian's static busybox, plus the control plane's kubectl (static Go) as an in-cluster API client.
 IMAGE = "disagg.local/toolbox:1"
-APPLETS = ("sh", "cat", "echo", "httpd", "mkdir", "sleep", "wget")
+APPLETS = ("sh", "cat", "echo", "httpd", "mkdir", "ping", "sleep")
 TIMINGS: dict[str, float] = {}
 
 
@@ -182,6 +182,22 @@ def test_pod_reaches_api_server_through_kubernetes_service(real_cluster, ns, web
     assert f'"system:serviceaccount:{ns}:default" cannot list resource "pods"' in denied.stderr  # authenticated
     env = real_cluster.kubectl("-n", ns, "exec", "web", "--", "sh", "-c", "echo $KUBERNETES_SERVICE_HOST").stdout
     assert env.strip() == KUBERNETES_SERVICE_IP
+
+
+def _dropped_leaving() -> int:
+    ruleset = subprocess.run(["nft", "list", "table", "inet", real.NFT_TABLE], capture_output=True, text=True,
+                             check=True).stdout
+    return int(re.search(r"counter packets (\d+) bytes \d+ drop comment \"" + real.LEAVING, ruleset).group(1))
+
+
+def test_pod_traffic_never_leaves_the_machine(real_cluster, ns, web):
+    """A pod's packet for an address outside the cluster is dropped by the host, not routed out."""
+    before = _dropped_leaving()
+    # TEST-NET-1: nobody's address. (Debian's busybox wget crashes with -T, hence ping.)
+    out = real_cluster.kubectl("-n", ns, "exec", "web", "--", "ping", "-c", "1", "-W", "1", "192.0.2.77",
+                               check=False)
+    assert out.returncode != 0
+    assert _dropped_leaving() > before
 
 
 def test_gpu_pod_lands_on_the_real_node(core, ns):

@@ -54,6 +54,7 @@ NODE_IP = "198.18.0.1"
 # a packet for an address nobody holds dies there instead of following the default route out.
 CLUSTER_NETWORK = "198.18.0.0/15"
 NFT_TABLE = "disagg-node"  # inet family: stops forwarding between the bridge and any other interface
+LEAVING = "pod traffic leaving the machine"  # the comment of the rule (and counter) that drops it
 CNI_BIN_DIR = Path("/usr/lib/cni")
 CNI_NETWORK = "disagg-node"
 CGROUP_ROOT = "disagg-node"  # the kubelet's --cgroup-root: every pod's cgroup is under it
@@ -176,8 +177,8 @@ class RealNode:
         _run("ip", "route", "replace", CLUSTER_NETWORK, "dev", BRIDGE, "src", NODE_IP)
         rules = (f"table inet {NFT_TABLE} {{\n"
                  "  chain forward {\n    type filter hook forward priority 0; policy accept;\n"
-                 f'    iifname "{BRIDGE}" oifname != "{BRIDGE}" drop\n'
-                 f'    oifname "{BRIDGE}" iifname != "{BRIDGE}" drop\n  }}\n}}\n')
+                 f'    iifname "{BRIDGE}" oifname != "{BRIDGE}" counter drop comment "{LEAVING}"\n'
+                 f'    oifname "{BRIDGE}" iifname != "{BRIDGE}" counter drop\n  }}\n}}\n')
         subprocess.run(["nft", "-f", "-"], input=rules, check=True, capture_output=True, text=True)
         # Pod -> Service -> pod on the same bridge is routed through the host (and the CNI bridge
         # plugin turns forwarding on anyway); claim() saved the previous value, teardown restores it.
