@@ -48,14 +48,27 @@ class Batch(msgspec.Struct, array_like=True):
 _decoder = msgspec.msgpack.Decoder(Batch)
 
 
-def apply(index: PrefixIndex, worker: str, payload: bytes) -> int:
-    """Apply one published batch to the index; returns the blocks it stored."""
+_warned: set[tuple[str, int]] = set()
+
+
+def apply(index: PrefixIndex, worker: str, payload: bytes, block_size: int | None = None) -> int:
+    """Apply one published batch to the index; returns the blocks it stored. With ``block_size`` (the
+    router's), blocks of another size are not indexed: the router's keys could never match them. That
+    means the worker runs with a block size other than the one the operator gave both (vLLM overrides
+    it for some backends), which is logged once per worker and size."""
     stored = 0
     for ev in _decoder.decode(payload).events:
         if isinstance(ev, BlockStored):
-            if ev.medium in GPU_MEDIA:
-                stored += index.stored(worker, ev.block_hashes, ev.parent_block_hash, ev.token_ids,
-                                       ev.block_size)
+            if ev.medium not in GPU_MEDIA:
+                continue
+            if block_size is not None and ev.block_size != block_size:
+                if (worker, ev.block_size) not in _warned:
+                    _warned.add((worker, ev.block_size))
+                    log.error("%s stores KV blocks of %d tokens but the router hashes blocks of %d: its prefixes "
+                              "are not indexed (set the same --block-size in spec.engine.args for both)",
+                              worker, ev.block_size, block_size)
+                continue
+            stored += index.stored(worker, ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size)
         elif isinstance(ev, BlockRemoved):
             if ev.medium in GPU_MEDIA:
                 index.removed(worker, ev.block_hashes)
@@ -67,8 +80,9 @@ def apply(index: PrefixIndex, worker: str, payload: bytes) -> int:
 class Subscriber:
     """One SUB socket per worker, read by one task each; stopping it drops the worker's blocks."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, index: PrefixIndex, topic: str, on_batch=None):
-        self._ctx, self._index, self._topic = ctx, index, topic
+    def __init__(self, ctx: zmq.asyncio.Context, index: PrefixIndex, topic: str, on_batch=None,
+                 block_size: int | None = None):
+        self._ctx, self._index, self._topic, self._block_size = ctx, index, topic, block_size
         self._on_batch = on_batch or (lambda: None)
         self._tasks: dict[str, asyncio.Task] = {}
         self.batches = 0
@@ -98,7 +112,7 @@ class Subscriber:
                 if len(frames) != 3:
                     continue
                 try:
-                    apply(self._index, worker, frames[2])
+                    apply(self._index, worker, frames[2], self._block_size)
                     self.batches += 1
                     self._on_batch()
                 except msgspec.DecodeError as e:

@@ -95,7 +95,7 @@ class Router:
         self._zmq = zmq.asyncio.Context()
         for role, idx in self.index.items():
             self._subscribers[role] = Subscriber(self._zmq, idx, self.config.kv_events_topic,
-                                                 self.metrics.kv_event_batches.inc)
+                                                 self.metrics.kv_event_batches.inc, self.config.block_size)
             self.metrics.indexed_blocks.labels(role).set_function(idx.blocks)
         for w in self.pool.all():
             self._watch(w)

@@ -68,6 +68,21 @@ def test_vllm_event_batches_feed_the_index():
         apply(idx, "w", b"\x93garbage")
 
 
+def test_blocks_of_another_size_than_the_routers_are_not_indexed_and_said_so(caplog):
+    idx = PrefixIndex()
+    toks = list(range(32))
+    stored = {"type": "BlockStored", "block_hashes": [11, 12], "parent_block_hash": None,
+              "token_ids": toks, "block_size": 16, "lora_id": None, "medium": "GPU", "lora_name": None}
+    with caplog.at_level("ERROR", logger="disagg.router.events"):
+        assert apply(idx, "w-16", _batch(stored), block_size=32) == 0
+        assert apply(idx, "w-16", _batch(stored), block_size=32) == 0
+    assert idx.blocks() == 0
+    assert [r.getMessage() for r in caplog.records if "w-16" in r.getMessage()] == [
+        "w-16 stores KV blocks of 16 tokens but the router hashes blocks of 32: its prefixes are not indexed "
+        "(set the same --block-size in spec.engine.args for both)"]   # once, not per batch
+    assert apply(idx, "w-16", _batch(stored), block_size=16) == 2
+
+
 def test_registry_refuses_duplicates_and_unknown_names():
     assert policies.names() == sorted(p.value for p in RoutingPolicy)
     assert policies.DEFAULT == RouterSpec().policy == "kv-aware"
