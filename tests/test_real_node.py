@@ -136,6 +136,8 @@ def test_pod_runs_ready_on_the_bridge(web):
     assert web.spec.node_name == real.NODE_NAME
     assert ipaddress.ip_address(web.status.pod_ip) in real.NODE_CIDR
     assert web.status.container_statuses[0].ready
+    with urllib.request.urlopen(f"http://{web.status.pod_ip}:8080/index.html", timeout=10) as r:  # from the host
+        assert r.read().decode().strip() == "hello-from-pod"
 
 
 def test_kubectl_logs_exec_and_port_forward(real_cluster, ns, web):

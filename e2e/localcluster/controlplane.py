@@ -37,6 +37,9 @@ RUNTIME_CONFIG = "scheduling.k8s.io/v1beta1=true,scheduling.k8s.io/v1alpha3=true
 #   198.18.64.0/18   simulated (kwok) nodes (nodepools.py)
 #   198.18.128.0/17  simulated pods
 #   198.19.0.0/16    Services
+CLUSTER_NETWORK = "198.18.0.0/15"
+NODE_CIDR = "198.18.0.0/24"
+NODE_IP = "198.18.0.1"
 SERVICE_CIDR = "198.19.0.0/16"
 KUBERNETES_SERVICE_IP = "198.19.0.1"
 POD_CIDR = "198.18.128.1/17"  # kwok's --cidr: the first address to hand out, and the prefix
@@ -255,7 +258,7 @@ class LocalCluster:
         self._save(state)
         try:
             if self.real_node:
-                from .node import NODE_IP, RealNode
+                from .node import RealNode
 
                 node = RealNode(self.dir / "node")
                 node.claim()
@@ -264,7 +267,7 @@ class LocalCluster:
                 self._save(state)
             self.pki.ensure(dns_names=["localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc",
                                        "kubernetes.default.svc.cluster.local"],
-                            ips=[LOOPBACK, state["address"], KUBERNETES_SERVICE_IP])
+                            ips=[LOOPBACK, NODE_IP, KUBERNETES_SERVICE_IP])
             for user, cn, org in (("admin", "disagg-admin", "system:masters"),
                                   ("controller-manager", "system:kube-controller-manager", None),
                                   ("scheduler", "system:kube-scheduler", None),

@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from . import ociimage
-from .controlplane import HERE, ClusterError, _alive, _cmdline, cache_root, free_port
+from .controlplane import CLUSTER_NETWORK, HERE, NODE_IP, ClusterError, _alive, _cmdline, cache_root, free_port
+from .controlplane import NODE_CIDR as _NODE_CIDR
 
 if TYPE_CHECKING:
     from .controlplane import LocalCluster
@@ -46,13 +47,11 @@ REAL_NODE_SELECTOR = {REAL_NODE_LABEL: "true"}
 REAL_NODE_TOLERATION = {"key": REAL_NODE_LABEL, "operator": "Equal", "value": "true", "effect": "NoSchedule"}
 GPUS = 8  # advertised as nvidia.com/gpu, like one node of the default pool file's GPU pool
 
-# The node's slice of the cluster's address plan (controlplane.py): its bridge and pods.
+# The node's slice of the cluster's address plan (controlplane.py): its bridge and pods. Everything
+# the cluster addresses (CLUSTER_NETWORK: pods, Services, simulated nodes) is routed to the bridge, so a
+# packet for an address nobody holds dies there instead of following the default route out.
 BRIDGE = "disagg0"
-NODE_CIDR = ipaddress.ip_network("198.18.0.0/24")
-NODE_IP = "198.18.0.1"
-# Everything the cluster addresses (pods, Services, simulated nodes) is routed to the bridge, so
-# a packet for an address nobody holds dies there instead of following the default route out.
-CLUSTER_NETWORK = "198.18.0.0/15"
+NODE_CIDR = ipaddress.ip_network(_NODE_CIDR)
 NFT_TABLE = "disagg-node"  # inet family: stops forwarding between the bridge and any other interface
 LEAVING = "pod traffic leaving the machine"  # the comment of the rule (and counter) that drops it
 CNI_BIN_DIR = Path("/usr/lib/cni")
@@ -144,6 +143,9 @@ class RealNode:
     def claim(self) -> None:
         """Take the machine's real node for this cluster, clearing what a dead owner left behind;
         fails with a clear message while another live cluster holds it."""
+        if os.geteuid() != 0:
+            raise ClusterError("a real node needs root (bridge, network namespaces, cgroups, mounts); "
+                               "start the cluster with --no-real-node (LocalCluster(real_node=False))")
         with self._machine_lock():
             owner = self._owner()
             if owner and owner.get("state_dir") != str(self.dir):
