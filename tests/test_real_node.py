@@ -46,6 +46,7 @@ def _static_busybox() -> Path:
 def real_cluster(tmp_path_factory):
     c = LocalCluster(f"real-{os.getpid()}", state_dir=tmp_path_factory.mktemp("real-cluster"), real_node=True)
     forward_before = real.IP_FORWARD.read_text().strip()
+    machine_dirs_before = [str(d) for d in real.MACHINE_DIRS if d.exists()]
     started = time.monotonic()
     try:
         c.up()
@@ -54,7 +55,7 @@ def real_cluster(tmp_path_factory):
         kubectl = Path(c._state()["bin"]) / "kubectl"
         c.node.import_image(Image(name=IMAGE, files={"/bin/busybox": _static_busybox(), "/bin/kubectl": kubectl},
                                   links={f"/bin/{a}": "busybox" for a in APPLETS}))
-        c.forward_before = forward_before
+        c.forward_before, c.machine_dirs_before = forward_before, machine_dirs_before
         yield c
     finally:
         c.down()
@@ -233,7 +234,8 @@ def _leftovers(cluster: LocalCluster) -> dict[str, object]:
     bridge = subprocess.run(["ip", "link", "show", real.BRIDGE], capture_output=True).returncode == 0
     cgroups = [str(d) for d in real._cgroup_dirs() if d.exists()]
     ruleset = subprocess.run(["nft", "list", "ruleset"], capture_output=True, text=True).stdout
-    return {"processes": procs, "mounts": mounts, "bridge": bridge, "cgroups": cgroups,
+    cni_cache = [p.name for p in Path("/var/lib/cni/results").glob("*")]
+    return {"processes": procs, "mounts": mounts, "bridge": bridge, "cgroups": cgroups, "CNI cache": cni_cache,
             "nftables": [line.strip() for line in ruleset.splitlines()
                          if real.NFT_TABLE in line or "kube-proxy" in line or "KUBE-" in line],
             "state dir": Path(state_dir).exists()}
@@ -245,9 +247,10 @@ def test_down_leaves_nothing_behind(real_cluster, core, ns, web):
     started = time.monotonic()
     real_cluster.down()
     TIMINGS["down (s)"] = time.monotonic() - started
-    assert _leftovers(real_cluster) == {"processes": [], "mounts": [], "bridge": False, "cgroups": [],
+    assert _leftovers(real_cluster) == {"processes": [], "mounts": [], "bridge": False, "cgroups": [], "CNI cache": [],
                                         "nftables": [], "state dir": False}
     assert real.IP_FORWARD.read_text().strip() == real_cluster.forward_before
+    assert [str(d) for d in real.MACHINE_DIRS if d.exists()] == real_cluster.machine_dirs_before
 
 
 def test_next_cluster_clears_what_a_crashed_one_left(tmp_path_factory):
@@ -271,7 +274,7 @@ def test_next_cluster_clears_what_a_crashed_one_left(tmp_path_factory):
             assert (left["processes"], left["mounts"]) == ([], [])
         finally:
             successor.down()
-        assert _leftovers(successor) == {"processes": [], "mounts": [], "bridge": False, "cgroups": [],
+        assert _leftovers(successor) == {"processes": [], "mounts": [], "bridge": False, "cgroups": [], "CNI cache": [],
                                          "nftables": [], "state dir": False}
     finally:
         crashed.down()

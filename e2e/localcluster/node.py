@@ -60,6 +60,12 @@ CGROUP_ROOT = "disagg-node"  # the kubelet's --cgroup-root: every pod's cgroup i
 CGROUP_FS = Path("/sys/fs/cgroup")
 IP_FORWARD = Path("/proc/sys/net/ipv4/ip_forward")
 
+# Directories the kubelet and the CNI library create at fixed machine paths whatever their configuration
+# (the device plugin socket, container log links, CNI results cache): removed on down when they were not
+# there before the node started, with only the node's own files taken out of them.
+MACHINE_DIRS = (Path("/var/lib/kubelet/device-plugins"), Path("/var/lib/kubelet"), Path("/var/log/containers"),
+                Path("/var/lib/cni/results"), Path("/var/lib/cni"))
+
 CONTAINERD_NAMESPACE = "k8s.io"  # the namespace the CRI (and so the kubelet) sees images in
 PAUSE_IMAGE = "disagg.local/pause:1"
 COMPONENTS = ("containerd", "kubelet", "kube-proxy")
@@ -158,6 +164,7 @@ class RealNode:
             if owner is None:
                 owner = {"state_dir": str(self.dir), "ip_forward": IP_FORWARD.read_text().strip(),
                          "nft_tables": _nft_tables(),
+                         "absent_dirs": [str(d) for d in MACHINE_DIRS if not d.exists()],
                          "pid": os.getpid(), "cmdline": _cmdline(os.getpid())}
                 self._owner_file.write_text(json.dumps(owner, indent=2))
 
@@ -223,6 +230,7 @@ disabled_plugins = ['io.containerd.internal.v1.opt', 'io.containerd.nri.v1.nri']
         BinaryName = '{_which("runc")}'
         SystemdCgroup = false
   [{cri_runtime}.cni]
+    use_internal_loopback = true  # no loopback plugin, so no per-pod entries in the CNI cache for it
     bin_dirs = ['{CNI_BIN_DIR}']
     conf_dir = '{self.cni_conf_dir}'
     max_conf_num = 1
@@ -434,6 +442,14 @@ disabled_plugins = ['io.containerd.internal.v1.opt', 'io.containerd.nri.v1.nri']
         for link in Path("/var/log/containers").glob("*.log"):
             if link.is_symlink() and str(self.dir) in os.readlink(link):
                 link.unlink()
+        for d in map(Path, owner.get("absent_dirs", [])):  # deepest first, as MACHINE_DIRS lists them
+            if d == Path("/var/lib/kubelet/device-plugins"):
+                for f in ("kubelet.sock", "kubelet_internal_checkpoint"):
+                    (d / f).unlink(missing_ok=True)
+            try:
+                d.rmdir()
+            except OSError:
+                pass  # gone already, or holding something that is not the node's
         if owner.get("ip_forward") in ("0", "1"):
             IP_FORWARD.write_text(owner["ip_forward"] + "\n")
         if self.dir.exists():
