@@ -34,18 +34,27 @@ RUN --mount=type=cache,target=/root/.cache/pip /opt/build/bin/pip wheel --no-dep
 
 FROM ${PYTHON_IMAGE} AS control-plane
 RUN useradd --uid 10001 --no-create-home --shell /usr/sbin/nologin disagg
-# The user has no home directory: the router's tokenizer download (Hugging Face cache) goes to /tmp,
-# the one writable place in the operator's pod too (an emptyDir under a read-only root filesystem).
-ENV HF_HOME=/tmp/huggingface PATH=/opt/venv/bin:$PATH
-RUN --mount=type=cache,target=/root/.cache/pip --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
-    python3 -m venv /opt/venv && pip install /wheels/disagg-*.whl
+# The dependencies first, from pyproject.toml alone, so a source change reinstalls only the package.
+RUN --mount=type=cache,target=/root/.cache/pip --mount=type=bind,source=pyproject.toml,target=/tmp/pyproject.toml \
+    python3 -m venv /opt/venv \
+    && python3 -c 'import tomllib; print("\n".join(tomllib.load(open("/tmp/pyproject.toml", "rb"))["project"]["dependencies"]))' \
+       > /tmp/requirements.txt \
+    && /opt/venv/bin/pip install -r /tmp/requirements.txt \
+    && rm /tmp/requirements.txt
+RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
+    /opt/venv/bin/pip install --no-cache-dir --no-deps /wheels/disagg-*.whl && /opt/venv/bin/pip check
+# The user has no home directory: HOME (so every cache: Hugging Face's tokenizer download, matplotlib's)
+# is /tmp, the one writable place in the operator's pod too (an emptyDir under a read-only root filesystem).
+# Set after the installs, whose pip cache is mounted under root's home.
+ENV HOME=/tmp HF_HOME=/tmp/huggingface PATH=/opt/venv/bin:$PATH
 USER 10001
 ENTRYPOINT ["python", "-m"]
 CMD ["disagg.operator"]
 
 FROM ${VLLM_IMAGE} AS worker
-# No home directory here either: model downloads (Hugging Face cache) go to /tmp.
-ENV HF_HOME=/tmp/huggingface
+# No home directory here either: model downloads (Hugging Face cache) and vLLM's, torch's and Triton's
+# caches (under HOME) go to /tmp.
+ENV HOME=/tmp HF_HOME=/tmp/huggingface
 # The Run:ai streamer reads s3:// model sources (workers/__main__.py adds --load-format runai_streamer).
 # NIXL at the CPU worker's pinned version (workers/env/versions.env).
 RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
@@ -63,7 +72,6 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends libnuma1=2.0.16-1 \
     && rm -rf /var/lib/apt/lists/* \
     && useradd --uid 10001 --no-create-home --shell /usr/sbin/nologin disagg
-ENV HF_HOME=/tmp/huggingface PATH=/opt/venv/bin:$PATH
 # The worker environment by the tests' own recipe, workers/env/build.sh with its pins (versions.env,
 # requirements.txt, constraints.txt): torch, vLLM's CPU build, NIXL, checked by importing them. It lands
 # in /opt/disagg/worker-env/<key>; /opt/venv points at it.
@@ -72,6 +80,9 @@ RUN --mount=type=cache,target=/root/.cache/pip --mount=type=bind,source=workers/
     && ln -s "$env_dir" /opt/venv
 # The package alone: the worker entrypoint needs only pydantic, already in the environment at its pin.
 RUN --mount=type=cache,target=/root/.cache/pip --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
-    pip install --no-deps /wheels/disagg-*.whl
+    /opt/venv/bin/pip install --no-deps /wheels/disagg-*.whl
+# As in the GPU worker: the caches (Hugging Face, vLLM's under HOME) go to /tmp. After the installs, so
+# the pip cache mounted under root's home is the one they use.
+ENV HOME=/tmp HF_HOME=/tmp/huggingface PATH=/opt/venv/bin:$PATH
 USER 10001
 ENTRYPOINT ["python", "-m", "disagg.workers"]

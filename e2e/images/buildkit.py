@@ -23,9 +23,11 @@ from pathlib import Path
 from ..localcluster.controlplane import cache_root
 
 HERE = Path(__file__).resolve().parent
-# BuildKit collects its cache beyond this (MB): room for the pip cache (torch and its CUDA wheels, ~4 GB)
-# and the CPU worker's layers, so a rebuild after a source change downloads nothing again.
-KEEP_STORAGE_MB = 20000
+# BuildKit's cache collection, "reserved,min-free,max-used" in MB. Its default (and a bare reserved size)
+# prunes down to the reserved size after every build, least recently used first, and the pip cache mount
+# (torch and its CUDA wheels, ~5 GB) is the largest record no image holds: it was gone by the next build.
+# Here nothing is pruned below 12 GB, nor while under 30 GB and the disk keeps 15 GB free.
+GC_KEEP_STORAGE_MB = "12000,15000,30000"
 START_TIMEOUT_S = 60
 
 
@@ -68,7 +70,7 @@ def buildkitd(containerd_socket: str, namespace: str = "k8s.io", log=print) -> I
                 "--containerd-worker-snapshotter=overlayfs",
                 # RUN steps use the host's network: the builds reach the package registries from here.
                 "--containerd-worker-net=host",
-                "--containerd-worker-gc", f"--containerd-worker-gc-keepstorage={KEEP_STORAGE_MB}"]
+                "--containerd-worker-gc", f"--containerd-worker-gc-keepstorage={GC_KEEP_STORAGE_MB}"]
         log_path = state / "buildkitd.log"
         with open(log_path, "w") as out:
             proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
