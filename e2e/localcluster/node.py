@@ -455,16 +455,17 @@ disabled_plugins = ['io.containerd.internal.v1.opt', 'io.containerd.nri.v1.nri']
         if self.dir.exists():
             subprocess.run(["rm", "-rf", "--one-file-system", str(self.dir)], check=False)
 
-    def _is_shim(self, cmdline: str) -> bool:
-        return "containerd-shim" in cmdline and str(self.containerd_socket) in cmdline
+    def _is_ours(self, cmdline: str) -> bool:
+        return f"{self.dir}/" in cmdline  # containerd, its shims, kubelet, kube-proxy: all name a path of ours
 
     def _kill_leftovers(self) -> None:
-        """Pod processes (found by their cgroups) and shims of this node's containerd (by their socket)."""
+        """Pod processes (found by their cgroups), and the node's own processes and shims (found by the state
+        directory in their command lines: after a crash no pid file may be left to name them)."""
         for _ in range(50):
             pids = {int(p) for d in _cgroup_dirs() if d.exists() for f in d.rglob("cgroup.procs")
                     for p in f.read_text().split()}
             pids |= {int(p.name) for p in Path("/proc").iterdir()
-                     if p.name.isdigit() and self._is_shim(_cmdline(int(p.name)))}
+                     if p.name.isdigit() and self._is_ours(_cmdline(int(p.name)))}
             pids.discard(os.getpid())
             if not pids:
                 return
