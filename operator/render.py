@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from typing import Any
 
 from disagg.api import contract
@@ -39,6 +40,14 @@ from . import gang as gangs
 
 HASH_ANNOTATION = "serving.disagg.dev/applied-hash"
 CONTROL_PLANE_IMAGE = "disagg/control-plane:0.1.0"
+# The router runs the operator's own image: the chart sets these to its image and pull policy, so a
+# release from a mirror or a pinned digest never renders routers from an image nobody installed.
+ROUTER_IMAGE_ENV, ROUTER_PULL_POLICY_ENV = "DISAGG_ROUTER_IMAGE", "DISAGG_ROUTER_IMAGE_PULL_POLICY"
+
+
+def router_image() -> tuple[str, str | None]:
+    """(image, pull policy or None for the cluster's default) of router pods."""
+    return os.environ.get(ROUTER_IMAGE_ENV) or CONTROL_PLANE_IMAGE, os.environ.get(ROUTER_PULL_POLICY_ENV) or None
 HTTP_PORT = 8000
 NIXL_PORT = 5600
 KV_EVENTS_PORT = 5557
@@ -243,8 +252,9 @@ def router_deployment(dd: DisaggDeployment, uid: str) -> dict[str, Any]:
     live = {"httpGet": {"path": contract.ROUTER_LIVE_PATH, "port": "http"}}
     engine_args = dd.spec.engine.args
     context = contract.max_model_len(engine_args)
+    image, pull_policy = router_image()
     container: dict[str, Any] = {
-        "name": "router", "image": CONTROL_PLANE_IMAGE,
+        "name": "router", "image": image, **({"imagePullPolicy": pull_policy} if pull_policy else {}),
         "command": ["python", "-m", "disagg.router"],
         "args": ["--port", str(HTTP_PORT), "--model", dd.spec.model.name,
                  "--tokenizer", dd.spec.model.tokenizer or dd.spec.model.source,

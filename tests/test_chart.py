@@ -172,6 +172,25 @@ def test_operator_pod_runs_the_images_entrypoints_with_values(helm):
     assert default == CONTROL_PLANE_IMAGE
 
 
+def test_routers_run_the_operators_own_image(helm, monkeypatch):
+    """The operator renders routers from the image the chart runs it from (a mirror, a digest, a pull
+    policy), never from a built-in name nobody installed."""
+    from disagg.e2e.testing import dd_manifest
+    from disagg.operator import render as r
+    from disagg.api.v1alpha1 import DisaggDeployment
+
+    pod = one(render(helm, "--set", "image.repository=mirror.example/disagg/cp", "--set", "image.tag=9.9",
+                     "--set", "image.pullPolicy=Never"), "Deployment")["spec"]["template"]["spec"]
+    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    assert env[r.ROUTER_IMAGE_ENV] == pod["containers"][0]["image"] == "mirror.example/disagg/cp:9.9"
+    assert env[r.ROUTER_PULL_POLICY_ENV] == "Never"
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    dd = DisaggDeployment.model_validate({**dd_manifest("x"), "metadata": {"name": "x", "namespace": "ns"}})
+    router = r.router_deployment(dd, "uid")["spec"]["template"]["spec"]["containers"][0]
+    assert (router["image"], router["imagePullPolicy"]) == ("mirror.example/disagg/cp:9.9", "Never")
+
+
 def test_secure_pod_defaults(helm):
     pod = one(render(helm), "Deployment")["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True
