@@ -6,12 +6,12 @@ BIN := $(VENV)/bin
 # Reinstall the light environment whenever pyproject.toml changes.
 STAMP := $(VENV)/.installed-$(shell sha256sum pyproject.toml | cut -c1-16)
 
-.PHONY: test demo venv cluster-build cluster-up cluster-down crds prometheus browser worker-env e2e e2e-kind
+.PHONY: test demo venv cluster-build node-build node-packages buildkit cluster-up cluster-down crds prometheus browser worker-env e2e e2e-kind
 
-test: venv cluster-build prometheus browser worker-env
+test: venv cluster-build node-build buildkit prometheus browser worker-env
 	$(BIN)/python -m pytest
 
-demo: venv cluster-build
+demo: venv cluster-build node-build buildkit worker-env
 	$(BIN)/disagg demo
 
 venv: $(STAMP)
@@ -27,6 +27,25 @@ $(STAMP): pyproject.toml
 cluster-build:
 	bash e2e/localcluster/build.sh >/dev/null
 
+# The real node's binaries (containerd, its runc shim and ctr, kubelet, kube-proxy, the pods' sandbox
+# program), built from their Go modules / C source into the same cache; runc, the CNI plugins and nft
+# come from Debian's packages.
+node-build: node-packages
+	bash e2e/localcluster/build-node.sh >/dev/null
+
+# Debian's packages the real node and the image builds use, installed only when missing: runc, the CNI
+# plugins, nftables (kube-proxy's mode and the node's own fence), mmdebstrap (the images' Debian base),
+# a static busybox (the real node test's tiny image) and a C toolchain for the sandbox program.
+NODE_PACKAGES := runc containernetworking-plugins nftables mmdebstrap busybox-static gcc libc6-dev ca-certificates
+node-packages:
+	@missing=$$(for p in $(NODE_PACKAGES); do dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q 'install ok installed' || echo $$p; done); \
+	[ -z "$$missing" ] || { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y $$missing; }
+
+# BuildKit (buildkitd + buildctl) built from its Go module's source into the cache; the images
+# themselves are built by the tests and the demo into the real node's containerd (e2e/images).
+buildkit:
+	bash e2e/images/build-buildkit.sh >/dev/null
+
 # The heavy worker environment (vLLM CPU build + NIXL, ~7 GB) for the router and
 # worker tests and local serving, built into a cache outside the repository
 # (reused when complete; workers/env/build.sh says how).
@@ -41,7 +60,7 @@ e2e: venv cluster-build
 e2e-kind: venv
 	bash e2e/kind/e2e.sh
 
-cluster-up: venv cluster-build
+cluster-up: venv cluster-build node-build
 	$(BIN)/disagg cluster up
 
 cluster-down: venv
