@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import hashlib
 import re
+import shutil
 import subprocess
+import tempfile
 import time
 import tomllib
 from pathlib import Path
@@ -74,13 +76,27 @@ def part_matches(name: str, patterns: list[str]) -> bool:
     return any(Path(name).match(pattern) for pattern in patterns)
 
 
-def inputs_hash(target: str, base: BaseImage) -> str:
+def snapshot_context(dest: Path) -> str:
+    """Copies the Dockerfile, the .dockerignore and the files it lets through into ``dest`` and returns
+    their digest. BuildKit is given this copy, so an image holds exactly what its tag's hash says even
+    when the working tree changes during a build."""
     h = hashlib.sha256()
-    h.update(f"{target}\0{base.digest}\0{versions()['BUILDKIT_VERSION']}\0".encode())
     for p in [DOCKERFILE, DOCKERIGNORE, *context_files()]:
-        h.update(str(p.relative_to(REPO)).encode() + b"\0")
-        h.update(hashlib.sha256(p.read_bytes()).digest())
-    return h.hexdigest()[:16]
+        rel = p.relative_to(REPO)
+        data = p.read_bytes()
+        h.update(str(rel).encode() + b"\0")
+        h.update(hashlib.sha256(data).digest())
+        out = dest / rel
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_bytes(data)
+        shutil.copystat(p, out)     # mode (COPY keeps it) and times
+    return h.hexdigest()
+
+
+def inputs_hash(target: str, base: BaseImage, context_digest: str) -> str:
+    """What a target's image is made of: its name, the base image, BuildKit's version and the context."""
+    key = f"{target}\0{base.digest}\0{versions()['BUILDKIT_VERSION']}\0{context_digest}"
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 class Store:
@@ -99,6 +115,13 @@ class Store:
         """Every image name in the namespace and its digest."""
         lines = self._run("images", "ls").splitlines()[1:]
         return {cols[0]: cols[2] for cols in (line.split() for line in lines) if len(cols) >= 3}
+
+    def uuid(self) -> str:
+        """The containerd's UUID (made once and kept in its root directory)."""
+        for line in self._run("version").splitlines():
+            if line.strip().startswith("UUID:"):
+                return line.split(":", 1)[1].strip()
+        raise ImageBuildError("`ctr version` shows no server UUID")
 
     def tag(self, source: str, target: str) -> None:
         self._run("images", "tag", "--force", source, target)
@@ -121,35 +144,38 @@ def ensure_images(containerd_socket: str, namespace: str = "k8s.io", targets: tu
     store = Store(ctr or default_ctr(), containerd_socket, namespace)
     base = ensure_base(log)
     tag = version()
-    refs, todo = {}, []
-    present = store.digests()
-    for target in targets:
-        inputs = inputs_hash(target, base)
-        ref, pinned = f"{REPOSITORY}/{target}:{tag}", f"{REPOSITORY}/{target}:{tag}-{inputs}"
-        refs[target] = ref
-        if pinned not in present:
-            todo.append((target, ref, pinned, inputs))
-        elif present.get(ref) != present[pinned]:
-            store.tag(pinned, ref)      # the version tag was moved by a build of other inputs: move it back
-            log(f"[images] {target}: reusing {pinned}")
-        else:
-            log(f"[images] {target}: {ref} is up to date ({inputs})")
-    if todo:
-        with buildkitd(containerd_socket, namespace, log) as buildctl:
-            for target, ref, pinned, inputs in todo:
-                build(buildctl, target, [ref, pinned], base, inputs, containerd_socket, namespace, log)
-        missing = [pinned for _, _, pinned, _ in todo if pinned not in store.digests()]
-        if missing:
-            raise ImageBuildError(f"BuildKit finished but containerd has no {', '.join(missing)}")
+    with tempfile.TemporaryDirectory(prefix="disagg-context-") as context:
+        context_digest = snapshot_context(Path(context))
+        refs, todo = {}, []
+        present = store.digests()
+        for target in targets:
+            inputs = inputs_hash(target, base, context_digest)
+            ref, pinned = f"{REPOSITORY}/{target}:{tag}", f"{REPOSITORY}/{target}:{tag}-{inputs}"
+            refs[target] = ref
+            if pinned not in present:
+                todo.append((target, ref, pinned, inputs))
+            elif present.get(ref) != present[pinned]:
+                store.tag(pinned, ref)      # the version tag was moved by a build of other inputs: move it back
+                log(f"[images] {target}: reusing {pinned}")
+            else:
+                log(f"[images] {target}: {ref} is up to date ({inputs})")
+        if todo:
+            store_uuid = store.uuid()
+            with buildkitd(containerd_socket, store_uuid, namespace, log) as buildctl:
+                for target, ref, pinned, inputs in todo:
+                    build(buildctl, Path(context), target, [ref, pinned], base, inputs,
+                          state_dir(store_uuid, namespace) / f"build-{target}.log", log)
+            missing = [pinned for _, _, pinned, _ in todo if pinned not in store.digests()]
+            if missing:
+                raise ImageBuildError(f"BuildKit finished but containerd has no {', '.join(missing)}")
     log(f"[images] ready in {time.monotonic() - started:.0f} s: {', '.join(refs.values())}")
     return refs
 
 
-def build(buildctl: list[str], target: str, names: list[str], base: BaseImage, inputs: str,
-          containerd_socket: str, namespace: str, log=print) -> None:
-    log_path = state_dir(containerd_socket, namespace) / f"build-{target}.log"
+def build(buildctl: list[str], context: Path, target: str, names: list[str], base: BaseImage, inputs: str,
+          log_path: Path, log=print) -> None:
     argv = [*buildctl, "build", "--progress", "plain",
-            "--frontend", "dockerfile.v0", "--local", f"context={REPO}", "--local", f"dockerfile={REPO}",
+            "--frontend", "dockerfile.v0", "--local", f"context={context}", "--local", f"dockerfile={context}",
             "--opt", f"target={target}",
             # The locally made Debian base stands in for the Dockerfile's Python image (named context).
             "--oci-layout", f"{STORE_ID}={base.layout}",

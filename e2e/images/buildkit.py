@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import os
 import signal
 import subprocess
@@ -43,14 +42,16 @@ def binaries() -> Path:
     return Path(out.stdout.strip().splitlines()[-1])
 
 
-def state_dir(containerd_socket: str, namespace: str) -> Path:
-    """One state directory per containerd and namespace: BuildKit's records name that store's snapshots."""
-    key = hashlib.sha256(f"{os.path.realpath(containerd_socket)}\0{namespace}".encode()).hexdigest()[:12]
-    return cache_root() / "buildkit-state" / key
+def state_dir(containerd_uuid: str, namespace: str) -> Path:
+    """One state directory per containerd store and namespace, since BuildKit's records name that store's
+    snapshots and leases. The store is known by the UUID containerd keeps in its root (its socket path
+    changes with every cluster; the root, and so the images and this cache, persist)."""
+    return cache_root() / "buildkit-state" / f"{containerd_uuid}-{namespace}"
 
 
 @contextlib.contextmanager
-def buildkitd(containerd_socket: str, namespace: str = "k8s.io", log=print) -> Iterator[list[str]]:
+def buildkitd(containerd_socket: str, containerd_uuid: str, namespace: str = "k8s.io",
+              log=print) -> Iterator[list[str]]:
     """Runs buildkitd on the containerd for the duration; yields the buildctl command prefix.
 
     One daemon at a time per state directory (a file lock; a second caller waits). Stopped with SIGTERM
@@ -58,7 +59,7 @@ def buildkitd(containerd_socket: str, namespace: str = "k8s.io", log=print) -> I
     if not Path(containerd_socket).is_socket():
         raise BuildKitError(f"no containerd socket at {containerd_socket}: start the node first")
     bin_dir = binaries()
-    state = state_dir(containerd_socket, namespace)
+    state = state_dir(containerd_uuid, namespace)
     state.mkdir(parents=True, exist_ok=True)
     with open(state / "lock", "w") as lock, tempfile.TemporaryDirectory(prefix="disagg-buildkit-") as run:
         fcntl.flock(lock, fcntl.LOCK_EX)
