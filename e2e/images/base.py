@@ -14,6 +14,7 @@ reused as it is; anything else is rebuilt from scratch.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -139,6 +140,14 @@ def ensure_base(log=print) -> BaseImage:
         raise BaseImageError(f"{HOST_CA_BUNDLE} is missing: the base carries the machine's CA bundle "
                              "(apt-get install -y ca-certificates)")
     layout = cache_root() / "images" / "base" / _key(v, conf)
+    layout.parent.mkdir(parents=True, exist_ok=True)
+    # One maker at a time (a second caller waits, then finds the layout complete).
+    with open(layout.parent / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _ensure(layout, v, conf, log)
+
+
+def _ensure(layout: Path, v: dict[str, str], conf: str, log) -> BaseImage:
     done = layout / ".complete"
     if done.is_file():
         return BaseImage(layout, done.read_text().strip())
@@ -146,7 +155,6 @@ def ensure_base(log=print) -> BaseImage:
         raise BaseImageError("mmdebstrap is missing: the base images are made from Debian's packages with it "
                              "(apt-get install -y mmdebstrap)")
     shutil.rmtree(layout, ignore_errors=True)
-    layout.parent.mkdir(parents=True, exist_ok=True)
     suite = v["DEBIAN_SUITE"]
     mirrors = [f"deb {v['DEBIAN_MIRROR']} {suite} main", f"deb {v['DEBIAN_MIRROR']} {suite}-updates main",
                f"deb {v['DEBIAN_SECURITY_MIRROR']} {suite}-security main"]
