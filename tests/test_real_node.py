@@ -187,6 +187,19 @@ def test_pod_reaches_api_server_through_kubernetes_service(real_cluster, ns, web
     assert env.strip() == KUBERNETES_SERVICE_IP
 
 
+def test_pods_resolve_cluster_names(real_cluster, ns, web, core):
+    """The cluster's DNS (CoreDNS on the bridge): Service names resolve to their ClusterIPs from a pod, by
+    fully qualified (busybox's nslookup walks no search path; the e2e suite's operator pod, kopf, resolves
+    `kubernetes.default.svc` through it); names outside the cluster do not exist."""
+    web_ip = core.read_namespaced_service("web", ns).spec.cluster_ip
+    for name, want in (("kubernetes.default.svc.cluster.local", KUBERNETES_SERVICE_IP),
+                       (f"web.{ns}.svc.cluster.local", web_ip)):
+        out = real_cluster.kubectl("-n", ns, "exec", "web", "--", "busybox", "nslookup", name, check=False)
+        assert out.returncode == 0 and want in out.stdout.split("Name:", 1)[-1], (name, out.stdout, out.stderr)
+    outside = real_cluster.kubectl("-n", ns, "exec", "web", "--", "busybox", "nslookup", "pypi.org", check=False)
+    assert "Name:" not in outside.stdout and "can't find pypi.org: NXDOMAIN" in outside.stdout + outside.stderr, outside
+
+
 def _dropped_leaving() -> int:
     ruleset = subprocess.run(["nft", "list", "table", "inet", real.NFT_TABLE], capture_output=True, text=True,
                              check=True).stdout

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the local real node's binaries, cached like build.sh's:
 #   ${DISAGG_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/disagg}/bin/node-<key>/
-# containerd, containerd-shim-runc-v2 and ctr from containerd's Go module; kubelet
+# containerd, containerd-shim-runc-v2 and ctr from containerd's Go module; CoreDNS
+# (the cluster's DNS) from its Go module; kubelet
 # and kube-proxy from the same pinned Kubernetes module as the control plane; the
 # pods' sandbox program (pause.c). runc, the CNI plugins and nft come from Debian
 # (checked here, not built). A complete directory is reused; otherwise everything
@@ -16,7 +17,7 @@ source "$here/k8s-module.sh"
 source "$here/cache.sh"
 
 inputs_hash="$(cat "$here/build-node.sh" "$here/k8s-module.sh" "$here/cache.sh" "$here/pause.c" | sha256sum | cut -c1-8)"
-key="node-k8s-${KUBERNETES_VERSION}_containerd-${CONTAINERD_VERSION}_${inputs_hash}"
+key="node-k8s-${KUBERNETES_VERSION}_containerd-${CONTAINERD_VERSION}_coredns-${COREDNS_VERSION}_${inputs_hash}"
 bin="$cache_root/bin/$key"
 if [[ -f "$bin/.complete" ]]; then
   echo "$bin"
@@ -45,6 +46,9 @@ GOBIN="$out" GOFLAGS=-mod=mod go install -trimpath \
   "github.com/containerd/containerd/v2/cmd/containerd@${CONTAINERD_VERSION}" \
   "github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2@${CONTAINERD_VERSION}" \
   "github.com/containerd/containerd/v2/cmd/ctr@${CONTAINERD_VERSION}" >&2
+
+log "building CoreDNS ${COREDNS_VERSION}"
+GOBIN="$out" GOFLAGS=-mod=mod go install -trimpath -ldflags "-s -w" "github.com/coredns/coredns@${COREDNS_VERSION}" >&2
 
 log "building the pods' sandbox program (pause)"
 gcc -static -Os -s -Wall -Wextra -Werror -o "$out/pause" "$here/pause.c"

@@ -68,7 +68,8 @@ MACHINE_DIRS = (Path("/var/lib/kubelet/device-plugins"), Path("/var/lib/kubelet"
 
 CONTAINERD_NAMESPACE = "k8s.io"  # the namespace the CRI (and so the kubelet) sees images in
 PAUSE_IMAGE = "disagg.local/pause:1"
-COMPONENTS = ("containerd", "kubelet", "kube-proxy")
+COMPONENTS = ("containerd", "coredns", "kubelet", "kube-proxy")
+CLUSTER_DOMAIN = "cluster.local"
 
 
 def node_binaries() -> Path:
@@ -270,7 +271,7 @@ disabled_plugins = ['io.containerd.internal.v1.opt', 'io.containerd.nri.v1.nri']
                                "x509": {"clientCAFile": str(pki.ca_cert)}},
             "authorization": {"mode": "Webhook"},
             "registerWithTaints": [REAL_NODE_TAINT],
-            "clusterDomain": "cluster.local",
+            "clusterDomain": CLUSTER_DOMAIN, "clusterDNS": [NODE_IP],
             "podLogsDir": str(self.dir / "pod-logs"),
             # Our images are large and built locally (no registry to pull them back from): never collect them.
             "imageGCHighThresholdPercent": 100, "imageGCLowThresholdPercent": 99,
@@ -306,6 +307,30 @@ disabled_plugins = ['io.containerd.internal.v1.opt', 'io.containerd.nri.v1.nri']
         path.write_text(yaml.safe_dump(config, sort_keys=False))
         return path
 
+    def _corefile(self, cluster: LocalCluster, ready_port: int) -> Path:
+        """The cluster's DNS: Service and pod names of cluster.local from the API server, on the bridge
+        address the kubelet gives pods as their nameserver. No upstream: a name outside the cluster does not
+        exist (NXDOMAIN, so resolvers walk their search path on), and no query leaves the machine."""
+        path = self.dir / "Corefile"
+        path.write_text(f"""{CLUSTER_DOMAIN}:53 {{
+    bind {NODE_IP}
+    errors
+    ready 127.0.0.1:{ready_port}
+    kubernetes {CLUSTER_DOMAIN} {{
+        kubeconfig {cluster.kubeconfig}
+        pods insecure
+    }}
+    cache 5
+}}
+.:53 {{
+    bind {NODE_IP}
+    template ANY ANY {{
+        rcode NXDOMAIN
+    }}
+}}
+""")
+        return path
+
     # ------------------------------------------------------------ start
     def start(self, cluster: LocalCluster, state: dict[str, Any], timeout: float,
               pool_labels: dict[str, str]) -> None:
@@ -315,7 +340,7 @@ disabled_plugins = ['io.containerd.internal.v1.opt', 'io.containerd.nri.v1.nri']
         state["node_bin"] = str(bins)
         ports = state["ports"]
         ports.update(kubelet=free_port(), kubelet_healthz=free_port(), proxy_healthz=free_port(),
-                     proxy_metrics=free_port())
+                     proxy_metrics=free_port(), dns_ready=free_port())
         cluster._save(state)
         for d in (self.dir / "run", self.root, self.kubelet_dir, self.dir / "pod-logs"):
             d.mkdir(parents=True, exist_ok=True)
@@ -327,6 +352,13 @@ disabled_plugins = ['io.containerd.internal.v1.opt', 'io.containerd.nri.v1.nri']
         cluster._wait("containerd", lambda: self.ctr("version", check=False).returncode == 0, timeout,
                       "containerd")
         self.import_image(ociimage.Image(name=PAUSE_IMAGE, files={"/pause": bins / "pause"}, entrypoint=["/pause"]))
+
+        # DNS before the kubelet: every pod's resolv.conf names it (kopf, for one, logs in to
+        # https://kubernetes.default.svc by name)
+        cluster._spawn(state, "coredns", [str(bins / "coredns"), "-conf", str(self._corefile(cluster,
+                                                                                             ports["dns_ready"]))])
+        cluster._wait("CoreDNS ready", lambda: _http_ok(f"http://127.0.0.1:{ports['dns_ready']}/ready"), timeout,
+                      "coredns")
 
         node_cert, node_key = cluster.pki.issue("node", f"system:node:{NODE_NAME}", "system:nodes")
         kubelet_kc = cluster.pki.kubeconfig(self.dir / "kubelet.kubeconfig", cluster.server, "node", node_cert,
@@ -400,7 +432,7 @@ disabled_plugins = ['io.containerd.internal.v1.opt', 'io.containerd.nri.v1.nri']
     def stop(self, cluster: LocalCluster, state: dict[str, Any]) -> None:
         """Stop the kubelet and kube-proxy, remove every pod's containers, stop containerd."""
         pids = state.get("pids", {})
-        for component in ("kubelet", "kube-proxy"):
+        for component in ("kubelet", "kube-proxy", "coredns"):
             if pids.get(component):
                 cluster._stop(component, pids.pop(component), component)
         bins = Path(state["node_bin"]) if state.get("node_bin") else None
