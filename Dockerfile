@@ -84,5 +84,8 @@ RUN --mount=type=cache,target=/root/.cache/pip --mount=type=bind,from=wheel,sour
 # As in the GPU worker: the caches (Hugging Face, vLLM's under HOME) go to /tmp. After the installs, so
 # the pip cache mounted under root's home is the one they use.
 ENV HOME=/tmp HF_HOME=/tmp/huggingface PATH=/opt/venv/bin:$PATH
+# This image is vLLM's CPU build: the worker runs it as such (float32, eager, OpenMP binding, UCX over
+# TCP; workers/command.py), whatever the DisaggDeployment says, as the GPU image runs CUDA.
+ENV DISAGG_CPU=true
 USER 10001
 ENTRYPOINT ["python", "-m", "disagg.workers"]

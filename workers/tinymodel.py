@@ -43,11 +43,19 @@ def cache_dir() -> Path:
 def ensure(worker_python: str) -> Path:
     """The model's directory, made with the worker environment's Python when absent."""
     out = cache_dir()
-    if (out / ".complete").exists():
-        return out
-    shutil.rmtree(out, ignore_errors=True)
-    subprocess.run([worker_python, "-P", __file__, str(out)], check=True)
+    if not (out / ".complete").exists():
+        shutil.rmtree(out, ignore_errors=True)
+        subprocess.run([worker_python, "-P", __file__, str(out)], check=True)
+    _readable(out)
     return out
+
+
+def _readable(out: Path) -> None:
+    """Every file readable by everyone: pods mount this directory and run as a non-root user, and the
+    weights file is written owner-only (0600)."""
+    for path in out.iterdir():
+        if path.is_file() and (path.stat().st_mode & 0o444) != 0o444:
+            path.chmod(path.stat().st_mode | 0o444)
 
 
 def _corpus() -> list[str]:
