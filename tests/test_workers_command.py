@@ -108,3 +108,18 @@ def test_pvc_and_s3_sources_reach_vllm_as_it_reads_them(source, model, load_form
     argv = json.loads(out.stdout)["argv"]
     assert f"--model {model} " in argv and "--tokenizer /models/toks/llama" in argv
     assert ("--load-format runai_streamer" in argv) is load_format
+
+
+def test_cpu_build_binds_openmp_to_the_cores_it_may_use():
+    """Without cores named (a pod), vLLM's OpenMP threads bind to the process's own CPUs, in the list form
+    vLLM 0.32 parses ("all" made its engine fail at start)."""
+    import os
+
+    from disagg.workers.command import build
+    from disagg.workers.settings import WorkerSettings
+
+    cmd = build(WorkerSettings(role="decode", model="/m", cpu=True))
+    cores = cmd.env["VLLM_CPU_OMP_THREADS_BIND"]
+    assert [int(c) for c in cores.split(",")] == sorted(os.sched_getaffinity(0))
+    assert build(WorkerSettings(role="decode", model="/m", cpu=True, cpu_cores="1")).env[
+        "VLLM_CPU_OMP_THREADS_BIND"] == "1"

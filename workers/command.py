@@ -6,6 +6,7 @@ A pure function, unit-tested without vLLM; :mod:`.supervisor` runs its result.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 
 from disagg.api.contract import KV_EVENTS_TOPIC
@@ -48,6 +49,11 @@ def kv_events_config(s: WorkerSettings) -> dict:
             "endpoint": f"tcp://*:{s.kv_events_port}", "topic": KV_EVENTS_TOPIC}
 
 
+def allowed_cores() -> str:
+    """The CPUs this process may run on, as vLLM's OpenMP binding list ("0,1,2")."""
+    return ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+
+
 def build(s: WorkerSettings, python: str = "python") -> Command:
     argv = [python, "-P", "-m", VLLM_SERVER_MODULE,
             "--model", s.model,
@@ -76,7 +82,9 @@ def build(s: WorkerSettings, python: str = "python") -> Command:
         argv += ["--dtype", "float32", "--enforce-eager"]
         # NixlConnector pins the main thread to the last core; OpenMP's default
         # binding then piles the compute threads on it too (~100x slower decode).
-        env["VLLM_CPU_OMP_THREADS_BIND"] = s.cpu_cores or "all"
+        # Without cores named, the ones this process may run on (a pod's cpuset): vLLM 0.32 takes a
+        # list ("0,1") or "auto", and "auto" reserves cores a small pod does not have.
+        env["VLLM_CPU_OMP_THREADS_BIND"] = s.cpu_cores or allowed_cores()
         env["VLLM_CPU_CI_ENV"] = "1"       # skip graph compilation at start-up
         env.setdefault("UCX_TLS", "tcp,self,sm")  # shared memory alone: "Destination is unreachable"
     argv += s.engine_args
