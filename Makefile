@@ -6,9 +6,9 @@ BIN := $(VENV)/bin
 # Reinstall the light environment whenever pyproject.toml changes.
 STAMP := $(VENV)/.installed-$(shell sha256sum pyproject.toml | cut -c1-16)
 
-.PHONY: test demo venv cluster-build node-build node-packages buildkit cluster-up cluster-down crds prometheus browser worker-env e2e e2e-kind
+.PHONY: test demo venv cluster-build node-build node-packages buildkit prometheus-build cluster-up cluster-down crds prometheus browser worker-env e2e e2e-kind
 
-test: venv cluster-build node-build buildkit prometheus browser worker-env
+test: venv cluster-build node-build buildkit prometheus prometheus-build browser worker-env
 	$(BIN)/python -m pytest
 
 demo: venv cluster-build node-build buildkit worker-env
@@ -69,6 +69,11 @@ cluster-down: venv
 # A real Prometheus for the planner's tests (Debian's package), installed only when missing.
 prometheus:
 	@command -v prometheus >/dev/null || { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y prometheus; }
+
+# Prometheus with Kubernetes service discovery (Debian's has none), from its Go module into the cache,
+# for the end-to-end suite on the real node.
+prometheus-build:
+	bash e2e/localcluster/build-prometheus.sh >/dev/null
 
 # A real headless browser for the configurator's web page test (Debian's Chromium and its driver), installed only when missing.
 browser:

@@ -54,13 +54,25 @@ class _Client(PrometheusConnect):
         return self._data("rules")["groups"]
 
 
+def kubernetes_prometheus() -> Path:
+    """The Prometheus binary with Kubernetes service discovery, built into the cache when absent."""
+    out = subprocess.run(["bash", str(Path(__file__).resolve().parent / "localcluster" / "build-prometheus.sh")],
+                         check=True, stdout=subprocess.PIPE, text=True)
+    return Path(out.stdout.strip().splitlines()[-1]) / "prometheus"
+
+
 class LocalPrometheus:
     def __init__(self, state_dir: Path, targets: list[str], scrape_interval: str = "1s",
-                 scrape_configs: list[dict] | None = None, rule_groups: list[dict] | None = None):
+                 scrape_configs: list[dict] | None = None, rule_groups: list[dict] | None = None,
+                 kubernetes_sd: bool = False):
         """Scrapes `targets` as one job, or the jobs of `scrape_configs` given in full; evaluates
-        `rule_groups` (recording and alerting rules) when given."""
-        binary = shutil.which("prometheus") or ("/usr/bin/prometheus" if Path("/usr/bin/prometheus").exists()
-                                                 else None)
+        `rule_groups` (recording and alerting rules) when given. `kubernetes_sd`: the Prometheus built with
+        Kubernetes service discovery (build-prometheus.sh) instead of Debian's, which has none."""
+        if kubernetes_sd:
+            binary = str(kubernetes_prometheus())
+        else:
+            binary = shutil.which("prometheus") or ("/usr/bin/prometheus" if Path("/usr/bin/prometheus").exists()
+                                                     else None)
         if not binary:
             raise PrometheusNotInstalled("prometheus is not installed: `make prometheus` installs Debian's package")
         self.binary = binary

@@ -51,7 +51,7 @@ def chart_values(control_plane_image: str) -> list[str]:
             "--set-string", f"operator.nodeSelector.{label_key.replace('.', chr(92) + '.')}={label_value}",
             "--set", f"operator.tolerations[0].key={tol['key']}",
             "--set", f"operator.tolerations[0].operator={tol['operator']}",
-            "--set", f"operator.tolerations[0].value={tol['value']}",
+            "--set-string", f"operator.tolerations[0].value={tol['value']}",
             "--set", f"operator.tolerations[0].effect={tol['effect']}",
             "--set", "planner.enabled=false"]
 
