@@ -23,19 +23,6 @@ def panels(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def rows(dashboard: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
-    """Row title -> the panels under it (in order; a collapsed row holds its panels)."""
-    out: dict[str, list[dict[str, Any]]] = {}
-    current = ""
-    for p in dashboard["panels"]:
-        if p.get("type") == "row":
-            current = p["title"]
-            out[current] = list(p.get("panels", []))
-        else:
-            out.setdefault(current, []).append(p)
-    return out
-
-
 def substitute(expr: str, variables: dict[str, str]) -> str:
     for name, value in sorted(variables.items(), key=lambda kv: -len(kv[0])):
         expr = expr.replace("${" + name + "}", value).replace("$" + name, value)

@@ -190,6 +190,24 @@ def _raise_stopped(signum, _frame):
     raise Stopped(signal.Signals(signum).name)
 
 
+def pd_processes(model: str, port: int, python: str, log_dir: Path) -> list[LocalProcess]:
+    """A prefill and a decode worker (cores 0 and 1) and the router in front of them on `port`, not yet
+    started: what `disagg serve --local` runs, and a baseline for benchmarks."""
+    import json as _json
+
+    prefill_s, decode_s = cpu_settings("prefill", model, "0"), cpu_settings("decode", model, "1")
+    config = {"model": "tiny", "tokenizer": model, "block_size": prefill_s.block_size,
+              "max_model_len": prefill_s.max_model_len, "port": port, "host": "127.0.0.1",
+              "spec": {"disaggregation": "always"},
+              "prefill": [{"url": f"http://127.0.0.1:{prefill_s.port}",
+                           "kv_events": f"tcp://127.0.0.1:{prefill_s.kv_events_port}"}],
+              "decode": [{"url": f"http://127.0.0.1:{decode_s.port}",
+                          "kv_events": f"tcp://127.0.0.1:{decode_s.kv_events_port}"}]}
+    (log_dir / "router.json").write_text(_json.dumps(config))
+    return [worker("prefill", prefill_s, python, log_dir), worker("decode", decode_s, python, log_dir),
+            router(log_dir / "router.json", port, log_dir)]
+
+
 def serve_local(port: int = 8080, model: str | None = None, once: bool = False, log_dir: Path | None = None,
                 out=sys.stdout) -> int:
     """`disagg serve --local`: a prefill and a decode worker (one core each) and the router on this
@@ -205,25 +223,13 @@ def serve_local(port: int = 8080, model: str | None = None, once: bool = False, 
 
 
 def _serve_local(port: int, model: str | None, once: bool, log_dir: Path | None, out) -> int:
-    import json as _json
-
     from .envpath import worker_python
     from .tinymodel import ensure
 
     python = worker_python()
     model = model or str(ensure(python))
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="disagg-local-"))
-    prefill_s, decode_s = cpu_settings("prefill", model, "0"), cpu_settings("decode", model, "1")
-    config = {"model": "tiny", "tokenizer": model, "block_size": prefill_s.block_size,
-              "max_model_len": prefill_s.max_model_len, "port": port, "host": "127.0.0.1",
-              "spec": {"disaggregation": "always"},
-              "prefill": [{"url": f"http://127.0.0.1:{prefill_s.port}",
-                           "kv_events": f"tcp://127.0.0.1:{prefill_s.kv_events_port}"}],
-              "decode": [{"url": f"http://127.0.0.1:{decode_s.port}",
-                          "kv_events": f"tcp://127.0.0.1:{decode_s.kv_events_port}"}]}
-    (log_dir / "router.json").write_text(_json.dumps(config))
-    procs = [worker("prefill", prefill_s, python, log_dir), worker("decode", decode_s, python, log_dir),
-             router(log_dir / "router.json", port, log_dir)]
+    procs = pd_processes(model, port, python, log_dir)
     print(f"starting prefill, decode and router (logs in {log_dir}) ...", file=out, flush=True)
     try:
         for p in procs[:2]:
