@@ -5,14 +5,23 @@ CRD, shows the API refusing bad specs with messages that name the field, runs
 the operator (in this process, under its least-privilege ServiceAccount),
 applies the deployments in examples/, waits for them to be Ready, and prints
 `kubectl get dd` and where every prefill/decode pod landed (NVLink domain, rack).
+
+Then it serves for real: the project's images are built from the Dockerfile into the real node's image
+store (BuildKit; reused when nothing changed), and a DisaggDeployment of the tiny model (generated here)
+runs its prefill, decode and router pods on the real node; a chat request through its Service is
+answered and printed with the route it took (prefill pod -> decode pod, NIXL bytes moved).
 """
 
 from __future__ import annotations
 
 import copy
+import os
+import sys
 from pathlib import Path
 
 import yaml
+
+from disagg.operator.render import ROUTER_IMAGE_ENV
 
 from .localcluster import LocalCluster, nodepools
 from .operator_fixture import operator_kubeconfig, running_operator
@@ -25,10 +34,18 @@ def _show(title: str, text: str) -> None:
     print(f"\n=== {title}\n{text.rstrip()}")
 
 
+DEMO_NS = "demo"
+TINY = "tiny"
+
+
 def run(cluster_name: str = "default") -> int:
-    cluster = LocalCluster(cluster_name)
-    print(f"starting the local control plane {cluster_name!r} (reused if already up) ...")
+    cluster = LocalCluster(cluster_name, real_node=True)
+    print(f"starting the local control plane {cluster_name!r} with its real node (reused if already up) ...")
     cluster.up()
+    if cluster.node is None:
+        print(f"cluster {cluster_name!r} runs without a real node; `disagg cluster down --name {cluster_name}` "
+              "and run the demo again", file=sys.stderr)
+        return 1
     cluster.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
     cluster.kubectl("wait", "--for=condition=Established", "--timeout=300s",
                     "crd/disaggdeployments.serving.disagg.dev")
@@ -65,20 +82,60 @@ def run(cluster_name: str = "default") -> int:
                                                             "disaggdeployments", n).get("status") or {}).get("phase")
                     for n in names}
         wait_for(lambda: set(phases().values()) == {"Ready"}, 120, "the examples to be Ready")
-    _show("placement of prefill/decode pods (node, NVLink domain, rack)", _placement(api))
-    _show("kubectl get dd", cluster.kubectl("get", "dd", "-o", "wide").stdout)
+        answer = _serve_for_real(cluster, api)
+    _show("placement of prefill/decode pods (node, NVLink domain, rack)", _placement(api, "default")
+          + "\n\n" + _placement(api, DEMO_NS))
+    _show("kubectl get dd -A", cluster.kubectl("get", "dd", "-A", "-o", "wide").stdout)
+    _show("a chat request through the tiny deployment's Service, served by its pods on the real node", answer)
     print(f"\nThe cluster keeps running (the operator stopped with the demo); use it with:\n  export KUBECONFIG={cluster.kubeconfig}\n"
           "Stop it with: make cluster-down")
     return 0
 
 
-def _placement(api) -> str:
+def _serve_for_real(cluster: LocalCluster, api) -> str:
+    """The tiny model served on the real node; returns what to print about the answer."""
+    from kubernetes import client
+
+    from disagg.workers.envpath import worker_python
+    from disagg.workers.tinymodel import ensure
+
+    from . import realnode
+    from .images import ensure_images
+
+    print("\nbuilding the images from the Dockerfile into the real node (BuildKit; reused when unchanged) ...")
+    images = ensure_images(str(cluster.node.containerd_socket))
+    os.environ[ROUTER_IMAGE_ENV] = images["control-plane"]  # as the chart tells the operator pod
+    model = ensure(worker_python())
+    core = client.CoreV1Api(api)
+    if not any(n.metadata.name == DEMO_NS for n in core.list_namespace().items):
+        core.create_namespace({"metadata": {"name": DEMO_NS}})
+    wait_for(lambda: any(sa.metadata.name == "default" for sa in core.list_namespaced_service_account(DEMO_NS).items),
+             60, "the demo namespace's default ServiceAccount")
+    try:
+        core.read_namespaced_persistent_volume_claim(realnode.MODEL_CLAIM, DEMO_NS)
+        source = f"pvc://{realnode.MODEL_CLAIM}"
+    except client.exceptions.ApiException:
+        source = realnode.install_model(api, DEMO_NS, model)
+    doc = realnode.deployment(TINY, source, images["worker-cpu"])
+    _show(f"kubectl apply -n {DEMO_NS} (the tiny model on the real node)",
+          cluster.kubectl("apply", "-n", DEMO_NS, "-f", "-", input=yaml.safe_dump(doc)).stdout)
+    print("waiting for its prefill, decode and router pods to be Ready (CPU vLLM starts in a minute or two) ...")
+    custom = client.CustomObjectsApi(api)
+    wait_for(lambda: (custom.get_namespaced_custom_object("serving.disagg.dev", "v1alpha1", DEMO_NS, "disaggdeployments",
+                                                          TINY).get("status") or {}).get("phase") == "Ready",
+             900, f"{TINY} to be Ready", interval=2)
+    url = realnode.router_url(api, DEMO_NS, TINY)
+    realnode.wait_serving(url)
+    return realnode.chat(url, "Hello from disagg! Tell me how a prefill hands its KV cache to a decode worker. " * 3)
+
+
+def _placement(api, namespace: str) -> str:
     from kubernetes import client
 
     core = client.CoreV1Api(api)
     nodes = {n.metadata.name: n.metadata.labels for n in core.list_node().items}
     rows = [("DEPLOYMENT", "ROLE", "POD", "NODE", "NVLINK DOMAIN", "RACK")]
-    for pod in sorted(core.list_namespaced_pod("default", label_selector="serving.disagg.dev/deployment").items,
+    for pod in sorted(core.list_namespaced_pod(namespace, label_selector="serving.disagg.dev/deployment").items,
                       key=lambda p: (p.metadata.labels["serving.disagg.dev/deployment"],
                                      p.metadata.labels.get("serving.disagg.dev/role", ""), p.metadata.name)):
         labels = nodes.get(pod.spec.node_name or "", {})
