@@ -86,9 +86,10 @@ def run(cluster_name: str = "default") -> int:
     _show("placement of prefill/decode pods (node, NVLink domain, rack)", _placement(api, "default")
           + "\n\n" + _placement(api, DEMO_NS))
     _show("kubectl get dd -A", cluster.kubectl("get", "dd", "-A", "-o", "wide").stdout)
-    _show("a chat request through the tiny deployment's Service, served by its pods on the real node", answer)
+    _show("a chat request through the tiny deployment's Service, served by its pods on the real node "
+          "(the tiny model's weights are random: its words are noise, the tokens and the route are real)", answer)
     print(f"\nThe cluster keeps running (the operator stopped with the demo); use it with:\n  export KUBECONFIG={cluster.kubeconfig}\n"
-          "Stop it with: make cluster-down")
+          "Stop it with `make cluster-down` (before `make test`: one real node runs per machine)")
     return 0
 
 
