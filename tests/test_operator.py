@@ -124,13 +124,14 @@ def test_a_gang_waiting_past_its_timeout_says_so(api_client, namespace, operator
     cond = dd.wait_condition("GangScheduled", "False", "GangTimeout", timeout=120)
     assert "not placed after" in cond["message"] and "(timeout 8s)" in cond["message"]
     assert "gang needs 2 nvidia.com/gpu" in cond["message"], cond
-    events = dd.core.list_namespaced_event(namespace, field_selector="involvedObject.name=late").items
-    assert any(e.reason == "GangTimeout" and e.type == "Warning" for e in events)
+    # kopf posts events from its own queue, after the status write the condition came with: wait for it
+    wait_for(lambda: any(e.reason == "GangTimeout" and e.type == "Warning" for e in dd.core.list_namespaced_event(
+        namespace, field_selector="involvedObject.name=late").items), 60, "the GangTimeout Warning event")
     # the same decision as a metric
-    scraped = scrape(f"http://127.0.0.1:{operator_metrics.port()}")
     key = (f'{m.OPERATOR_CONDITION}{{deployment="late",namespace="{namespace}",reason="GangTimeout",'
            f'type="GangScheduled"}}')
-    assert scraped.get(key) == 0.0, {k: v for k, v in scraped.items() if "late" in k}
+    wait_for(lambda: scrape(f"http://127.0.0.1:{operator_metrics.port()}").get(key) == 0.0, 30,
+             f"{key} = 0 on the operator's /metrics")
 
 
 def test_hand_edits_of_children_are_reverted(api_client, namespace, operator):
