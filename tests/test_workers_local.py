@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from disagg.workers.local import free_port, parse_metrics
+from disagg.e2e.testing import wait_for
 from disagg.workers.testing import tiny_model, worker_python  # noqa: F401  (fixtures)
 
 
@@ -81,14 +82,6 @@ def _bindable(port: int) -> bool:
             return False
 
 
-def _wait(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while not (value := pred()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
-    return value
-
-
 class Serve:
     """`disagg serve --local` as a user runs it, its stdout read line by line as it comes."""
 
@@ -127,7 +120,7 @@ class Serve:
         rc = self.proc.wait(timeout=90)
         assert rc == 0, "".join(self.out)
         # serve waited for its children; theirs (vLLM's engine processes) may take a moment longer
-        _wait(lambda: not any(_alive(p) for p in children), 30, "every process serve --local started to exit")
+        wait_for(lambda: not any(_alive(p) for p in children), 30, "every process serve --local started to exit")
         assert all(_bindable(p) for p in ports), [p for p in ports if not _bindable(p)]
 
     def kill(self):
@@ -157,7 +150,7 @@ def test_sighup_while_starting_stops_the_children(worker_python, tiny_model, tmp
     try:
         serve.until("starting prefill, decode and router", timeout=60)
         # both workers' supervisors have started vLLM (a process below each)
-        _wait(lambda: len(_descendants(serve.proc.pid)) >= 4, 60, "both workers' vLLM processes")
+        wait_for(lambda: len(_descendants(serve.proc.pid)) >= 4, 60, "both workers' vLLM processes")
         serve.stop_and_check(signal.SIGHUP)
     finally:
         serve.kill()
