@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # Reinstall the light environment whenever pyproject.toml changes.
 STAMP := $(VENV)/.installed-$(shell sha256sum pyproject.toml | cut -c1-16)
 
-.PHONY: test demo venv cluster-build node-build node-packages buildkit prometheus-build cluster-up cluster-down crds prometheus browser worker-env e2e e2e-kind
+.PHONY: test demo venv bench-deps cluster-build node-build node-packages buildkit prometheus-build cluster-up cluster-down crds prometheus browser worker-env e2e e2e-kind
 
 test: venv cluster-build node-build buildkit prometheus prometheus-build browser worker-env
 	$(BIN)/python -m pytest
@@ -21,6 +21,10 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[test]'
 	touch $@
+
+# The bench-only extra (vllm-router, py-spy) into the same venv, for bench/router_vs_vllm_router.py.
+bench-deps: venv
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[test,bench]'
 
 # Kubernetes, etcd, kwok, kubectl and helm, built from their Go modules into a
 # cache outside the repository (reused when present).

@@ -1,0 +1,219 @@
+"""This router side by side with vLLM's own router (`vllm-router`, Rust) and with going direct.
+
+Two paced OpenAI-shaped upstreams (tests/sse_upstream.py: N tokens, one every --itl-ms), one client
+process, streaming completions. At each concurrency level the three targets run one after another
+(direct, this router, vllm-router), so drift hits all alike:
+
+- direct: the client alternates between the two upstreams itself;
+- this router: round-robin, disaggregation never, both upstreams as decode workers;
+- vllm-router: `--worker-urls` both upstreams, `--policy round_robin`.
+
+Reported per level and target: TTFT p50/p99, tokens/s (all streams' tokens over the level's wall
+time), errors (HTTP errors, exceptions, streams without every token and [DONE]), and the router's
+CPU seconds per 1,000 requests (its process's user+system time, all threads). Ratios against
+vllm-router in the same run: added TTFT p50 (over direct) and tokens/s.
+Everything shares this machine's cores: a router that burns more CPU slows the upstreams and the
+client too, which is how it would crowd a node.
+
+Needs the bench extra (`make bench-deps`).
+
+    .venv/bin/python bench/router_vs_vllm_router.py [--levels 1,64,256,1000,2000] [--tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+from disagg.workers.envpath import worker_python
+from disagg.workers.local import LocalProcess, free_port, router, stop_all
+from disagg.workers.tinymodel import ensure
+
+PACED = Path(__file__).resolve().parent.parent / "tests" / "sse_upstream.py"
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system time of a process, all its threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+@dataclass
+class Result:
+    ttft: list[float] = field(default_factory=list)
+    tokens: int = 0
+    requests: int = 0
+    errors: int = 0
+    first_error: str = ""
+    wall: float = 0.0
+    cpu: float | None = None
+
+    def p(self, q: float) -> float:
+        if not self.ttft:
+            return float("nan")
+        s = sorted(self.ttft)
+        return s[min(len(s) - 1, math.ceil(q * len(s)) - 1)]
+
+
+async def one(session: aiohttp.ClientSession, url: str, i: int, tokens: int, res: Result) -> None:
+    body = {"model": "tiny", "prompt": f"stream {i}: the parser returns the value of", "max_tokens": tokens,
+            "stream": True}
+    start = time.perf_counter()
+    first, n, done = None, 0, False
+    try:
+        async with session.post(f"{url}/v1/completions", json=body) as r:
+            if r.status != 200:
+                raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:200]}")
+            async for line in r.content:
+                if line.startswith(b"data: {"):
+                    if b'"error"' in line:
+                        raise RuntimeError(line[:200].decode())
+                    if b'"choices": []' in line or b'"choices":[]' in line:
+                        continue
+                    first = first or time.perf_counter()
+                    n += 1
+                elif line.startswith(b"data: [DONE]"):
+                    done = True
+        if n != tokens or not done:
+            raise RuntimeError(f"{n} of {tokens} tokens, [DONE] {'seen' if done else 'missing'}")
+        res.ttft.append(first - start)
+    except Exception as e:  # noqa: BLE001 - every failure is an error of the run, counted
+        res.errors += 1
+        res.first_error = res.first_error or f"{type(e).__name__}: {e}"
+    res.tokens += n
+    res.requests += 1
+
+
+async def level(urls: list[str], streams: int, rounds: int, tokens: int, pid: int | None) -> Result:
+    """``streams`` concurrent clients, each running ``rounds`` requests back to back."""
+    res = Result()
+    conn = aiohttp.TCPConnector(limit=0, force_close=False)
+    timeout = aiohttp.ClientTimeout(total=300)
+    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
+        async def client(c: int) -> None:
+            for r in range(rounds):
+                i = c * rounds + r
+                await one(session, urls[i % len(urls)], i, tokens, res)
+
+        cpu0 = cpu_seconds(pid) if pid else None
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client(c) for c in range(streams)))
+        res.wall = time.perf_counter() - t0
+        if pid:
+            res.cpu = cpu_seconds(pid) - cpu0
+    return res
+
+
+def vllm_router(urls: list[str], port: int, logs: Path) -> LocalProcess:
+    exe = shutil.which("vllm-router", path=str(Path(sys.executable).parent)) or shutil.which("vllm-router")
+    if exe is None:
+        sys.exit("vllm-router is not installed: make bench-deps")
+    # its own admission limit far above the levels (default 32768), so both routers take every stream
+    return LocalProcess("vllm-router", [exe, "--worker-urls", *urls, "--policy", "round_robin",
+                                        "--host", "127.0.0.1", "--port", str(port),
+                                        "--prometheus-port", str(free_port()), "--log-level", "warning"],
+                        {}, f"http://127.0.0.1:{port}", logs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--levels", default="1,64,256,1000,2000")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--itl-ms", type=float, default=10.0)
+    ap.add_argument("--requests", type=int, default=30,
+                    help="at least this many requests per target and level (more when the level is wider)")
+    ap.add_argument("--targets", default="direct,router,vllm-router")
+    ap.add_argument("--json", help="also write the results here")
+    args = ap.parse_args()
+    levels = [int(x) for x in args.levels.split(",")]
+    targets = args.targets.split(",")
+    logs = Path(tempfile.mkdtemp(prefix="bench-vs-vllm-router-"))
+    model = str(ensure(worker_python()))
+    ups = []
+    for k in range(2):
+        port = free_port()
+        ups.append(LocalProcess(f"paced{k}", [sys.executable, str(PACED), str(port), str(args.tokens),
+                                               str(args.itl_ms / 1000)], {}, f"http://127.0.0.1:{port}", logs))
+    port = free_port()
+    (logs / "router.json").write_text(json.dumps({
+        "model": "tiny", "tokenizer": model, "block_size": 32, "max_model_len": 4096, "port": port,
+        "host": "127.0.0.1", "spec": {"disaggregation": "never", "policy": "round-robin"},
+        "decode": [{"url": u.url} for u in ups]}))
+    procs = {"router": router(logs / "router.json", port, logs),
+             "vllm-router": vllm_router([u.url for u in ups], free_port(), logs)}
+    everything = ups + [procs[t] for t in targets if t in procs]
+    for p in everything:
+        p.start()
+    try:
+        for p in everything:
+            p.wait_ready(timeout=120)
+        urls = {"direct": [u.url for u in ups], **{t: [p.url] for t, p in procs.items()}}
+        pids = {"direct": None, **{t: p.proc.pid for t, p in procs.items()}}
+        for t in targets:   # warm every path (connections, the tokenizer, vllm-router's pools)
+            asyncio.run(level(urls[t], 8, 1, args.tokens, None))
+        table: dict[int, dict[str, Result]] = {}
+        for n in levels:
+            rounds = max(1, math.ceil(args.requests / n)) if n < 256 else 2
+            table[n] = {}
+            for t in targets:
+                table[n][t] = r = asyncio.run(level(urls[t], n, rounds, args.tokens, pids[t]))
+                print(f"{n:>5} streams {t:>12}: TTFT p50 {r.p(.5) * 1e3:7.1f} ms p99 {r.p(.99) * 1e3:7.1f} ms, "
+                      f"{r.tokens / r.wall:8.0f} tok/s, {r.errors} errors"
+                      + (f" ({r.first_error})" if r.errors else "")
+                      + (f", CPU {r.cpu / r.requests * 1000:.1f} s/1k req" if r.cpu is not None else ""),
+                      file=sys.stderr, flush=True)
+        print_table(table, targets, args)
+        if args.json:
+            Path(args.json).write_text(json.dumps({n: {t: {
+                "ttft_p50": r.p(.5), "ttft_p99": r.p(.99), "tokens_per_s": r.tokens / r.wall,
+                "errors": r.errors, "requests": r.requests,
+                "cpu_s_per_1k": r.cpu / r.requests * 1000 if r.cpu is not None else None}
+                for t, r in row.items()} for n, row in table.items()}, indent=1))
+    finally:
+        stop_all(everything)
+
+
+def print_table(table: dict[int, dict[str, Result]], targets: list[str], args) -> None:
+    print(f"\n{args.tokens} tokens a stream, one every {args.itl_ms:g} ms, two paced upstreams, one client "
+          f"process; {os.cpu_count()} cores shared by all.\n")
+    cols = ["streams"]
+    for t in targets:
+        cols += [f"{t} TTFT p50/p99 ms", f"{t} tok/s", f"{t} err"]
+        if t != "direct":
+            cols.append(f"{t} CPU s/1k req")
+    has = {"direct", "router", "vllm-router"} <= set(targets)
+    if has:
+        cols += ["added TTFT p50, router ÷ vllm-router", "tok/s, router ÷ vllm-router"]
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for n, row in table.items():
+        cells = [f"{n:,}"]
+        for t in targets:
+            r = row[t]
+            cells += [f"{r.p(.5) * 1e3:.1f} / {r.p(.99) * 1e3:.1f}", f"{r.tokens / r.wall:,.0f}", str(r.errors)]
+            if t != "direct":
+                cells.append(f"{r.cpu / r.requests * 1000:.1f}")
+        if has:
+            d, ours, theirs = row["direct"], row["router"], row["vllm-router"]
+            added_ours, added_theirs = ours.p(.5) - d.p(.5), theirs.p(.5) - d.p(.5)
+            cells.append(f"{added_ours * 1e3:.1f} ÷ {added_theirs * 1e3:.1f} ms"
+                         + (f" = {added_ours / added_theirs:.2f}" if added_theirs > 0 else ""))
+            cells.append(f"{(ours.tokens / ours.wall) / (theirs.tokens / theirs.wall):.2f}")
+        print("| " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
