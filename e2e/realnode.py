@@ -130,19 +130,41 @@ def ready_pods(api: client.ApiClient, namespace: str, selector: str) -> list[cli
             and all(c.ready for c in p.status.container_statuses or [])]
 
 
-def wait_serving(url: str, timeout: float = 600) -> float:
-    """Until /v1/models answers through the router; returns the seconds waited."""
+def metric(url: str, name: str, **labels: str) -> float:
+    """Sum of the samples named `name` on `url`'s /metrics whose labels include `labels`."""
     import urllib.request
 
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == name and labels.items() <= s.labels.items())
+
+
+def wait_serving(url: str, prefill: int = 1, decode: int = 1, timeout: float = 600) -> float:
+    """Until the router behind `url` (…/v1) answers /v1/models and counts `prefill` and `decode` workers
+    healthy; returns the seconds waited. Pods Ready is not enough: the router learns its workers from
+    the EndpointSlices and then probes them, and until it has a healthy prefill worker it prefills on
+    the decode worker (the local_prefill path)."""
+    import urllib.request
+
+    from disagg.api import metrics as m
+
+    base = url.removesuffix("/v1")
     start = time.monotonic()
 
-    def answers() -> bool:
+    def ready() -> bool:
         try:
             with urllib.request.urlopen(f"{url}/models", timeout=5) as r:
-                return r.status == 200
+                if r.status != 200:
+                    return False
+            return all(metric(base, m.ROUTER_WORKERS, role=role, state="healthy") >= want
+                       for role, want in (("prefill", prefill), ("decode", decode)))
         except OSError:
             return False
-    wait_for(answers, timeout, f"{url}/models to answer", interval=1)
+    wait_for(ready, timeout, f"the router at {url} serving with {prefill} prefill and {decode} decode workers",
+             interval=1)
     return time.monotonic() - start
 
 
@@ -161,4 +183,4 @@ def chat(url: str, question: str) -> str:
 
 
 __all__ = ["chat", "CHART", "helm", "MODEL_CLAIM", "SERVED_MODEL", "chart_values", "deployment", "install_model",
-           "placement", "ready_pods", "remove_model", "router_url", "wait_serving"]
+           "metric", "placement", "ready_pods", "remove_model", "router_url", "wait_serving"]

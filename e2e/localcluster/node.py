@@ -416,6 +416,12 @@ disabled_plugins = ['io.containerd.internal.v1.opt', 'io.containerd.nri.v1.nri']
         return _run(str(self.bins / "ctr"), f"--address={self.containerd_socket}",
                     f"--namespace={self.containerd_namespace}", *args, check=check)
 
+    def crash_container(self, container_id: str) -> None:
+        """SIGKILL every process of a container (``containerd://<id>`` as pod status gives it), as an
+        out-of-memory kill or a crash would: no SIGTERM, so no drain. Deleting the pod instead sends
+        SIGTERM first, and a worker then finishes its requests, which is not the failure under test."""
+        self.ctr("tasks", "kill", "--all", "--signal=SIGKILL", container_id.removeprefix("containerd://"))
+
     def import_image(self, image: ociimage.Image) -> None:
         """Pack ``image`` and load it into the node's image store (unpacked, ready for the CRI)."""
         archive = ociimage.pack(image, self.dir / "images" / (image.name.replace("/", "_") + ".tar"))
