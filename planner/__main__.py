@@ -8,6 +8,8 @@ import signal
 import sys
 import threading
 
+from .metrics_source import DEFAULT_SCRAPE_INTERVAL, parse_duration
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m disagg.planner", description="The disagg SLO planner.")
@@ -15,6 +17,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--namespace", help="watch one namespace (default: all)")
     p.add_argument("--prometheus-url", default=None, help="Prometheus for deployments that name none")
     p.add_argument("--metrics-port", type=int, default=9091, help="port of the planner's own /metrics (0: off)")
+    p.add_argument("--scrape-interval", type=parse_duration, default=DEFAULT_SCRAPE_INTERVAL, metavar="DURATION",
+                   help="how often Prometheus scrapes the routers and workers (15s, 1m, or seconds): the planner's "
+                        "rate() windows span at least four of them (default: %(default)gs)")
     p.add_argument("--tick", type=float, default=5.0, help="seconds between passes over the deployments")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
@@ -45,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
             sources[url] = PrometheusSource(url)
         return sources[url]
 
-    loop = PlannerLoop(api_client, Executor(api_client, metrics), source_for, args.prometheus_url, args.namespace)
+    loop = PlannerLoop(api_client, Executor(api_client, metrics), source_for, args.prometheus_url, args.namespace,
+                       scrape_interval=args.scrape_interval)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())

@@ -22,11 +22,11 @@ from disagg.api.names import GROUP, ROLE_DECODE, ROLE_PREFILL
 from disagg.api.v1alpha1 import API_VERSION, KIND, PLURAL, VERSION, ConditionType
 
 from .decide import Decision, Target
+from .reasons import METRICS_OK
 from .slo import Verdict
 
 FIELD_MANAGER = "disagg-planner"
 APPLY = "application/apply-patch+yaml"
-METRICS_OK = "MetricsAvailable"
 
 log = logging.getLogger("disagg.planner")
 

@@ -29,6 +29,8 @@ from typing import Any
 
 from .perfmodel import OnlineCorrection, PerfModel
 from .predictors import get as get_predictor
+from .reasons import (BUDGET_LIMITED, COOLDOWN, METRICS_UNAVAILABLE, NOT_READY, PROMETHEUS_UNREACHABLE,
+                      ROLLING_OUT, SCALED, STEADY)
 
 HISTORY = 288               # intervals kept for the predictors
 MAX_UTILIZATION = 0.85      # no queue (prefill) or KV cache (decode) is planned fuller than this
@@ -39,15 +41,6 @@ SATURATION = 2.0            # observed latency at this multiple of target counts
 MAX_REPLICAS = 1024
 UNATTAINABLE_SLACK = 1.25   # when a prompt alone misses the TTFT target, allow this much queueing on top
 
-# Reasons (CamelCase, in status.planner.reason and the event)
-SCALED = "Scaled"
-STEADY = "Steady"
-COOLDOWN = "ScaleDownCooldown"
-NOT_READY = "DeploymentNotReady"
-ROLLING_OUT = "RolloutInProgress"
-METRICS_UNAVAILABLE = "MetricsUnavailable"
-PROMETHEUS_UNREACHABLE = "PrometheusUnreachable"
-BUDGET_LIMITED = "GPUBudgetLimited"
 
 
 @dataclass(frozen=True)
@@ -55,8 +48,8 @@ class Observation:
     """One snapshot of the deployment's traffic and latency over the last interval.
 
     Latencies are in seconds at the SLO percentile; token counts per request.
-    ``error`` says the source could not be read at all; ``missing`` names required
-    series that were absent or NaN.
+    ``error`` says the source could not be read at all and ``error_reason`` why (Prometheus unreachable, or
+    it refused a query); ``missing`` names required series that were absent or NaN.
     """
 
     time: float
@@ -75,10 +68,11 @@ class Observation:
     decode_kv_usage: float | None = None    # 0..1, mean over decode replicas
     missing: tuple[str, ...] = ()
     error: str | None = None
+    error_reason: str = PROMETHEUS_UNREACHABLE
 
     @classmethod
-    def unavailable(cls, time: float, error: str) -> Observation:
-        return cls(time=time, error=error)
+    def unavailable(cls, time: float, error: str, reason: str = PROMETHEUS_UNREACHABLE) -> Observation:
+        return cls(time=time, error=error, error_reason=reason)
 
     def inputs(self) -> dict[str, float]:
         out = {}
@@ -361,7 +355,7 @@ def decide(obs: Observation, target: Target, memory: Memory, model: PerfModel | 
            season_intervals: int = 0) -> tuple[Decision, Memory]:
     """Plan the next interval. Pure: same inputs, same decision."""
     if obs.error:
-        return _hold(target, memory, PROMETHEUS_UNREACHABLE,
+        return _hold(target, memory, obs.error_reason,
                      f"holding at prefill={target.prefill} decode={target.decode}: {obs.error}", obs)
     if obs.missing or obs.request_rate is None or not math.isfinite(obs.request_rate):
         missing = ", ".join(obs.missing) or "request rate"

@@ -21,7 +21,7 @@ from disagg.api.v1alpha1 import PLURAL, VERSION, ConditionType, DisaggDeployment
 from . import perfmodel, slo
 from .apply import Executor
 from .decide import Decision, Memory, Observation, RoleModels, Target, decide
-from .metrics_source import MetricsSource
+from .metrics_source import DEFAULT_SCRAPE_INTERVAL, MetricsSource, query_window
 
 log = logging.getLogger("disagg.planner")
 
@@ -80,7 +80,7 @@ class _State:
 class PlannerLoop:
     def __init__(self, api_client: Any, executor: Executor, source_for: Callable[[str], MetricsSource],
                  default_prometheus_url: str | None = None, namespace: str | None = None,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, scrape_interval: float = DEFAULT_SCRAPE_INTERVAL):
         from kubernetes import client
 
         self.custom = client.CustomObjectsApi(api_client)
@@ -90,6 +90,7 @@ class PlannerLoop:
         self.default_url = default_prometheus_url
         self.namespace = namespace
         self.clock = clock
+        self.scrape_interval = scrape_interval  # of the series it reads: its windows span at least four
         self.state: dict[str, _State] = {}
 
     def _list(self) -> list[dict[str, Any]]:
@@ -137,7 +138,7 @@ class PlannerLoop:
 
     def _observe(self, meta: dict[str, Any], spec: DisaggDeploymentSpec, now: float) -> tuple[Observation, float]:
         """The last interval's observation from the deployment's Prometheus, and that window in seconds."""
-        window = max(spec.planner.interval_seconds, 10)
+        window = query_window(spec.planner.interval_seconds, self.scrape_interval)
         url = spec.planner.prometheus_url or self.default_url
         if not url:
             return Observation.unavailable(now, "no Prometheus URL: set spec.planner.prometheusUrl or the planner's "

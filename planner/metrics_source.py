@@ -5,14 +5,23 @@ labels; the workers' vLLM metrics carry them too plus ``role`` (the chart's pod
 monitor copies them from the pods' labels). One :class:`PrometheusSource` per
 Prometheus, created once and reused.
 
-Unreachable Prometheus -> ``Observation.unavailable`` (the planner holds and says
-why); a required series absent or NaN -> ``Observation.missing`` names it. With no
-traffic the latency quantiles are NaN by nature: not missing, the deployment is idle.
+Unreachable Prometheus -> ``Observation.unavailable`` with reason ``PrometheusUnreachable``; Prometheus
+answering a query with an error (malformed PromQL, a failed evaluation, its own timeout) -> reason
+``QueryError`` with Prometheus' own message: the first is an outage, the second a bug or an overload that
+no waiting will fix. Either way the planner holds and says why. A required series absent or NaN ->
+``Observation.missing`` names it. With no traffic the latency quantiles are NaN by nature: not missing,
+the deployment is idle.
+
+Windows: ``rate()`` needs two samples inside its window, so a window shorter than two scrape intervals is
+empty now and then, and one of under four goes empty whenever a scrape is late or missed. The planner's
+window is its interval, but never under :data:`SCRAPES_PER_WINDOW` scrape intervals (:func:`query_window`);
+the scrape interval is the planner's ``--scrape-interval`` (the chart passes its pod monitors' interval).
 """
 
 from __future__ import annotations
 
 import math
+import re
 import time
 from dataclasses import dataclass
 from typing import Protocol
@@ -20,6 +29,43 @@ from typing import Protocol
 from disagg.api import metrics as m
 
 from .decide import Observation
+from .reasons import PROMETHEUS_UNREACHABLE, QUERY_ERROR
+
+SCRAPES_PER_WINDOW = 4
+DEFAULT_SCRAPE_INTERVAL = 15.0  # seconds: the chart's pod monitors' default
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d|w|y)")
+_UNIT_SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, "y": 31536000}
+
+
+def parse_duration(text: str | float) -> float:
+    """Seconds in a Prometheus duration (``15s``, ``1m30s``, ``500ms``) or a plain number of seconds."""
+    if isinstance(text, (int, float)):
+        seconds = float(text)
+    else:
+        text = text.strip()
+        try:
+            seconds = float(text)
+        except ValueError:
+            parts = _DURATION.findall(text)
+            if not parts or "".join(n + u for n, u in parts) != text:
+                raise ValueError(f"not a Prometheus duration: {text!r} (e.g. 15s, 1m, 1m30s)") from None
+            seconds = sum(float(n) * _UNIT_SECONDS[u] for n, u in parts)
+    if not seconds > 0:
+        raise ValueError(f"a scrape interval must be positive, not {text!r}")
+    return seconds
+
+
+def query_window(interval_seconds: float, scrape_interval_seconds: float) -> float:
+    """The range of the planner's ``rate()`` queries: its interval, at least four scrape intervals."""
+    return max(float(interval_seconds), SCRAPES_PER_WINDOW * scrape_interval_seconds)
+
+
+class QueryRefused(Exception):
+    """Prometheus answered, with an error (its API's ``{"status": "error"}``)."""
+
+    def __init__(self, error_type: str, message: str):
+        super().__init__(f"{error_type}: {message}")
+        self.error_type, self.message = error_type, message
 
 
 class MetricsSource(Protocol):
@@ -77,21 +123,43 @@ def queries(namespace: str, name: str, percentile: float, window_seconds: float,
 REQUIRED_WITH_TRAFFIC = ("ttft", "itl", "input_tokens_mean", "output_tokens_mean")
 
 
+def _client(url: str, timeout: float):
+    from prometheus_api_client import PrometheusApiClientException, PrometheusConnect
+    from urllib3.util.retry import Retry
+
+    class Client(PrometheusConnect):
+        """prometheus-api-client whose instant query keeps Prometheus' error answer (its ``custom_query``
+        folds every non-200 answer into one exception carrying the raw body)."""
+
+        def instant(self, promql: str) -> list[dict]:
+            response = self._session.request(method="GET", url=f"{self.url}/api/v1/query", params={"query": promql},
+                                             verify=self._session.verify, headers=self.headers, auth=self.auth,
+                                             cert=self._session.cert, timeout=self._timeout)
+            if response.status_code == 200:
+                return response.json()["data"]["result"]
+            try:
+                body = response.json()
+            except ValueError:  # not Prometheus' API answering (a proxy's error page): as good as unreachable
+                body = {}
+            if isinstance(body, dict) and body.get("status") == "error":
+                raise QueryRefused(str(body.get("errorType", response.status_code)), str(body.get("error", "")))
+            raise PrometheusApiClientException(f"HTTP Status Code {response.status_code} ({response.content[:200]!r})")
+
+    # no retries inside one observation: the planner's next interval is the retry
+    return Client(url=url, disable_ssl=True, timeout=timeout, retry=Retry(total=0))
+
+
 class PrometheusSource:
     def __init__(self, url: str, timeout: float = 5.0, labels: Labels = Labels()):
-        from prometheus_api_client import PrometheusConnect
-        from urllib3.util.retry import Retry
-
         self.url = url
         self.labels = labels
-        # no retries inside one observation: the planner's next interval is the retry
-        self._client = PrometheusConnect(url=url, disable_ssl=True, timeout=timeout, retry=Retry(total=0))
+        self._client = _client(url, timeout)
 
     def close(self) -> None:
         self._client.close()
 
     def _scalar(self, promql: str) -> float | None:
-        result = self._client.custom_query(promql)
+        result = self._client.instant(promql)
         if not result:
             return None
         value = float(result[0]["value"][1])
@@ -102,10 +170,15 @@ class PrometheusSource:
         values: dict[str, float | None] = {}
         try:
             for key, promql in queries(namespace, name, percentile, window_seconds, self.labels).items():
-                values[key] = self._scalar(promql)
-        except Exception as e:  # connection refused, timeout, HTTP error: hold and say so
+                try:
+                    values[key] = self._scalar(promql)
+                except QueryRefused as e:
+                    return Observation.unavailable(
+                        now, f"Prometheus at {self.url} refused the {key} query ({e.error_type}): "
+                             f"{e.message[:500]}; query: {promql[:300]}", QUERY_ERROR)
+        except Exception as e:  # connection refused, timeout, an answer that is not Prometheus': hold and say so
             return Observation.unavailable(now, f"Prometheus at {self.url} unreachable: {type(e).__name__}: "
-                                                f"{str(e)[:200]}")
+                                                f"{str(e)[:200]}", PROMETHEUS_UNREACHABLE)
         rate = values["request_rate"]
         if rate is None:
             return Observation(time=now, missing=(m.ROUTER_REQUESTS,))

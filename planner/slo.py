@@ -5,7 +5,8 @@ Prometheus) and ``spec.slo``. The planner writes the result for every deployment
 or without ``spec.planner.enabled``: the TTFT-ms and ITL-ms columns of ``kubectl get dd`` show it.
 
 SLOMet is True or False only on numbers; Unknown, with a reason saying why, when there are none to judge
-(Prometheus unreachable, the router's series absent, no traffic in the window).
+(``PrometheusUnreachable`` or ``QueryError``, as the planner's decision says; the router's series absent;
+no traffic in the window).
 """
 
 from __future__ import annotations
@@ -16,14 +17,8 @@ from disagg.api import metrics as m
 from disagg.api.v1alpha1 import SLOSpec
 
 from .decide import Observation
+from .reasons import BOTH_ABOVE, ITL_ABOVE, NO_METRICS, NO_TRAFFIC, TARGETS_MET, TTFT_ABOVE
 
-MET = "TargetsMet"
-TTFT_ABOVE = "TTFTAboveTarget"
-ITL_ABOVE = "ITLAboveTarget"
-BOTH_ABOVE = "TTFTAndITLAboveTarget"
-UNREACHABLE = "MetricsUnavailable"
-NO_METRICS = "NoMetrics"
-NO_TRAFFIC = "NoTraffic"
 
 
 @dataclass(frozen=True)
@@ -46,7 +41,7 @@ def judge(obs: Observation, slo: SLOSpec, window_seconds: float) -> Verdict:
     label = f"p{p:g}"
     latency: dict = {"percentile": p}
     if obs.error:
-        return Verdict("Unknown", UNREACHABLE, obs.error, latency)
+        return Verdict("Unknown", obs.error_reason, obs.error, latency)
     if obs.request_rate is None:
         return Verdict("Unknown", NO_METRICS, f"no {m.ROUTER_REQUESTS} series for this deployment in Prometheus: "
                                               "is the router scraped?", latency)
@@ -67,6 +62,6 @@ def judge(obs: Observation, slo: SLOSpec, window_seconds: float) -> Verdict:
                f"{label} ITL {itl_ms:g} ms {'<=' if itl_ok else '>'} target {slo.itl_ms:g} ms "
                f"(last {window_seconds:g} s, {obs.request_rate:.3g} requests/s)")
     if ttft_ok and itl_ok:
-        return Verdict("True", MET, message, latency)
+        return Verdict("True", TARGETS_MET, message, latency)
     reason = BOTH_ABOVE if not (ttft_ok or itl_ok) else TTFT_ABOVE if not ttft_ok else ITL_ABOVE
     return Verdict("False", reason, message, latency)

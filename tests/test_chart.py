@@ -160,6 +160,14 @@ def test_operator_pod_runs_the_images_entrypoints_with_values(helm):
     assert op["args"][0] == "disagg.operator" and "--namespace=team-a" in op["args"]
     assert planner["args"][0] == "disagg.planner"
     assert "--prometheus-url=http://prom.monitoring:9090" in planner["args"] and "--namespace=team-a" in planner["args"]
+    # the planner's windows follow the scrape interval of the series it reads: the pod monitors', or its own value
+    assert "--scrape-interval=15s" in planner["args"]
+    planner = one(render(helm, "--set", "monitoring.podMonitors.interval=30s"), "Deployment")["spec"]["template"][
+        "spec"]["containers"][1]
+    assert "--scrape-interval=30s" in planner["args"]
+    planner = one(render(helm, "--set", "planner.scrapeInterval=1m"), "Deployment")["spec"]["template"]["spec"][
+        "containers"][1]
+    assert "--scrape-interval=1m" in planner["args"]
     assert {"name": "DISAGG_OPERATOR_METRICS_PORT", "value": "8000"} in op["env"]
     assert pod["serviceAccountName"] == one(objs, "ServiceAccount")["metadata"]["name"]
     digest = "sha256:" + "a" * 64

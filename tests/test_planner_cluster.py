@@ -18,8 +18,8 @@ from disagg.e2e.testing import wait_for
 from disagg.planner import decide as dc
 from disagg.planner.apply import FIELD_MANAGER, Executor, PlannerMetrics, replicas_owner
 from disagg.planner.loop import PlannerLoop, resolve_gpu, resolve_model_name
-from disagg.planner import slo
-from disagg.planner.metrics_source import PrometheusSource
+from disagg.planner import reasons, slo
+from disagg.planner.metrics_source import PrometheusSource, parse_duration
 
 pytestmark = pytest.mark.cluster
 NAME = "llama"
@@ -77,7 +77,8 @@ def test_decision_lands_and_a_users_apply_without_replicas_keeps_it(cluster, api
     wait_for(lambda: (lambda o: o.ttft and o.ttft > 2 and o.itl and o.itl > 0.1 and o.request_rate > 12)(
         source.observe(namespace, NAME, 90, 10)), 60, "breaching traffic in Prometheus", interval=0.5)
     metrics = PlannerMetrics()
-    loop = PlannerLoop(api_client, Executor(api_client, metrics), lambda url: source, namespace=namespace)
+    loop = PlannerLoop(api_client, Executor(api_client, metrics), lambda url: source, namespace=namespace,
+                       scrape_interval=parse_duration(prom.scrape_interval))
     [(ns, name, decision)] = loop.step(now=1000.0)
     assert (ns, name) == (namespace, NAME)
     assert decision.metrics_ok and decision.prefill.replicas > 1 and decision.decode.replicas > 1
@@ -94,7 +95,7 @@ def test_decision_lands_and_a_users_apply_without_replicas_keeps_it(cluster, api
     assert cond["status"] == "True" and cond["reason"] == "MetricsAvailable"
     # the same observation, against spec.slo: both targets missed, with the numbers
     met = next(c for c in obj["status"]["conditions"] if c["type"] == "SLOMet")
-    assert met["status"] == "False" and met["reason"] == slo.BOTH_ABOVE and "target 1000 ms" in met["message"]
+    assert met["status"] == "False" and met["reason"] == reasons.BOTH_ABOVE and "target 1000 ms" in met["message"]
     assert obj["status"]["latency"]["ttftMs"] > 2000 and obj["status"]["latency"]["percentile"] == 90
     events = client.CoreV1Api(api_client).list_namespaced_event(
         namespace, field_selector=f"involvedObject.name={NAME}").items
@@ -133,7 +134,7 @@ def test_decision_lands_and_a_users_apply_without_replicas_keeps_it(cluster, api
     cond = next(c for c in obj["status"]["conditions"] if c["type"] == "PlannerActive")
     assert cond["status"] == "False" and cond["reason"] == dc.PROMETHEUS_UNREACHABLE and prom.url in cond["message"]
     met = next(c for c in obj["status"]["conditions"] if c["type"] == "SLOMet")
-    assert met["status"] == "Unknown" and met["reason"] == slo.UNREACHABLE and prom.url in met["message"]
+    assert met["status"] == "Unknown" and met["reason"] == reasons.PROMETHEUS_UNREACHABLE and prom.url in met["message"]
     assert "ttftMs" not in obj["status"]["latency"]      # no stale figure once nothing is measured
     assert metrics.registry.get_sample_value(m.PLANNER_METRICS_AVAILABLE,
                                              {"namespace": namespace, "deployment": NAME}) == 0
@@ -184,12 +185,13 @@ def test_latency_and_slo_met_without_the_planner_fill_kubectls_columns(cluster, 
     source = PrometheusSource(prom.url, timeout=3)
     wait_for(lambda: (lambda o: o.request_rate and o.ttft and o.ttft < 0.5 and o.itl and o.itl < 0.03)(
         source.observe(namespace, NAME, 90, 10)), 60, "steady traffic in Prometheus", interval=0.5)
-    loop = PlannerLoop(api_client, Executor(api_client), lambda url: source, namespace=namespace)
+    loop = PlannerLoop(api_client, Executor(api_client), lambda url: source, namespace=namespace,
+                       scrape_interval=parse_duration(prom.scrape_interval))
     [(_, _, verdict)] = loop.step(now=1000.0)
     assert isinstance(verdict, slo.Verdict) and verdict.status == "True"
     obj = _get(api_client, namespace)
     met = next(c for c in obj["status"]["conditions"] if c["type"] == "SLOMet")
-    assert met["status"] == "True" and met["reason"] == slo.MET and "p90 TTFT" in met["message"]
+    assert met["status"] == "True" and met["reason"] == reasons.TARGETS_MET and "p90 TTFT" in met["message"]
     assert 200 < obj["status"]["latency"]["ttftMs"] <= 400 and 10 < obj["status"]["latency"]["itlMs"] <= 30
     assert _replicas(obj) == (1, 1) and not (obj["status"].get("planner") or {}).get("lastDecisionTime")
     row = cluster.kubectl("get", "dd", NAME, "-n", namespace, "--no-headers").stdout.split()

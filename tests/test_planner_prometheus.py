@@ -11,14 +11,16 @@ from dataclasses import replace
 import pytest
 
 from disagg.api import metrics as m
+from disagg.api.v1alpha1 import SLOSpec
 from disagg.e2e.prometheus import LocalPrometheus, MetricsExporter
 from disagg.e2e.testing import wait_for
 from disagg.planner import decide as dc
-from disagg.planner.metrics_source import PrometheusSource
+from disagg.planner import reasons, slo
+from disagg.planner.metrics_source import Labels, PrometheusSource, parse_duration, query_window
 from disagg.planner.perfmodel import PerfModel
 
 NS, NAME = "team-a", "llama"
-WINDOW = 4.0  # seconds of rate() window: a few 1 s scrapes
+WINDOW = 4.0  # seconds of rate() window: four 1 s scrapes
 MODEL = PerfModel.analytic("meta-llama/Llama-3.1-8B-Instruct", "H100-SXM")
 
 
@@ -138,3 +140,34 @@ def test_hold_when_prometheus_is_stopped(exporter, source, prometheus):
     o = wait_for(lambda: (lambda o: o if o.error is None and o.request_rate else None)(observe(source)), 60,
                  "Prometheus back")
     assert o.request_rate > 0
+
+
+def test_a_refused_query_is_a_query_error_with_prometheus_message(exporter, source, prometheus):
+    # a label name PromQL cannot parse unquoted: Prometheus answers, with an error, on every query
+    broken = PrometheusSource(prometheus.url, timeout=3, labels=Labels(namespace="1namespace"))
+    try:
+        o = broken.observe(NS, NAME, 90, WINDOW)
+    finally:
+        broken.close()
+    assert o.error_reason == reasons.QUERY_ERROR and prometheus.url in o.error
+    assert "parse error" in o.error and "1namespace" in o.error  # Prometheus' own words, and the query
+    d, mem = dc.decide(o, target(prefill=3, decode=2), dc.Memory(), MODEL, now=0)
+    assert d.reason == reasons.QUERY_ERROR and not d.metrics_ok and (d.prefill.replicas, d.decode.replicas) == (3, 2)
+    assert "parse error" in d.message and mem == dc.Memory()
+    v = slo.judge(o, SLOSpec(ttftMs=1000, itlMs=50, percentile=90), WINDOW)
+    assert (v.status, v.reason) == ("Unknown", reasons.QUERY_ERROR)
+    # the same source with sound queries reads Prometheus as before: it was the query, not Prometheus
+    assert observe(source).error is None
+
+
+def test_windows_span_four_scrapes(exporter, source, prometheus):
+    assert query_window(5, 15) == 60 and query_window(120, 15) == 120 and query_window(5, 1) == 5
+    assert parse_duration("15s") == 15 and parse_duration("1m30s") == 90 and parse_duration("0.5") == 0.5
+    for bad in ("abc", "1x", "0s", "-5"):
+        with pytest.raises(ValueError):
+            parse_duration(bad)
+    # an interval shorter than a scrape (this Prometheus scrapes every second) still reads a rate
+    settle(exporter, source, lambda o: o.request_rate and o.request_rate > 7, "steady traffic", rate=10.0,
+           ttft=0.3, itl=0.02, prefill_waiting=0, decode_waiting=0)
+    o = source.observe(NS, NAME, 90, query_window(0.5, parse_duration(prometheus.scrape_interval)))
+    assert o.error is None and o.missing == () and o.request_rate == pytest.approx(10, rel=0.5)

@@ -10,7 +10,7 @@ import pytest
 from disagg.api.v1alpha1 import SLOSpec
 from disagg.e2e.prometheus import LocalPrometheus, MetricsExporter
 from disagg.e2e.testing import wait_for
-from disagg.planner import slo
+from disagg.planner import reasons, slo
 from disagg.planner.metrics_source import PrometheusSource
 
 NS, NAME = "team-slo", "llama"
@@ -45,30 +45,30 @@ def judged_until(exporter, source, reason, what, **traffic):
 
 
 def test_targets_met_with_the_numbers(exporter, source):
-    v = judged_until(exporter, source, slo.MET, "fast traffic judged", rate=10.0, ttft=0.3, itl=0.02)
+    v = judged_until(exporter, source, reasons.TARGETS_MET, "fast traffic judged", rate=10.0, ttft=0.3, itl=0.02)
     assert v.status == "True"
     assert 200 < v.latency["ttftMs"] <= 400 and 10 < v.latency["itlMs"] <= 30 and v.latency["percentile"] == 90
     assert "p90 TTFT" in v.message and "target 1000 ms" in v.message and "target 50 ms" in v.message
 
 
 def test_a_ttft_breach_is_false_and_says_which(exporter, source):
-    v = judged_until(exporter, source, slo.TTFT_ABOVE, "slow first tokens judged", rate=10.0, ttft=3.0, itl=0.02)
+    v = judged_until(exporter, source, reasons.TTFT_ABOVE, "slow first tokens judged", rate=10.0, ttft=3.0, itl=0.02)
     assert v.status == "False" and v.latency["ttftMs"] > 1000
     assert f"TTFT {v.latency['ttftMs']:g} ms > target 1000 ms" in v.message
-    v = judged_until(exporter, source, slo.BOTH_ABOVE, "both targets missed", rate=10.0, ttft=3.0, itl=0.2)
+    v = judged_until(exporter, source, reasons.BOTH_ABOVE, "both targets missed", rate=10.0, ttft=3.0, itl=0.2)
     assert v.status == "False" and v.latency["itlMs"] > 50
 
 
 def test_no_traffic_is_unknown(exporter, source):
-    v = judged_until(exporter, source, slo.NO_TRAFFIC, "an idle deployment", rate=0.0)
+    v = judged_until(exporter, source, reasons.NO_TRAFFIC, "an idle deployment", rate=0.0)
     assert v.status == "Unknown" and "ttftMs" not in v.latency
     exporter.traffic = replace(exporter.traffic, rate=10.0, ttft=0.3, itl=0.02)
 
 
 def test_unknown_without_metrics_or_prometheus(source):
     v = slo.judge(source.observe(NS, "no-such-deployment", 90, WINDOW), SLO, WINDOW)
-    assert (v.status, v.reason) == ("Unknown", slo.NO_METRICS) and "disagg_router_requests_total" in v.message
+    assert (v.status, v.reason) == ("Unknown", reasons.NO_METRICS) and "disagg_router_requests_total" in v.message
     gone = PrometheusSource("http://127.0.0.1:9", timeout=1)
     v = slo.judge(gone.observe(NS, NAME, 90, WINDOW), SLO, WINDOW)
-    assert (v.status, v.reason) == ("Unknown", slo.UNREACHABLE) and "127.0.0.1:9" in v.message
+    assert (v.status, v.reason) == ("Unknown", reasons.PROMETHEUS_UNREACHABLE) and "127.0.0.1:9" in v.message
     gone.close()

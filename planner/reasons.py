@@ -1,0 +1,25 @@
+"""Every reason the planner writes (CamelCase): ``status.planner.reason``, the ``PlannerActive`` and ``SLOMet``
+conditions, events and the ``reason`` label of ``disagg_planner_decisions_total``. One home, so the
+planner's decision, the SLO verdict and the alerts never spell the same cause two ways."""
+
+# decisions (status.planner.reason, PlannerActive when it holds)
+SCALED = "Scaled"
+STEADY = "Steady"
+COOLDOWN = "ScaleDownCooldown"
+NOT_READY = "DeploymentNotReady"
+ROLLING_OUT = "RolloutInProgress"
+BUDGET_LIMITED = "GPUBudgetLimited"
+METRICS_OK = "MetricsAvailable"            # PlannerActive=True
+METRICS_UNAVAILABLE = "MetricsUnavailable"  # Prometheus answered, a required series is absent or NaN
+
+# the metrics source could not be read (decisions hold; SLOMet is Unknown with the same reason)
+PROMETHEUS_UNREACHABLE = "PrometheusUnreachable"  # no answer: refused, timed out, not Prometheus' API
+QUERY_ERROR = "QueryError"                        # Prometheus answered with an error: its message is kept
+
+# SLOMet
+TARGETS_MET = "TargetsMet"
+TTFT_ABOVE = "TTFTAboveTarget"
+ITL_ABOVE = "ITLAboveTarget"
+BOTH_ABOVE = "TTFTAndITLAboveTarget"
+NO_METRICS = "NoMetrics"
+NO_TRAFFIC = "NoTraffic"
