@@ -14,7 +14,8 @@ ROUTING_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3)
 class RouterMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.ttft = Histogram(m.ROUTER_TTFT_SECONDS, "Time to first token, as the client sees it.",
+        self.ttft = Histogram(m.ROUTER_TTFT_SECONDS, "Time to first token of streamed requests, as the client sees it (a "
+                              "non-streaming answer shows no first token; its duration is the request's).",
                               ["path"], buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram(m.ROUTER_ITL_SECONDS, "Time between streamed tokens.",
                              buckets=LATENCY_BUCKETS, registry=r)

@@ -309,10 +309,10 @@ class Router:
             finally:
                 self._account(cur, -1)
         data.pop("kv_transfer_params", None)
-        elapsed = time.monotonic() - start
         path = route.path
-        self.metrics.ttft.labels(path).observe(elapsed)
-        self.metrics.e2e.labels(path).observe(elapsed)
+        # no TTFT here: the first token came and went inside the upstream's answer, and the whole duration
+        # is no first-token time (the planner reads vLLM's own TTFT when no stream shows one)
+        self.metrics.e2e.labels(path).observe(time.monotonic() - start)
         usage = data.get("usage") or {}
         self.metrics.output_tokens.observe(usage.get("completion_tokens", 0))
         self.metrics.requests.labels(m.OUTCOME_SUCCESS, path).inc()

@@ -30,6 +30,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     chat = request.path.endswith("/chat/completions")
     n = min(body.get("max_tokens") or TOKENS, TOKENS)
     if not body.get("stream"):
+        await asyncio.sleep(DELAY * n)  # an engine generates the same tokens before it answers
         return web.json_response({"id": "x", "object": "text_completion", "model": "tiny",
                                   "choices": [{"index": 0, "text": "tok " * n, "finish_reason": "length"}],
                                   "usage": {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1}})

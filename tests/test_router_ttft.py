@@ -1,0 +1,66 @@
+"""TTFT is only ever a first-token time: a slow non-streaming request moves the router's request duration,
+never its TTFT histogram (which the planner, the SLO recording rules and the alerts read); a stream's first
+token does. The upstream is tests/sse_upstream.py (a real HTTP server speaking vLLM's wire format, taking
+DELAY per token for streamed and non-streamed answers alike)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from openai import OpenAI
+
+from disagg.api import metrics as m
+from disagg.workers.local import LocalProcess, free_port, router, scrape
+from disagg.workers.testing import tiny_model, worker_python  # noqa: F401  (fixtures)
+
+TOKENS, DELAY = 20, 0.1  # a 2 s answer whose first token exists after 0.1 s
+PATH = m.PATH_LOCAL_PREFILL
+
+
+@pytest.fixture
+def routed(tiny_model, tmp_path):
+    port = free_port()
+    up = LocalProcess("decode", [sys.executable, str(Path(__file__).with_name("sse_upstream.py")), str(port),
+                                 str(TOKENS), str(DELAY)], {}, f"http://127.0.0.1:{port}", tmp_path).start()
+    rport = free_port()
+    cfg = {"model": "tiny", "tokenizer": tiny_model, "block_size": 16, "port": rport, "host": "127.0.0.1",
+           "spec": {"disaggregation": "never"}, "decode": [{"url": up.url}]}
+    (tmp_path / "router.json").write_text(json.dumps(cfg))
+    r = router(tmp_path / "router.json", rport, tmp_path).start()
+    try:
+        up.wait_ready(timeout=30)
+        r.wait_ready(timeout=60)
+        yield r
+    finally:
+        r.stop()
+        up.stop()
+
+
+def _series(samples: dict[str, float], name: str, suffix: str) -> float:
+    return samples.get(f'{name}_{suffix}{{path="{PATH}"}}', 0.0)
+
+
+def test_a_slow_non_streaming_request_does_not_move_ttft(routed):
+    client = OpenAI(base_url=f"{routed.url}/v1", api_key="unused", max_retries=0)
+    answer = client.completions.create(model="tiny", prompt="slow", max_tokens=TOKENS)
+    assert answer.choices[0].text == "tok " * TOKENS
+    s = scrape(routed.url)
+    assert s[f'{m.ROUTER_REQUESTS}{{outcome="success",path="{PATH}"}}'] == 1
+    assert _series(s, m.ROUTER_E2E_SECONDS, "count") == 1
+    assert _series(s, m.ROUTER_E2E_SECONDS, "sum") >= TOKENS * DELAY  # the whole answer, where it belongs
+    assert _series(s, m.ROUTER_TTFT_SECONDS, "count") == 0 and _series(s, m.ROUTER_TTFT_SECONDS, "sum") == 0
+    # every TTFT bucket is still empty: no histogram_quantile over it can see the 2 s
+    assert all(v == 0 for k, v in s.items() if k.startswith(f"{m.ROUTER_TTFT_SECONDS}_bucket"))
+
+    unary_e2e = _series(s, m.ROUTER_E2E_SECONDS, "sum")
+    # a stream of the same length: its first token is a TTFT, well short of its duration
+    chunks = list(client.completions.create(model="tiny", prompt="fast", max_tokens=TOKENS, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == "tok " * TOKENS
+    s = scrape(routed.url)
+    assert _series(s, m.ROUTER_TTFT_SECONDS, "count") == 1
+    stream_e2e = _series(s, m.ROUTER_E2E_SECONDS, "sum") - unary_e2e
+    ttft = _series(s, m.ROUTER_TTFT_SECONDS, "sum")
+    assert DELAY <= ttft < TOKENS * DELAY / 2 < stream_e2e
