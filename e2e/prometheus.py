@@ -202,6 +202,9 @@ class Traffic:
     cached_fraction: float = 0.25
     prefill_waiting: float = 0.0
     decode_waiting: float = 0.0
+    streamed: float = 1.0       # share of requests streamed: the router sees TTFT and ITL of those only
+    prefill_ttft: float = 0.25  # the workers' own vLLM TTFT (seconds), every request
+    decode_ttft: float = 0.05
 
 
 class MetricsExporter:
@@ -224,6 +227,11 @@ class MetricsExporter:
         self.out = Histogram(m.ROUTER_OUTPUT_TOKENS, "output tokens", labels, registry=r, buckets=tokens)
         self.prompt = Counter(m.ROUTER_PROMPT_TOKENS, "prompt tokens", labels, registry=r)
         self.cached = Counter(m.ROUTER_CACHED_PROMPT_TOKENS, "cached prompt tokens", labels, registry=r)
+        ttft_buckets = (0.05, 0.1, 0.2, 0.4, 0.8, 1.0, 1.5, 2, 4, 8, 16)
+        self.engine_ttft = Histogram(m.VLLM_TTFT_SECONDS, "engine ttft", labels + ["role"], registry=r,
+                                     buckets=ttft_buckets)
+        self.engine_itl = Histogram(m.VLLM_ITL_SECONDS, "engine itl", labels + ["role"], registry=r,
+                                    buckets=(0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.08, 0.16, 0.32))
         self.waiting = Gauge(m.VLLM_NUM_REQUESTS_WAITING, "waiting", labels + ["role"], registry=r)
         self.running = Gauge(m.VLLM_NUM_REQUESTS_RUNNING, "running", labels + ["role"], registry=r)
         self.kv = Gauge(m.VLLM_KV_CACHE_USAGE, "kv usage", labels + ["role"], registry=r)
@@ -236,7 +244,7 @@ class MetricsExporter:
 
     def _play(self):
         tick = 0.05
-        owed = 0.0
+        owed = streams = 0.0
         while not self._stop.wait(tick):
             t = self.traffic
             owed += t.rate * tick
@@ -244,8 +252,14 @@ class MetricsExporter:
             while owed >= 1:
                 owed -= 1
                 self.requests.labels(**lab, outcome=m.OUTCOME_SUCCESS, path=m.PATH_REMOTE_PREFILL).inc()
-                self.ttft.labels(**lab).observe(t.ttft)
-                self.itl.labels(**lab).observe(t.itl)
+                streams += t.streamed
+                if streams >= 1:
+                    streams -= 1
+                    self.ttft.labels(**lab).observe(t.ttft)
+                    self.itl.labels(**lab).observe(t.itl)
+                self.engine_ttft.labels(**lab, role="prefill").observe(t.prefill_ttft)
+                self.engine_ttft.labels(**lab, role="decode").observe(t.decode_ttft)
+                self.engine_itl.labels(**lab, role="decode").observe(t.itl)
                 self.inp.labels(**lab).observe(t.input_tokens)
                 self.out.labels(**lab).observe(t.output_tokens)
                 self.prompt.labels(**lab).inc(t.input_tokens)

@@ -1,5 +1,9 @@
 """Where the planner's observations come from: Prometheus (prometheus-api-client).
 
+TTFT and ITL are first-token times and gaps between tokens, never whole durations: the router's histograms
+where streams show them, else (a window of non-streaming requests only) vLLM's own TTFT and ITL histograms
+of the workers.
+
 The router's metrics (``disagg.api.metrics``) carry ``namespace`` and ``deployment``
 labels; the workers' vLLM metrics carry them too plus ``role`` (the chart's pod
 monitor copies them from the pods' labels). One :class:`PrometheusSource` per
@@ -101,10 +105,21 @@ def queries(namespace: str, name: str, percentile: float, window_seconds: float,
         both = f"{metric}|{metric.replace(':', '_')}"
         return f'{{__name__=~"{both}",{sel},{role}="{role_value}"}}'
 
+    def engine_quantile(metric: str, role_value: str) -> str:
+        return (f"histogram_quantile({q}, sum by (le) (rate("
+                f"{vllm(metric + '_bucket', role_value)}[{w}])))")
+
     return {
         "request_rate": f"sum(rate({m.ROUTER_REQUESTS}{{{sel}}}[{w}]))",
         "ttft": _quantile(q, m.ROUTER_TTFT_SECONDS, sel, w),
         "itl": _quantile(q, m.ROUTER_ITL_SECONDS, sel, w),
+        # the router sees first tokens and gaps of streams only; with no stream in the window, the engines'
+        # own histograms stand in (prefill's TTFT plus decode's, which with KV transfer follows it)
+        "ttft_streams": f"sum(rate({m.ROUTER_TTFT_SECONDS}_count{{{sel}}}[{w}]))",
+        "itl_streams": f"sum(rate({m.ROUTER_ITL_SECONDS}_count{{{sel}}}[{w}]))",
+        "engine_ttft_prefill": engine_quantile(m.VLLM_TTFT_SECONDS, "prefill"),
+        "engine_ttft_decode": engine_quantile(m.VLLM_TTFT_SECONDS, "decode"),
+        "engine_itl": engine_quantile(m.VLLM_ITL_SECONDS, "decode"),
         "input_tokens_mean": _mean(m.ROUTER_INPUT_TOKENS, sel, w),
         "input_tokens_p": _quantile(q, m.ROUTER_INPUT_TOKENS, sel, w),
         "output_tokens_mean": _mean(m.ROUTER_OUTPUT_TOKENS, sel, w),
@@ -182,14 +197,23 @@ class PrometheusSource:
         rate = values["request_rate"]
         if rate is None:
             return Observation(time=now, missing=(m.ROUTER_REQUESTS,))
+        ttft, itl = values["ttft"], values["itl"]
+        if not values["ttft_streams"]:  # no streamed first token in the window: the engines' TTFT
+            engine = [values[k] for k in ("engine_ttft_prefill", "engine_ttft_decode") if values[k] is not None]
+            # (the sum of the roles' percentiles: an upper bound on the percentile of their sum)
+            ttft = sum(engine) if engine else None
+        if not values["itl_streams"]:
+            itl = values["engine_itl"]
+        values["ttft"], values["itl"] = ttft, itl
         missing: tuple[str, ...] = ()
         if rate > 0:
-            names = {"ttft": m.ROUTER_TTFT_SECONDS, "itl": m.ROUTER_ITL_SECONDS,
+            names = {"ttft": f"{m.ROUTER_TTFT_SECONDS} (streams) or {m.VLLM_TTFT_SECONDS}",
+                     "itl": f"{m.ROUTER_ITL_SECONDS} (streams) or {m.VLLM_ITL_SECONDS}",
                      "input_tokens_mean": m.ROUTER_INPUT_TOKENS, "output_tokens_mean": m.ROUTER_OUTPUT_TOKENS}
             missing = tuple(names[k] for k in REQUIRED_WITH_TRAFFIC if values[k] is None)
         hit = values["prefix_hit_ratio"]
         return Observation(
-            time=now, request_rate=rate, ttft=values["ttft"], itl=values["itl"],
+            time=now, request_rate=rate, ttft=ttft, itl=itl,
             input_tokens_mean=values["input_tokens_mean"], input_tokens_p=values["input_tokens_p"],
             output_tokens_mean=values["output_tokens_mean"], output_tokens_p=values["output_tokens_p"],
             prefix_hit_ratio=min(max(hit, 0.0), 1.0) if hit is not None else 0.0,

@@ -171,3 +171,17 @@ def test_windows_span_four_scrapes(exporter, source, prometheus):
            ttft=0.3, itl=0.02, prefill_waiting=0, decode_waiting=0)
     o = source.observe(NS, NAME, 90, query_window(0.5, parse_duration(prometheus.scrape_interval)))
     assert o.error is None and o.missing == () and o.request_rate == pytest.approx(10, rel=0.5)
+
+
+def test_without_streams_ttft_and_itl_come_from_the_engines(exporter, source):
+    # non-streaming requests only: the router sees no first token and no gap; vLLM's own histograms do
+    o = settle(exporter, source, lambda o: o.request_rate and o.request_rate > 7 and o.ttft and o.ttft > 0.5
+               and o.itl and o.itl > 0.03, "the engines' TTFT and ITL", rate=10.0, streamed=0.0, ttft=5.0,
+               itl=0.045, prefill_ttft=0.7, decode_ttft=0.15, prefill_waiting=0, decode_waiting=0)
+    assert o.error is None and o.missing == ()
+    assert 0.5 < o.ttft <= 1.0  # prefill's p90 (0.4-0.8 s bucket) plus decode's (0.1-0.2 s)
+    assert 0.04 < o.itl <= 0.05
+    # one stream in the window and the router's first-token times are back in charge
+    o = settle(exporter, source, lambda o: o.ttft and o.ttft > 2.0, "the router's TTFT", streamed=0.5)
+    assert 4.0 < o.ttft <= 8.0
+    exporter.traffic = replace(exporter.traffic, streamed=1.0, ttft=0.3, itl=0.02)

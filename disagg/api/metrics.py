@@ -25,6 +25,10 @@ ROUTER_WORKERS = "disagg_router_workers"                            # gauge; lab
 ROUTER_ROUTING_SECONDS = "disagg_router_routing_decision_seconds"   # histogram; labels: policy, role
 ROUTER_INDEXED_BLOCKS = "disagg_router_indexed_blocks"              # gauge; labels: role
 ROUTER_KV_EVENT_BATCHES = "disagg_router_kv_event_batches_total"    # counter
+ROUTER_IN_FLIGHT = "disagg_router_in_flight_requests"              # gauge: admitted, not yet answered in full
+ROUTER_QUEUE_DEPTH = "disagg_router_queued_requests"                # gauge: waiting for admission
+ROUTER_REJECTED = "disagg_router_rejected_requests_total"           # counter; labels: reason (429s)
+ROUTER_TIMEOUTS = "disagg_router_upstream_timeouts_total"           # counter; labels: kind (worker calls cut)
 
 # request paths (label values of ROUTER_REQUESTS{path=...})
 PATH_REMOTE_PREFILL = "remote_prefill"
@@ -35,6 +39,16 @@ OUTCOME_SUCCESS = "success"
 OUTCOME_CLIENT_ERROR = "client_error"
 OUTCOME_UPSTREAM_ERROR = "upstream_error"
 OUTCOME_NO_WORKERS = "no_workers"
+OUTCOME_REJECTED = "rejected"                     # admission: 429 (queue full or the wait ran out)
+OUTCOME_TIMEOUT = "timeout"                       # a worker call cut by a timeout
+# why a request was refused admission (ROUTER_REJECTED{reason=...})
+REJECT_QUEUE_FULL = "queue_full"
+REJECT_QUEUE_TIMEOUT = "queue_timeout"
+# which timeout cut a worker call (ROUTER_TIMEOUTS{kind=...})
+TIMEOUT_CONNECT = "connect"
+TIMEOUT_FIRST_TOKEN = "first_token"
+TIMEOUT_IDLE = "idle"
+TIMEOUT_REQUEST = "request"
 FALLBACK_PREFILL_ERROR = "prefill_error"
 FALLBACK_PREFILL_TIMEOUT = "prefill_timeout"
 FALLBACK_DECODE_RETRY = "decode_retry"
@@ -50,6 +64,8 @@ VLLM_PROMPT_TOKENS = "vllm:prompt_tokens"                          # counter
 VLLM_NUM_REQUESTS_RUNNING = "vllm:num_requests_running"            # gauge
 VLLM_NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"            # gauge
 VLLM_KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"                   # gauge, 0..1
+VLLM_TTFT_SECONDS = "vllm:time_to_first_token_seconds"             # histogram (arrival at the engine to its first token)
+VLLM_ITL_SECONDS = "vllm:inter_token_latency_seconds"              # histogram (per gap)
 
 # ---- planner (labels: deployment, namespace)
 PLANNER_DECISIONS = "disagg_planner_decisions_total"                # counter; labels: role, direction, reason
