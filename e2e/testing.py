@@ -106,6 +106,17 @@ class DD:
         return [p for p in self.core.list_namespaced_pod(self.ns, label_selector=sel).items
                 if not p.metadata.deletion_timestamp]
 
+    def wait_refused_by_scheduler(self, role, count, timeout=90):
+        """Wait until the scheduler has tried and refused each of `count` pods of `role` (their PodScheduled
+        condition False, reason Unschedulable: the scheduler writes it when a pod, or the gang it belongs to,
+        cannot be placed); returns those pods. A pod still unbound before this may just not have been tried."""
+        def refused():
+            pods = self.pods(role)
+            done = [p for p in pods if any(c.type == "PodScheduled" and c.status == "False"
+                                           and c.reason == "Unschedulable" for c in p.status.conditions or [])]
+            return len(pods) == count and len(done) == count and pods
+        return wait_for(refused, timeout, f"the scheduler to refuse {count} {role} pods of {self.name}")
+
     def wait_phase(self, phase, timeout=90):
         return wait_for(lambda: self.status().get("phase") == phase and self.status(), timeout,
                         f"{self.name} phase {phase} (status: {self.status()})")

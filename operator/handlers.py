@@ -13,7 +13,8 @@ import kopf
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
-from disagg.api.names import GROUP, LABEL_DEPLOYMENT, LABEL_GANG, LABEL_MANAGED_BY, LABEL_ROLE, MANAGED_BY
+from disagg.api.names import (GROUP, LABEL_DEPLOYMENT, LABEL_GANG, LABEL_MANAGED_BY, LABEL_ROLE, MANAGED_BY,
+                               ROLE_DECODE, ROLE_PREFILL)
 from disagg.api.v1alpha1 import GPU_RESOURCE, KIND, PLURAL, VERSION, DisaggDeployment
 
 from . import capacity, children, render
@@ -293,10 +294,11 @@ def _observe_gang_wait(previous: dict[str, Any], status: dict[str, Any]) -> None
 
 def _capacity(fleet: Fleet, dd: DisaggDeployment) -> tuple[bool, str]:
     spec = dd.spec
-    requests = [spec.prefill.gpus()] * spec.scheduling.gang.min_prefill + \
-               [spec.decode.gpus()] * spec.scheduling.gang.min_decode
+    gang = spec.scheduling.gang
+    roles = [capacity.RoleNeed(role, minimum, part.gpus(), dict(part.node_selector), tuple(part.tolerations))
+             for role, minimum, part in ((ROLE_PREFILL, gang.min_prefill, spec.prefill),
+                                         (ROLE_DECODE, gang.min_decode, spec.decode))]
     topo = spec.scheduling.topology
     key = topo.key if topo and topo.mode == "required" else None
-    selectors = [spec.prefill.node_selector, spec.decode.node_selector]
-    fits, message = capacity.explain(fleet.free_gpus(), requests, key, selectors)
+    fits, message = capacity.explain(fleet.free_gpus(), roles, key)
     return fits, message if not fits else f"{message}; waiting for the scheduler ({GPU_RESOURCE} fits)"

@@ -41,6 +41,16 @@ def crd_installed(cluster):
     return True
 
 
+@pytest.fixture(scope="session")
+def other_gang_crds(cluster):
+    """CRDs of the coscheduling and Volcano PodGroups (their schedulers do not run here, so pods
+    of those backends stay unbound)."""
+    cluster.kubectl("apply", "--server-side", "-f", str(REPO / "e2e" / "crds"))
+    cluster.kubectl("wait", "--for=condition=Established", "--timeout=300s",
+                    "crd/podgroups.scheduling.x-k8s.io", "crd/podgroups.scheduling.volcano.sh")
+    return True
+
+
 @pytest.fixture
 def namespace(request, api_client):
     """A fresh namespace for one test, deleted afterwards."""

@@ -85,10 +85,11 @@ def domain_labels(pool: Pool, zone: int, rack: int, domain: int) -> dict[str, st
     return labels
 
 
-def nodes(pools: PoolFile) -> list[dict[str, Any]]:
-    """Node manifests (with status) for every node of every pool."""
+def nodes(pools: PoolFile, first_address: int = 0) -> list[dict[str, Any]]:
+    """Node manifests (with status) for every node of every pool; addresses from the
+    `first_address`-th of KWOK_NODE_CIDR on (pools added to a running cluster start past its own)."""
     out = []
-    serial = 0
+    serial = first_address
     for pool in pools.pools:
         for z in range(pool.zones):
             for r in range(pool.racks_per_zone):

@@ -1,0 +1,84 @@
+"""A mixed GPU fleet (e2e/clusters/mixed.yaml): prefill on one GPU product, decode on another. The
+GangScheduled condition counts each role's free GPUs on the nodes its own nodeSelector and tolerations
+admit, names the role that cannot be placed, and says InsufficientCapacity only when that is true."""
+
+from __future__ import annotations
+
+import pytest
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from disagg.e2e.localcluster import nodepools
+from disagg.e2e.testing import DD, dd_manifest, wait_for
+
+MIXED = nodepools.CLUSTERS / "mixed.yaml"
+PRODUCT = "nvidia.com/gpu.product"
+TOLERATE_GPU = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+PREFILL = {"nodeSelector": {PRODUCT: "NVIDIA-H800"}, "tolerations": TOLERATE_GPU}
+DECODE = {"nodeSelector": {PRODUCT: "NVIDIA-H20"}, "tolerations": TOLERATE_GPU}
+
+
+@pytest.fixture(scope="module")
+def mixed_fleet(cluster, api_client):
+    """The GPU pools of mixed.yaml added to the test cluster (tainted: no other test's pods land there),
+    removed afterwards. Addresses start past the default pools' own."""
+    core = client.CoreV1Api(api_client)
+    pools = nodepools.load(MIXED)
+    pools.pools = [p for p in pools.pools if p.gpus]
+    nodes = nodepools.nodes(pools, first_address=4096)
+    for node in nodes:
+        try:
+            core.create_node(node)
+        except ApiException as e:
+            if e.status != 409:
+                raise
+    names = [n["metadata"]["name"] for n in nodes]
+
+    def ready(name):  # Ready, and the node lifecycle controller's start-up taints gone
+        node = core.read_node(name)
+        return any(c.type == "Ready" and c.status == "True" for c in node.status.conditions or []) \
+            and not any(t.key.startswith("node.kubernetes.io/") for t in node.spec.taints or [])
+    wait_for(lambda: all(ready(n) for n in names), 60, "the mixed fleet's nodes Ready")
+    yield names
+    for name in names:
+        core.delete_node(name)
+
+
+def gang_message(dd: DD, reason: str) -> str:
+    """The GangScheduled message once the capacity explanation is in it (it starts "gang needs")."""
+    def check():
+        c = dd.condition("GangScheduled")
+        return c and c["status"] == "False" and c["reason"] == reason and c["message"].startswith("gang needs") \
+            and c["message"]
+    return wait_for(check, 90, f"GangScheduled False {reason} with the capacity explanation ({dd.status()})")
+
+
+def test_roles_on_different_gpu_products_fit(api_client, namespace, operator, mixed_fleet, other_gang_crds):
+    """Each product has room for its role. A gang whose scheduler is not running (coscheduling: not
+    installed here) waits, and the condition says it fits: reason Pending, not InsufficientCapacity
+    (one selector joined from both roles would admit no node and claim 0 free GPUs)."""
+    dd = DD(api_client, namespace, dd_manifest("mixed-wait", prefill=PREFILL, decode=DECODE,
+                                               scheduling={"gang": {"backend": "coscheduling"}}))
+    assert gang_message(dd, "Pending") == (
+        "gang needs 2 nvidia.com/gpu: prefill fits (needs 1, 16 free on 2 nodes), decode fits (needs 1, 16 free "
+        "on 2 nodes); waiting for the scheduler (nvidia.com/gpu fits)")
+    # with the cluster's own scheduler the same layout is placed, each role on its product
+    placed = DD(api_client, namespace, dd_manifest("mixed", prefill=PREFILL, decode=DECODE))
+    placed.wait_condition("GangScheduled", "True", "GangPlaced")
+    core = client.CoreV1Api(api_client)
+    for role, product in (("prefill", "NVIDIA-H800"), ("decode", "NVIDIA-H20")):
+        nodes = {core.read_node(p.spec.node_name).metadata.labels[PRODUCT] for p in placed.pods(role)}
+        assert nodes == {product}, (role, nodes)
+
+
+def test_decode_that_does_not_fit_is_named_with_numbers(api_client, namespace, operator, mixed_fleet):
+    """Three 8-GPU decode replicas on two 8-GPU H20 nodes: decode cannot be placed, prefill could."""
+    dd = DD(api_client, namespace, dd_manifest(
+        "mixed-short", prefill=PREFILL, decode={**DECODE, "replicas": 3, "tensorParallelSize": 8},
+        scheduling={"gang": {"minPrefill": 1, "minDecode": 3}}))
+    assert gang_message(dd, "InsufficientCapacity") == (
+        "gang needs 25 nvidia.com/gpu: decode cannot be placed (needs 24 = 3 x 8, 16 free on 2 nodes its "
+        "nodeSelector and tolerations admit); prefill fits (needs 1, 16 free on 2 nodes)")
+    # and the gang holds: the scheduler refused every worker, none is bound
+    for role, count in (("prefill", 1), ("decode", 3)):
+        assert all(p.spec.node_name is None for p in dd.wait_refused_by_scheduler(role, count)), role
