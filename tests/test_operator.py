@@ -13,7 +13,8 @@ from disagg.api.names import LABEL_ROLE
 from disagg.operator import metrics as operator_metrics
 from disagg.workers.local import metric_sum, scrape
 from disagg.e2e.localcluster import nodepools
-from disagg.e2e.testing import DD, GROUP, PLURAL, VERSION, dd_manifest, wait_for
+from disagg.e2e.testing import DD, GROUP, PLURAL, VERSION, dd_manifest, pod, wait_for
+from disagg.operator import gang as gangs
 
 def _empty_clique(api_client):
     """An NVLink domain of the default pool with no pod on it."""
@@ -84,9 +85,8 @@ def test_gang_one_gpu_short_binds_nothing_then_binds_all_when_capacity_arrives(a
     assert "the largest free domain has 32" in cond["message"]
     events = dd.core.list_namespaced_event(namespace, field_selector=f"involvedObject.name=gang").items
     assert any(e.reason == "InsufficientCapacity" and e.type == "Warning" for e in events)
-    time.sleep(3)
-    workers = dd.pods("prefill") + dd.pods("decode")
-    assert len(workers) == 5 and all(p.spec.node_name is None for p in workers), "no pod of a partial gang binds"
+    workers = dd.wait_refused_by_scheduler("prefill", 1) + dd.wait_refused_by_scheduler("decode", 4)
+    assert all(p.spec.node_name is None for p in workers), "no pod of a partial gang binds"
     assert dd.status()["phase"] == "Pending"
 
     extra = nodepools.nodes(nodepools.PoolFile.model_validate(
@@ -107,14 +107,35 @@ def test_gang_one_gpu_short_binds_nothing_then_binds_all_when_capacity_arrives(a
 
 
 def test_gang_minimum_holds_per_role(api_client, namespace, operator):
-    """Prefill has spare capacity, decode has none: not even the prefill pod binds."""
+    """Two prefill replicas with GPUs to spare, one decode replica with none, a minimum of one per role.
+    A single PodGroup with minCount = minPrefill + minDecode = 2 (the design gang.py rejects) is met by the
+    two prefill pods alone and binds them, shown below with plain pods; the per-role minimum binds neither."""
     dd = DD(api_client, namespace, dd_manifest(
-        "perrole", decode={"replicas": 1, "nodeSelector": {"nvidia.com/gpu.product": "no-such-gpu"}}))
+        "perrole", prefill={"replicas": 2},
+        decode={"replicas": 1, "nodeSelector": {"nvidia.com/gpu.product": "no-such-gpu"}}))
     cond = dd.wait_condition("GangScheduled", "False", "InsufficientCapacity")
-    assert "gang needs 2 nvidia.com/gpu" in cond["message"]
-    time.sleep(3)
+    assert cond["message"].startswith("gang needs 2 nvidia.com/gpu: decode cannot be placed (needs 1, 0 free on "
+                                      "0 nodes"), cond
+    dd.wait_refused_by_scheduler("prefill", 2)
     assert all(p.spec.node_name is None for p in dd.pods("prefill")), "prefill bound without its decode"
     assert dd.condition("Ready")["status"] == "False"
+
+    # the rejected design on the same layout: one PodGroup over all three pods, minCount 2
+    custom, core = client.CustomObjectsApi(api_client), client.CoreV1Api(api_client)
+    group, version = gangs.WORKLOAD_API.split("/")
+    custom.create_namespaced_custom_object(group, version, namespace, "workloads", {
+        "apiVersion": gangs.WORKLOAD_API, "kind": "Workload", "metadata": {"name": "single"},
+        "spec": {"podGroupTemplates": [{"name": "all", "schedulingPolicy": {"gang": {"minCount": 2}}}]}})
+    custom.create_namespaced_custom_object(group, version, namespace, "podgroups", {
+        "apiVersion": gangs.WORKLOAD_API, "kind": "PodGroup", "metadata": {"name": "single"},
+        "spec": {"workloadRef": {"workloadName": "single", "templateName": "all"},
+                 "schedulingPolicy": {"gang": {"minCount": 2}}}})
+    for i in range(2):
+        core.create_namespaced_pod(namespace, pod(f"single-prefill-{i}", gpus=1, pod_group="single"))
+    core.create_namespaced_pod(namespace, pod("single-decode", gpus=1, pod_group="single",
+                                              node_selector={"nvidia.com/gpu.product": "no-such-gpu"}))
+    wait_for(lambda: all(core.read_namespaced_pod(f"single-prefill-{i}", namespace).spec.node_name
+                         for i in range(2)), 60, "a single PodGroup binding the prefill pods without a decode")
 
 
 def test_a_gang_waiting_past_its_timeout_says_so(api_client, namespace, operator):
@@ -298,17 +319,6 @@ def test_changing_the_topology_key_on_a_live_deployment(api_client, namespace, o
     racks = {client.CoreV1Api(api_client).read_node(p.spec.node_name).metadata.labels[nodepools.RACK_LABEL]
              for p in pods}
     assert len(racks) == 1, f"gang {gang} spread over racks {racks}"
-
-
-@pytest.fixture(scope="module")
-def other_gang_crds(cluster):
-    """CRDs of the coscheduling and Volcano PodGroups (their schedulers do not run here)."""
-    from pathlib import Path
-
-    crds = Path(__file__).resolve().parent.parent / "e2e" / "crds"
-    cluster.kubectl("apply", "--server-side", "-f", str(crds))
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=300s",
-                    "crd/podgroups.scheduling.x-k8s.io", "crd/podgroups.scheduling.volcano.sh")
 
 
 @pytest.mark.parametrize("backend", ["coscheduling", "volcano"])
