@@ -1,10 +1,10 @@
 """Layouts, their estimates and the Pareto frontiers (aggregated and disaggregated).
 
-Every latency comes from the shared performance model (:mod:`disagg.planner.perfmodel`); this module adds
-only the serving arithmetic on top of it: how many requests a layout carries at a given decode batch
-(Little's law), how long a prompt waits for prefill (an M/G/1 queue per prefill worker, or the chunk
-budget of an aggregated engine), the KV transfer, and the Pareto frontier of output tokens/s per GPU
-against tokens/s per user.
+Every latency comes from the shared performance model (:mod:`disagg.planner.perfmodel`) and the queueing,
+KV transfer, batch margins and utilisation caps from the shared serving model (:mod:`disagg.planner.serving`),
+the planner's and the simulator's too; this module adds the layouts: how many requests a layout carries at a
+given decode batch (Little's law), the chunk budget of an aggregated engine, and the Pareto frontier of output
+tokens/s per GPU against tokens/s per user.
 
 Points (one per layout and decode batch):
 
@@ -14,7 +14,7 @@ Points (one per layout and decode batch):
   prefill the prompt.
 * disaggregated ``xPyD``: ``x`` prefill workers of TP ``tp_p``, ``y`` decode workers of TP ``tp_d``, ``b``
   requests per decode worker; ITL = a decode step at ``b``; the request rate follows from Little's law
-  (``b = rate/y x OSL x ITL``) and the least ``x`` is taken whose TTFT at the SLO percentile (M/G/1 wait +
+  (``b = rate/y x OSL x ITL``) and the least ``x`` is taken whose TTFT at the SLO percentile (M/G/c wait +
   prefill + KV transfer over the interconnect + the first decode step) meets the target. The unit ``xPyD``
   is replicated to fill the GPU budget (per-GPU figures are those of one unit).
 
@@ -27,15 +27,15 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from statistics import NormalDist
 from typing import Any, Iterable
 
 from disagg.planner import perfmodel as pm
+from disagg.planner import serving
+from disagg.planner.serving import queue_wait
 
 TP_SIZES = (1, 2, 4, 8, 16)
 BATCHES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 CHUNKS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768)   # aggregated prefill chunk budgets tried
-MAX_UTILIZATION = 0.95   # no prefill queue is planned fuller than this
 
 
 @dataclass(frozen=True)
@@ -167,14 +167,14 @@ class Setup:
         return setup
 
     def model(self, tp: int) -> pm.PerfModel:
-        base = pm.PerfModel(self.shape, self.hw, tp, self.link, self.eff, tp_comm=True)
+        base = pm.PerfModel(self.shape, self.hw, tp, self.link, self.eff)
         p = self.profile
         if p is None:
             return base
         if tp == p.tensor_parallel_size:
             return replace(base, profile=p)
         if tp not in self.scales:  # measured / analytic at the profile's TP, applied to this TP
-            at = pm.PerfModel(self.shape, self.hw, p.tensor_parallel_size, self.link, self.eff, tp_comm=True)
+            at = pm.PerfModel(self.shape, self.hw, p.tensor_parallel_size, self.link, self.eff)
             measured = replace(at, profile=p)
             isl, ctx = self.inputs.isl, self.inputs.isl + self.inputs.osl / 2
             self.scales[tp] = (measured.ttft(isl) / at.ttft(isl), measured.itl(16, ctx) / at.itl(16, ctx))
@@ -248,46 +248,6 @@ class Estimate:
         return d
 
 
-def _z(percentile: float) -> float:
-    return NormalDist().inv_cdf(percentile / 100.0)
-
-
-def erlang_c(servers: int, offered: float) -> float:
-    """Probability that an arrival waits in an M/M/c queue with ``offered`` = rate x service (Erlang C)."""
-    if offered <= 0:
-        return 0.0
-    if offered >= servers:
-        return 1.0
-    term, total = 1.0, 1.0           # a^k / k!, summed for k < c
-    for k in range(1, servers):
-        term *= offered / k
-        total += term
-    last = term * offered / servers / (1.0 - offered / servers)
-    return last / (total + last)
-
-
-def queue_wait(rate: float, service: float, percentile: float, cv2: float = 0.0, servers: int = 1) -> float:
-    """Waiting time at ``percentile`` of an M/G/c queue (Poisson arrivals, ``servers`` workers pulling from one
-    queue, service of mean ``service`` with squared coefficient of variation ``cv2``; 0 for prompts of one
-    length). Allen-Cunneen: P(W > t) = C exp(-t (c mu - lambda) 2 / (1 + cv2)), C the Erlang-C probability
-    of waiting (exact for M/M/c, cv2 = 1). inf when the queue is unstable."""
-    if service <= 0 or rate <= 0:
-        return 0.0
-    offered = rate * service
-    if offered >= servers:
-        return math.inf
-    wait_prob = erlang_c(servers, offered)
-    tail = 1.0 - percentile / 100.0
-    if wait_prob <= tail:
-        return 0.0
-    return (1.0 + cv2) / (2.0 * (servers / service - rate)) * math.log(wait_prob / tail)
-
-
-def _batch_at_percentile(b: int, percentile: float, cap: int) -> float:
-    """Requests in a decode batch at the percentile (Poisson number in service), never above the cap."""
-    return min(b + _z(percentile) * math.sqrt(b), max(cap, b))
-
-
 def _decode_bytes(model: pm.PerfModel, concurrency: float, context_total: float) -> float:
     return model.shape.weight_bytes + model.shape.kv_bytes_per_token * context_total
 
@@ -322,7 +282,7 @@ def aggregated(setup: Setup, tp: int, batch: int, chunk: int | None = None) -> E
     f, t_d, t_mix, mean = steps(batch)
     if f >= 1.0:                               # the chunk budget cannot keep the batch full
         return None
-    b_p = _batch_at_percentile(batch, i.percentile, cap)
+    b_p = serving.batch_at_percentile(batch, i.percentile, cap)
     f_p, t_d_p, t_mix_p, _ = steps(b_p)
     itl_p = t_mix_p if f_p > tail else t_d_p
     rate_w = batch / (i.osl * mean)
@@ -352,8 +312,8 @@ class _Prefill:
 def disaggregated_ttft(setup: Setup, pre: _Prefill, workers: int, rate: float, first_step: float) -> float:
     """TTFT at the SLO percentile: wait for one of the unit's prefill workers (the router hands a prompt to
     whichever is free: one queue, ``workers`` servers), prefill, KV transfer, first decode step."""
-    wait = queue_wait(rate, pre.service, setup.inputs.percentile, servers=workers)
-    return wait + pre.service + pre.transfer + first_step
+    work = serving.PrefillWork((pre.service,), (pre.transfer,))  # one prompt length (--isl): no variance
+    return serving.prefill_ttft(work, rate, workers, setup.inputs.percentile, first_step)
 
 
 def disaggregated(setup: Setup, prefill_tp: int, prefill_workers: int, decode_tp: int, decode_workers: int,
@@ -372,8 +332,7 @@ def _prefill(setup: Setup, tp: int, decode_tp: int) -> _Prefill | None:
     if m.kv_capacity_tokens() < i.isl:
         return None
     new, cached = i.isl * (1 - i.prefix_reuse), i.isl * i.prefix_reuse
-    lanes = min(tp, decode_tp)
-    return _Prefill(tp, m.ttft(i.isl, cached), m.kv_transfer_time(m.kv_bytes(i.isl), parallel_links=lanes),
+    return _Prefill(tp, m.ttft(i.isl, cached), serving.kv_transfer_time(m, i.isl, decode_tp),
                     m.prefill_flops(new, cached))
 
 
@@ -385,7 +344,7 @@ def _decode(setup: Setup, tp: int, batch: int) -> tuple[float, float, float] | N
     if batch > cap:
         return None
     ctx = i.isl + i.osl / 2.0
-    b_p = _batch_at_percentile(batch, i.percentile, cap)
+    b_p = serving.batch_at_percentile(batch, i.percentile, cap)
     return m.itl(batch, ctx), m.itl(b_p, ctx), _decode_bytes(m, batch, batch * ctx)
 
 
@@ -394,7 +353,7 @@ def _disagg_estimate(setup: Setup, pre: _Prefill, decode_tp: int, dec: tuple[flo
     i = setup.inputs
     itl, itl_p, reads = dec
     rate = y * batch / (i.osl * itl)
-    if rate / x * pre.service >= MAX_UTILIZATION:
+    if rate / x * pre.service >= serving.PREFILL_MAX_UTILIZATION:
         return None
     ttft = disaggregated_ttft(setup, pre, x, rate, itl)
     unit = x * pre.tp + y * decode_tp
@@ -415,13 +374,13 @@ def least_prefill(setup: Setup, pre: _Prefill, decode_tp: int, dec: tuple[float,
     itl, _, _ = dec
     rate = y * batch / (i.osl * itl)
     room = (i.gpus - y * decode_tp) // pre.tp
-    lo = max(1, math.ceil(rate * pre.service / MAX_UTILIZATION - 1e-12))
+    lo = max(1, math.ceil(rate * pre.service / serving.PREFILL_MAX_UTILIZATION - 1e-12))
     if lo > room:
         return None
     target = i.ttft_ms / 1000.0
 
     def ok(x: int) -> bool:
-        return rate / x * pre.service < MAX_UTILIZATION and disaggregated_ttft(setup, pre, x, rate, itl) <= target
+        return rate / x * pre.service < serving.PREFILL_MAX_UTILIZATION and disaggregated_ttft(setup, pre, x, rate, itl) <= target
 
     if not ok(room):
         return None

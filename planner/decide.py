@@ -4,12 +4,12 @@
 clock, no cluster and no Prometheus: the loop, the simulator and the tests call it
 the same way. The executor (:mod:`disagg.planner.apply`) carries decisions out.
 
-Sizing (per role, from the performance model, corrected online):
+Sizing (per role, from the shared serving model :mod:`.serving`, corrected online):
 
-* prefill: each replica is a queue fed ``rate / n`` prompts a second, each taking the
-  model's prefill time for the uncached part of a typical prompt; ``n`` is the least
-  whose TTFT at the SLO percentile (service of a percentile-length prompt + KV
-  transfer + waiting time of an M/M/1 queue at that percentile) meets the target;
+* prefill: the replicas serve one queue (M/G/c) fed the predicted rate of prompts drawn from the
+  observed prompt-length distribution (a lognormal fitted to the mean and the percentile length), so
+  heavy-tailed prompts bring their service-time variance; ``n`` is the least whose TTFT at the SLO
+  percentile (the percentile of wait + own prefill + own KV transfer) meets the target;
 * decode: the largest batch per replica whose ITL meets the target and whose KV cache
   fits, and Little's law for the requests in flight (``rate x output tokens x ITL``)
   plus a percentile margin for their fluctuation.
@@ -24,22 +24,22 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from statistics import NormalDist
 from typing import Any
 
+from . import serving
 from .perfmodel import OnlineCorrection, PerfModel
 from .predictors import get as get_predictor
 from .reasons import (BUDGET_LIMITED, COOLDOWN, METRICS_UNAVAILABLE, NOT_READY, PROMETHEUS_UNREACHABLE,
                       ROLLING_OUT, SCALED, STEADY)
 
 HISTORY = 288               # intervals kept for the predictors
-MAX_UTILIZATION = 0.85      # no queue (prefill) or KV cache (decode) is planned fuller than this
 SCALE_DOWN_MARGIN = 1.2     # size for 20% more load before shrinking (hysteresis)
 SCALE_DOWN_STEP = 0.25      # shrink at most a quarter of a role per interval (at least one replica)
 LEARN_ABOVE = 0.5           # online correction learns from intervals with latency above this share of target
 SATURATION = 2.0            # observed latency at this multiple of target counts as saturated
 MAX_REPLICAS = 1024
 UNATTAINABLE_SLACK = 1.25   # when a prompt alone misses the TTFT target, allow this much queueing on top
+NEAR_TARGET = 0.8           # no role shrinks while its observed latency is above this share of its target
 
 
 
@@ -222,85 +222,42 @@ class RoleModels:
 
 
 # ---------------------------------------------------------------- sizing (pure, monotone in load)
+# The arithmetic is the shared serving model's (.serving); these adapt it to the planner's Load.
 
-def _z(percentile: float) -> float:
-    return NormalDist().inv_cdf(min(max(percentile / 100.0, 0.5), 0.9999))
+def _work(models: RoleModels, load: Load, percentile: float) -> serving.PrefillWork:
+    mix = serving.PromptMix(load.input_mean, max(load.input_p, load.input_mean), percentile)
+    return serving.prefill_work(models.prefill, mix, load.prefix_hit, models.decode.tp)
 
 
 def prefill_latency(model: PerfModel | RoleModels, load: Load, replicas: int, percentile: float) -> float:
     """Predicted TTFT at ``percentile`` with ``replicas`` prefill replicas (inf when overloaded)."""
-    model = RoleModels.of(model).prefill
-    hit = min(max(load.prefix_hit, 0.0), 0.99)
-    s_mean = model.ttft(load.input_mean, load.input_mean * hit)
-    s_p = model.ttft(load.input_p, load.input_p * hit)
-    transfer = model.kv_transfer_time_tokens(load.input_p)
-    if load.rate <= 0:
-        return s_p + transfer
-    lam = load.rate / replicas
-    rho = lam * s_mean
-    if rho >= 1.0:
-        return math.inf
-    # M/M/1 waiting time: P(W > t) = rho * exp(-(mu - lambda) t)
-    tail = 1.0 - percentile / 100.0
-    wait = max(0.0, math.log(rho / tail) / (1.0 / s_mean - lam)) if rho > tail else 0.0
-    return s_p + transfer + wait
+    models = RoleModels.of(model)
+    return serving.prefill_ttft(_work(models, load, percentile), max(load.rate, 0.0), replicas, percentile)
 
 
 def size_prefill(model: PerfModel | RoleModels, load: Load, ttft_target: float, percentile: float,
                  limit: int = MAX_REPLICAS) -> tuple[int, float]:
     """Least prefill replicas meeting the TTFT target (``limit`` when none does), and the TTFT they give."""
-    model = RoleModels.of(model).prefill
-    hit = min(max(load.prefix_hit, 0.0), 0.99)
-    s_mean = model.ttft(load.input_mean, load.input_mean * hit)
-    # a percentile-length prompt that alone misses the target cannot be helped by more replicas:
-    # then plan for queueing of at most a quarter of its service time instead of chasing the target
-    alone = prefill_latency(model, replace(load, rate=0.0), 1, percentile)
+    models = RoleModels.of(model)
+    work = _work(models, load, percentile)
+    # prompts that alone miss the target cannot be helped by more replicas: then plan for queueing of at
+    # most a quarter of their own time instead of chasing the target
+    alone = serving.prefill_ttft(work, 0.0, 1, percentile)
     goal = max(ttft_target, alone * UNATTAINABLE_SLACK)
-    lo = max(1, math.ceil(load.rate * s_mean / MAX_UTILIZATION)) if load.rate > 0 else 1
-    n = min(lo, limit)
-    while n < limit and prefill_latency(model, load, n, percentile) > goal:
-        n += 1
-    return n, prefill_latency(model, load, n, percentile)
-
-
-def _decode_batch(model: PerfModel, load: Load, itl_target: float) -> tuple[int, float, float]:
-    """Planned requests per decode replica: the most whose ITL meets the target (at the mean context) and
-    whose KV cache fits when every request reaches its full length, at MAX_UTILIZATION; with the mean
-    and the peak context."""
-    ctx = load.input_mean + load.output_mean / 2.0
-    peak = load.input_mean + load.output_mean
-    by_itl = model.max_concurrency_for_itl(itl_target, ctx)
-    by_memory = model.max_concurrency(peak)
-    return max(math.floor(min(by_itl, by_memory) * MAX_UTILIZATION), 1), ctx, peak
+    return serving.least_prefill(work, max(load.rate, 0.0), goal, percentile, limit)
 
 
 def decode_latency(model: PerfModel | RoleModels, load: Load, replicas: int, itl_target: float) -> float:
-    """Predicted ITL with ``replicas`` decode replicas sharing the requests in flight
-    (Little's law solved for its fixed point: in flight = rate x output tokens x ITL(in flight))."""
-    model = RoleModels.of(model).decode
-    ctx = load.input_mean + load.output_mean / 2.0
-    capacity = max(model.max_concurrency(load.input_mean + load.output_mean), 1)
-    per_replica = 1.0
-    for _ in range(20):
-        nxt = max(load.rate * load.output_mean * model.itl(per_replica, ctx) / replicas, 1.0)
-        if nxt > capacity:
-            return math.inf
-        if abs(nxt - per_replica) < 1e-3:
-            break
-        per_replica = nxt
-    return model.itl(per_replica, ctx)
+    """Predicted ITL with ``replicas`` decode replicas sharing the requests in flight."""
+    return serving.decode_itl(RoleModels.of(model).decode, load.rate, load.input_mean, load.output_mean, replicas)
 
 
 def size_decode(model: PerfModel | RoleModels, load: Load, itl_target: float, percentile: float,
                 limit: int = MAX_REPLICAS) -> tuple[int, float]:
     """Least decode replicas keeping the ITL target for the requests in flight, and the ITL they give."""
-    model = RoleModels.of(model).decode
-    batch, ctx, _ = _decode_batch(model, load, itl_target)
-    # in flight if every replica ran its planned batch (an upper bound on ITL, so monotone in rate)
-    in_flight = load.rate * load.output_mean * model.itl(batch, ctx)
-    needed = in_flight + _z(percentile) * math.sqrt(in_flight)
-    n = min(max(1, math.ceil(needed / batch - 1e-9)), limit)
-    return n, decode_latency(model, load, n, itl_target)
+    dm = RoleModels.of(model).decode
+    n = min(serving.decode_replicas(dm, load.rate, load.input_mean, load.output_mean, itl_target, percentile), limit)
+    return n, decode_latency(dm, load, n, itl_target)
 
 
 def fit_budget(prefill: int, decode: int, target: Target) -> tuple[int, int, bool]:
@@ -365,13 +322,14 @@ def decide(obs: Observation, target: Target, memory: Memory, model: PerfModel | 
     first = memory.last_scale_up_prefill is None
     if first:  # the planner's start counts as a scale-up: no shrinking on cold-start samples
         memory = replace(memory, last_scale_up_prefill=now, last_scale_up_decode=now)
-    ttft_obs = obs.ttft if obs.ttft is not None and math.isfinite(obs.ttft) else None
-    itl_obs = obs.itl if obs.itl is not None and math.isfinite(obs.itl) else None
+    # (an infinite latency is a queue that never drains: a breach, though nothing to learn from)
+    ttft_obs = obs.ttft if obs.ttft is not None and not math.isnan(obs.ttft) else None
+    itl_obs = obs.itl if obs.itl is not None and not math.isnan(obs.itl) else None
     # plan with what was learnt up to the last interval; this interval's lesson applies from the next
     # (so one sample cannot both trigger and size a change, and the decision stays monotone in load)
     corr = memory.correction
     planning = RoleModels.of(model).corrected(corr.prefill, corr.decode)
-    memory = _correct(obs, target, memory, model, ttft_obs, itl_obs)
+    memory = _correct(obs, target, memory, model, _finite(ttft_obs), _finite(itl_obs))
     season = season_intervals or target.season
     memory = memory.remember(obs, max(HISTORY, 2 * season + 2))
 
@@ -392,7 +350,7 @@ def decide(obs: Observation, target: Target, memory: Memory, model: PerfModel | 
     # one start-up and interval, on top of the new load
     horizon = target.startup + target.interval
     load_p = replace(load, rate=rate + _backlog(obs.prefill_queue, rate, _prefill_capacity(
-        planning, load, target.prefill), target.startup) / horizon)
+        planning, load, target.prefill, target.percentile), target.startup) / horizon)
     # (prompts waiting for prefill now wait for decode next)
     waiting_d = (obs.decode_queue or 0.0) + (obs.prefill_queue or 0.0)
     load_d = replace(load, rate=rate + _backlog(waiting_d, rate, _decode_capacity(
@@ -428,7 +386,7 @@ def decide(obs: Observation, target: Target, memory: Memory, model: PerfModel | 
             return RoleDecision(need, need, SCALED)
         if current_c > current:  # below its floor (or zero): lift it
             return RoleDecision(current_c, need, SCALED)
-        if shrink_size >= current_c or (obs_lat is not None and obs_lat > slo):
+        if shrink_size >= current_c or (obs_lat is not None and obs_lat > NEAR_TARGET * slo):
             return RoleDecision(current_c, need, STEADY)
         if last_up is not None and now - last_up < target.cooldown:
             return RoleDecision(current_c, need, COOLDOWN)
@@ -483,15 +441,14 @@ def _backlog(queue: float | None, rate: float, capacity: float, startup: float) 
     return (queue or 0.0) + max(rate - capacity, 0.0) * startup if queue else 0.0
 
 
-def _prefill_capacity(model: RoleModels, load: Load, replicas: int) -> float:
-    hit = min(max(load.prefix_hit, 0.0), 0.99)
-    s = model.prefill.ttft(load.input_mean, load.input_mean * hit)
+def _prefill_capacity(model: RoleModels, load: Load, replicas: int, percentile: float) -> float:
+    s = _work(model, load, percentile).mean
     return replicas / s if s > 0 else math.inf
 
 
 def _decode_capacity(model: RoleModels, load: Load, replicas: int, itl_target: float) -> float:
     """Requests/s that ``replicas`` decode replicas finish at their planned batch."""
-    batch, ctx, _ = _decode_batch(model.decode, load, itl_target)
+    batch, ctx = serving.decode_batch(model.decode, load.input_mean, load.output_mean, itl_target)
     per_request = load.output_mean * model.decode.itl(batch, ctx)
     return replicas * batch / per_request if per_request > 0 else math.inf
 
@@ -519,6 +476,10 @@ def _correct(obs: Observation, target: Target, memory: Memory, model: PerfModel 
     if not math.isfinite(itl_pred) or max(itl_obs or 0.0, itl_pred) < LEARN_ABOVE * target.itl_target:
         itl_obs = None
     return replace(memory, correction=corr.observe(ttft_obs, ttft_pred, itl_obs, itl_pred))
+
+
+def _finite(v: float | None) -> float | None:
+    return v if v is not None and math.isfinite(v) else None
 
 
 def _ms(seconds: float | None) -> str:

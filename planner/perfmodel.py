@@ -1,7 +1,7 @@
 """The performance model: how long prefill, decode steps and KV transfers take.
 
-One module, shared by the planner, the simulator and (later) the configurator.
-Sources, in order of preference:
+One module, shared by the planner, the simulator and the configurator (what these latencies mean under
+load, queueing and batching, is :mod:`.serving`, shared by the same three). Sources, in order of preference:
 
 1. a measured :class:`Profile` (``disagg profile`` writes one) fitted by least squares;
 2. the analytic default from the model's shape and the GPU's data sheet
@@ -13,8 +13,8 @@ Sources, in order of preference:
 
 A :class:`Calibration` (kernel timings from ``bench/gpu_kernels_calibrate.py`` on a real
 GPU) replaces the data-sheet efficiencies of the analytic default for that GPU.
-Tensor-parallel all-reduces (:meth:`PerfModel.tp_comm_time`) are opt-in
-(``PerfModel(tp_comm=True)``, as the configurator plans): the planner's sizing predates them.
+Tensor-parallel all-reduces (:meth:`PerfModel.tp_comm_time`) are in every step of a TP > 1 replica
+(``tp_comm=False`` leaves them out, for comparisons only).
 
 Whatever the source, no estimate is faster than physics allows: prefill never
 exceeds TP x peak FLOP/s and a decode step never reads faster than TP x HBM
@@ -355,8 +355,8 @@ class Calibration:
 class PerfModel:
     """Latency of one replica (``tp`` GPUs) of ``shape`` on ``hw``.
 
-    ``prefill_scale``/``decode_scale`` are online corrections (1.0 = uncorrected). ``tp_comm`` adds the
-    tensor-parallel all-reduces (two per layer) to every step.
+    ``prefill_scale``/``decode_scale`` are online corrections (1.0 = uncorrected). ``tp_comm`` (on by
+    default) adds the tensor-parallel all-reduces (two per layer) to every step.
     """
 
     shape: ModelShape
@@ -367,7 +367,7 @@ class PerfModel:
     profile: Profile | None = None
     prefill_scale: float = 1.0
     decode_scale: float = 1.0
-    tp_comm: bool = False
+    tp_comm: bool = True
 
     @classmethod
     def analytic(cls, model_name: str, gpu_name: str, tp: int = 1, link: str = "infiniband-ndr",
@@ -379,7 +379,8 @@ class PerfModel:
     # -- tensor parallelism ------------------------------------------------
     def tp_comm_time(self, tokens: float) -> float:
         """Two all-reduces per layer of ``tokens`` x hidden 16-bit activations across the TP group (ring over
-        the GPU's NVLink: 2(tp-1)/tp of the bytes each way, plus a fixed latency). 0 unless ``tp_comm``."""
+        the GPU's NVLink: 2(tp-1)/tp of the bytes each way, plus a fixed latency). 0 at TP 1 or with
+        ``tp_comm`` off."""
         if not self.tp_comm or self.tp <= 1 or tokens <= 0:
             return 0.0
         ring = 2.0 * (self.tp - 1) / self.tp * tokens * self.shape.hidden * 2 / (self.hw.nvlink_bandwidth * 0.8)

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from .decide import Decision, Load, Memory, Observation, RoleModels, Target, decide, size_decode, size_prefill
+from . import serving
 from .perfmodel import PerfModel
 from .traces import BLOCK_TOKENS, Trace
 
@@ -375,7 +376,8 @@ class Simulation:
                 self.cache.move_to_end(b)
             while len(self.cache) > cap:
                 self.cache.popitem(last=False)
-            self._at(now + self.prefill_model.kv_transfer_time_tokens(req.r.input_tokens), "kv_done", req)
+            self._at(now + serving.kv_transfer_time(self.prefill_model, req.r.input_tokens, self.cfg.decode_tp),
+                     "kv_done", req)
         rep.busy = False
         rep.running = 0
         self._start_prefill(rep, now)

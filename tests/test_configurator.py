@@ -19,6 +19,7 @@ from disagg.configurator import Inputs, configure
 from disagg.configurator import estimate as est
 from disagg.configurator import manifest
 from disagg.planner import perfmodel as pm
+from disagg.planner import serving
 
 REPO = Path(__file__).resolve().parent.parent
 SPEEDS = (5, 10, 20, 30, 50, 75, 100, 125, 150, 200)
@@ -151,13 +152,13 @@ def test_disaggregation_pays_where_prefill_interferes_with_decode():
 
 def test_queue_wait_is_erlang_c_for_exponential_service():
     # M/M/1 at rho 0.8, s = 1: P(W > t) = 0.8 exp(-0.2 t) -> p90 wait = ln(8) / 0.2
-    assert est.queue_wait(0.8, 1.0, 90, cv2=1.0) == pytest.approx(math.log(8) / 0.2)
-    assert est.queue_wait(0.8, 1.0, 90, cv2=0.0) == pytest.approx(math.log(8) / 0.4)   # deterministic: half
-    assert est.queue_wait(1.0, 1.0, 90) == math.inf
-    assert est.queue_wait(0.05, 1.0, 90) == 0.0
+    assert serving.queue_wait(0.8, 1.0, 90, cv2=1.0) == pytest.approx(math.log(8) / 0.2)
+    assert serving.queue_wait(0.8, 1.0, 90, cv2=0.0) == pytest.approx(math.log(8) / 0.4)   # deterministic: half
+    assert serving.queue_wait(1.0, 1.0, 90) == math.inf
+    assert serving.queue_wait(0.05, 1.0, 90) == 0.0
     # more servers sharing one queue wait less at the same utilisation
-    assert est.queue_wait(3.2, 1.0, 90, servers=4) < est.queue_wait(0.8, 1.0, 90)
-    assert est.erlang_c(1, 0.8) == pytest.approx(0.8)
+    assert serving.queue_wait(3.2, 1.0, 90, servers=4) < serving.queue_wait(0.8, 1.0, 90)
+    assert serving.erlang_c(1, 0.8) == pytest.approx(0.8)
 
 
 # ---------------------------------------------------------------- inputs
