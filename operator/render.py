@@ -189,9 +189,11 @@ def worker_deployment(dd: DisaggDeployment, uid: str, role: str, gang: gangs.Gan
                   {"name": "kv-events", "containerPort": KV_EVENTS_PORT}],
         "resources": _resources(role_spec),
         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}, *model_mounts],
-        "startupProbe": {**http, "periodSeconds": 10, "failureThreshold": 180},
-        "readinessProbe": {**http, "periodSeconds": 5, "failureThreshold": 3},
-        "livenessProbe": {**http, "periodSeconds": 10, "failureThreshold": 6},
+        # timeouts above the kubelet's 1 s default: a busy engine's /health can take seconds, and a
+        # liveness probe that times out under load restarts the pod and drops every request on it
+        "startupProbe": {**http, "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 180},
+        "readinessProbe": {**http, "periodSeconds": 5, "timeoutSeconds": 5, "failureThreshold": 3},
+        "livenessProbe": {**http, "periodSeconds": 10, "timeoutSeconds": 10, "failureThreshold": 6},
     }
     volumes = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}}, *model_volumes]
     disk_gib = dd.spec.kv_cache.offload.disk_gib
@@ -264,13 +266,19 @@ def router_deployment(dd: DisaggDeployment, uid: str) -> dict[str, Any]:
                  "--policy", r.policy, "--overlap-weight", str(r.overlap_weight),
                  "--max-load-skew", str(r.max_load_skew), "--disaggregation", r.disaggregation,
                  "--local-prefill-threshold-tokens", str(r.local_prefill_threshold_tokens),
+                 "--max-in-flight", str(r.max_in_flight), "--max-queued", str(r.max_queued),
+                 "--queue-timeout-seconds", str(r.queue_timeout_seconds),
+                 "--connect-timeout-seconds", str(r.connect_timeout_seconds),
+                 "--first-token-timeout-seconds", str(r.first_token_timeout_seconds),
+                 "--idle-timeout-seconds", str(r.idle_timeout_seconds),
+                 "--request-timeout-seconds", str(r.request_timeout_seconds),
                  "--discovery", "endpointslices", "--namespace", dd.metadata.namespace or "default",
                  "--prefill-service", n[ROLE_PREFILL], "--decode-service", n[ROLE_DECODE]],
         "ports": [{"name": "http", "containerPort": HTTP_PORT}],
         # readiness: can serve (a healthy decode); liveness: the process answers. A decode outage
         # takes routers out of the Service and never restarts them (their prefix index survives).
-        "readinessProbe": {**ready, "periodSeconds": 5},
-        "livenessProbe": {**live, "periodSeconds": 10, "failureThreshold": 6},
+        "readinessProbe": {**ready, "periodSeconds": 5, "timeoutSeconds": 5},
+        "livenessProbe": {**live, "periodSeconds": 10, "timeoutSeconds": 10, "failureThreshold": 6},
     }
     res = {k: {kk: str(vv) for kk, vv in v.items()}
            for k, v in (("requests", r.resources.requests), ("limits", r.resources.limits)) if v}

@@ -13,6 +13,7 @@ import argparse
 import logging
 import sys
 
+import uvloop
 import yaml
 from aiohttp import web
 
@@ -20,6 +21,17 @@ from disagg.api.names import ROLE_DECODE, ROLE_PREFILL, local_model_path
 
 from .app import make_app
 from .config import RouterConfig
+
+
+# flag -> type; each is spec.router's field of the same name in camelCase
+_LIMITS = (("max-in-flight", int), ("max-queued", int), ("queue-timeout-seconds", float),
+           ("connect-timeout-seconds", float), ("first-token-timeout-seconds", float),
+           ("idle-timeout-seconds", float), ("request-timeout-seconds", float))
+
+
+def _camel(flag: str) -> str:
+    head, *rest = flag.split("-")
+    return head + "".join(w.title() for w in rest)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -33,6 +45,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-load-skew", type=float)
     p.add_argument("--disaggregation")
     p.add_argument("--local-prefill-threshold-tokens", type=int)
+    # admission control and timeouts (spec.router)
+    for flag, kind in _LIMITS:
+        p.add_argument(f"--{flag}", type=kind)
     p.add_argument("--block-size", type=int, help="the workers' KV block size (vLLM --block-size)")
     p.add_argument("--max-model-len", type=int,
                    help="the workers' context length (default: learned from their /v1/models)")
@@ -55,6 +70,9 @@ def config_from(args: argparse.Namespace) -> RouterConfig:
                       ("local_prefill_threshold_tokens", "localPrefillThresholdTokens")):
         if getattr(args, flag) is not None:
             spec[key] = getattr(args, flag)
+    for flag, _ in _LIMITS:
+        if getattr(args, flag.replace("-", "_")) is not None:
+            spec[_camel(flag)] = getattr(args, flag.replace("-", "_"))
     data["spec"] = spec
     if args.model:
         data["model"] = args.model
@@ -87,8 +105,10 @@ def main(argv: list[str] | None = None) -> int:
         discovery = EndpointSliceDiscovery(client.ApiClient(), args.namespace,
                                            {ROLE_PREFILL: args.prefill_service, ROLE_DECODE: args.decode_service})
     # a deep accept backlog: a burst of a thousand clients connecting at once must not be refused
+    # uvloop: the relay's cost is mostly the event loop's socket reads and writes (the profile at 1,000
+    # streams, bench/router_vs_vllm_router.py), which libuv does in C
     web.run_app(make_app(config, discovery=discovery), host=config.host, port=config.port, access_log=None,
-                print=None, backlog=4096)
+                print=None, backlog=4096, loop=uvloop.new_event_loop())
     return 0
 
 

@@ -23,7 +23,8 @@ ROUTER_KEY = web.AppKey("router", Router)
 
 
 def _error(err: errors.RouterError) -> web.Response:
-    return web.json_response(errors.body(err), status=err.status)
+    headers = {"Retry-After": str(err.retry_after_s)} if isinstance(err, errors.Overloaded) else None
+    return web.json_response(errors.body(err), status=err.status, headers=headers)
 
 
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
@@ -79,20 +80,23 @@ async def _parse(request: web.Request, model) -> tuple[object, dict]:
 
 async def _serve(request: web.Request, endpoint: str, model) -> web.StreamResponse:
     router = request.app[ROUTER_KEY]
-    req, body = await _parse(request, model)
-    result, route = await router.handle(endpoint, req, body)
-    if isinstance(result, dict):
-        return web.json_response(result, headers=route.headers())
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                       **route.headers()})
-    await resp.prepare(request)
-    try:
-        async for chunk in result:
-            await resp.write(chunk)
-    finally:
-        await result.aclose()
-    await resp.write_eof()
-    return resp
+    # admitted before the body is even read: under overload a 429 is the cheapest answer
+    async with router.admission.slot():
+        req, body = await _parse(request, model)
+        result, route = await router.handle(endpoint, req, body)
+        if isinstance(result, dict):
+            return web.json_response(result, headers=route.headers())
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           **route.headers()})
+        await resp.prepare(request)
+        write = resp.write
+        try:
+            async for chunk in result:
+                await write(chunk)
+        finally:
+            await result.aclose()
+        await resp.write_eof()
+        return resp
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

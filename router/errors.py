@@ -39,6 +39,22 @@ class UpstreamFailed(RouterError):
     type = "upstream_error"
 
 
+class UpstreamTimeout(RouterError):
+    """A worker took longer than a configured timeout (connect, first token, between chunks, unary)."""
+    status = 504
+    type = "timeout_error"
+
+
+class Overloaded(RouterError):
+    """The router holds its bound of requests in flight and its queue is full or the wait ran out."""
+    status = 429
+    type = "rate_limit_exceeded"
+
+    def __init__(self, message: str, retry_after_s: int):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class UpstreamRejected(RouterError):
     """The worker refused the request (4xx): its own message, passed on."""
 

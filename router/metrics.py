@@ -44,3 +44,9 @@ class RouterMetrics:
         self.indexed_blocks = Gauge(m.ROUTER_INDEXED_BLOCKS, "Blocks in the prefix index.", ["role"],
                                     registry=r)
         self.kv_event_batches = Counter(m.ROUTER_KV_EVENT_BATCHES, "KV event batches applied.", registry=r)
+        self.in_flight = Gauge(m.ROUTER_IN_FLIGHT, "Requests admitted and not yet answered in full.", registry=r)
+        self.queued = Gauge(m.ROUTER_QUEUE_DEPTH, "Requests waiting for admission.", registry=r)
+        self.rejected = Counter(m.ROUTER_REJECTED, "Requests refused with a 429, by reason.", ["reason"],
+                                registry=r)
+        self.timeouts = Counter(m.ROUTER_TIMEOUTS, "Worker calls cut by a timeout, by which one.", ["kind"],
+                                registry=r)

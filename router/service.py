@@ -8,9 +8,7 @@ client should see as an error.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -23,16 +21,21 @@ from disagg.api.names import ROLE_DECODE, ROLE_PREFILL
 from disagg.api.v1alpha1 import Disaggregation
 
 from . import policies
+from .admission import Admission
 from .config import RouterConfig
-from .errors import BadRequest, NoWorkers, NotFound, RouterError, UpstreamFailed, UpstreamRejected, sse
+from .errors import BadRequest, NoWorkers, NotFound, RouterError, UpstreamFailed, UpstreamRejected, UpstreamTimeout
 from .events import Subscriber
 from .index import PrefixIndex, block_keys
 from .pool import Pool, Worker
 from .protocol import ChatCompletionRequest, CompletionRequest
+from .relay import StreamEnd, relay
 
 log = logging.getLogger("disagg.router")
 TOKENIZE_INLINE_CHARS = 16384
-_USAGE_ONLY = re.compile(rb'"choices":\s*\[\]')
+# /health timeouts in a row before a worker that still accepts connections counts as unhealthy: under a
+# burst of thousands of streams a busy (but serving) worker or router may answer a probe late, and taking
+# every worker out at once turned that into 503s for everyone (bench/router_vs_vllm_router.py, 2,000 streams)
+PROBE_TIMEOUTS_TO_UNHEALTHY = 3
 REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                  "remote_block_ids": None, "remote_host": None, "remote_port": None}
 
@@ -84,14 +87,18 @@ class Router:
         self._discovery_task: asyncio.Task | None = None
         # the context refused beyond: configured (the engine args), else learned from a worker
         self.max_model_len: int | None = config.max_model_len
+        spec = config.spec
+        self.admission = Admission(spec.max_in_flight, spec.max_queued, spec.queue_timeout_seconds, metrics)
+        self._probe_timeouts: dict[str, int] = {}
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(
             # keep-alive shorter than the workers' (uvicorn: 5 s), so a pooled connection is
             # not reused just as the worker closes it
+            # no connection limit here: the bound on requests is the router's admission control
             connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=3),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.config.spec.connect_timeout_seconds))
         self._zmq = zmq.asyncio.Context()
         for role, idx in self.index.items():
             self._subscribers[role] = Subscriber(self._zmq, idx, self.config.kv_events_topic,
@@ -135,7 +142,12 @@ class Router:
         try:
             async with self._session.get(f"{w.url}/health", timeout=aiohttp.ClientTimeout(total=timeout)) as r:
                 w.healthy = r.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+            self._probe_timeouts.pop(w.name, None)
+        except asyncio.TimeoutError:        # slow, not refused: out only after several in a row
+            n = self._probe_timeouts[w.name] = self._probe_timeouts.get(w.name, 0) + 1
+            if n >= PROBE_TIMEOUTS_TO_UNHEALTHY:
+                w.healthy = False
+        except aiohttp.ClientError:         # refused or reset: out until /health answers
             w.healthy = False
         if w.healthy and self.max_model_len is None:
             await self._learn_context(w, timeout)
@@ -276,19 +288,24 @@ class Router:
 
     async def _post(self, w: Worker, endpoint: str, body: dict, timeout: float | None) -> dict:
         try:
-            async with self._session.post(f"{w.url}{endpoint}", json=body,
-                                          timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+            async with self._session.post(f"{w.url}{endpoint}", json=body, timeout=aiohttp.ClientTimeout(
+                    total=timeout, sock_connect=self.config.spec.connect_timeout_seconds)) as r:
                 if 400 <= r.status < 500:
                     raise await _rejected(r)
                 if r.status != 200:
                     raise _Upstream(f"HTTP {r.status}: {(await r.text())[:200]}")
                 return await r.json()
         except aiohttp.ClientError as e:
+            if isinstance(e, aiohttp.ConnectionTimeoutError):  # connect timed out: another worker may answer
+                self.metrics.timeouts.labels(m.TIMEOUT_CONNECT).inc()
+                raise _Upstream(f"connecting timed out ({self.config.spec.connect_timeout_seconds:g} s)") from e
             if isinstance(e, TimeoutError):
                 raise TimeoutError(str(e)) from e
             if isinstance(e, aiohttp.ClientConnectorError):   # nothing listens there: out until /health says so
                 w.healthy = False
             raise _Upstream(str(e) or type(e).__name__) from e
+        except TimeoutError as e:          # the total timeout (aiohttp raises asyncio's own)
+            raise TimeoutError(str(e)) from e
 
     def _account(self, w: Worker, delta: int) -> None:
         w.active += delta
@@ -301,8 +318,14 @@ class Router:
             cur = w
             self._account(cur, +1)
             try:
-                data = await self._post(cur, endpoint, body, timeout=None)
+                data = await self._post(cur, endpoint, body, timeout=self.config.spec.request_timeout_seconds)
                 break
+            except TimeoutError:
+                # the worker is slow, not gone: another one would be as slow, and the client has waited enough
+                self.metrics.timeouts.labels(m.TIMEOUT_REQUEST).inc()
+                self.metrics.requests.labels(m.OUTCOME_TIMEOUT, route.path).inc()
+                raise UpstreamTimeout(f"the decode worker {cur.name} did not answer within the request "
+                                      f"timeout ({self.config.spec.request_timeout_seconds:g} s)") from None
             except _Upstream as e:
                 w = self._next_decode(cur, e, ids, tried, route)
                 body = self._without_remote_kv(body, route)
@@ -351,10 +374,18 @@ class Router:
         return {k: v for k, v in body.items() if k != "kv_transfer_params"}
 
     async def _open_stream(self, w: Worker, endpoint: str, body: dict) -> aiohttp.ClientResponse:
+        spec = self.config.spec
         try:
-            r = await self._session.post(f"{w.url}{endpoint}", json=body)
+            # the read timeout starts as the first-token timeout (headers and first token); the relay turns
+            # it into the idle timeout once tokens flow
+            r = await self._session.post(f"{w.url}{endpoint}", json=body, timeout=aiohttp.ClientTimeout(
+                total=None, sock_connect=spec.connect_timeout_seconds, sock_read=spec.first_token_timeout_seconds))
         except aiohttp.ClientError as e:
-            if isinstance(e, aiohttp.ClientConnectorError):   # nothing listens there: out until /health says so
+            if isinstance(e, aiohttp.ConnectionTimeoutError):
+                self.metrics.timeouts.labels(m.TIMEOUT_CONNECT).inc()
+            elif isinstance(e, aiohttp.ServerTimeoutError):    # no answer headers within the first-token timeout
+                self.metrics.timeouts.labels(m.TIMEOUT_FIRST_TOKEN).inc()
+            elif isinstance(e, aiohttp.ClientConnectorError):   # nothing listens there: out until /health says so
                 w.healthy = False
             raise _Upstream(str(e) or type(e).__name__) from e
         if r.status == 200:
@@ -388,47 +419,31 @@ class Router:
         return self._relay(resp, w, route.path, start, client_wants_usage)
 
     async def _relay(self, resp, w: Worker, path: str, start: float, client_wants_usage: bool):
-        first = last = None
-        output_tokens = 0
-        outcome = m.OUTCOME_UPSTREAM_ERROR
-        event = b""
+        """The stream relay (:mod:`.relay`) and the request's accounting once it ends, however it ends."""
+        end = StreamEnd()
+        spec = self.config.spec
         try:
-            async for line in resp.content:
-                event += line
-                if line not in (b"\n", b"\r\n"):
-                    continue
-                chunk, event = event, b""
-                if not chunk.startswith(b"data: "):
-                    continue
-                if chunk.startswith(b"data: [DONE]"):
-                    outcome = m.OUTCOME_SUCCESS
-                    yield chunk
-                    break
-                if _USAGE_ONLY.search(chunk):          # the usage-only chunk
-                    usage = json.loads(chunk[6:]).get("usage") or {}
-                    output_tokens = usage.get("completion_tokens", output_tokens)
-                    if client_wants_usage:
-                        yield chunk
-                    continue
-                now = time.monotonic()
-                if first is None:
-                    first = now
-                    self.metrics.ttft.labels(path).observe(now - start)
-                else:
-                    self.metrics.itl.observe(now - last)
-                last = now
-                yield chunk
-            else:
-                yield sse(UpstreamFailed(f"the decode worker {w.name} ended the stream early"))
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            yield sse(UpstreamFailed(f"the decode worker {w.name} failed mid-stream: {e}"))
+            async for data in relay(resp, w.name, end, start=start, client_wants_usage=client_wants_usage,
+                                    observe_ttft=self.metrics.ttft.labels(path).observe,
+                                    observe_itl=self.metrics.itl.observe,
+                                    first_token_timeout_s=spec.first_token_timeout_seconds,
+                                    idle_timeout_s=spec.idle_timeout_seconds):
+                yield data
         finally:
-            resp.release()
+            if end.outcome == m.OUTCOME_SUCCESS:
+                resp.release()       # read to the end: the connection goes back to the pool
+            else:
+                resp.close()         # cut or broken: never reuse a connection with a stalled stream on it
             self._account(w, -1)
+            outcome = end.outcome
+            if end.idle_timeout:
+                outcome = m.OUTCOME_TIMEOUT
+                self.metrics.timeouts.labels(
+                    m.TIMEOUT_IDLE if end.first_token_at is not None else m.TIMEOUT_FIRST_TOKEN).inc()
             self.metrics.requests.labels(outcome, path).inc()
             if outcome == m.OUTCOME_SUCCESS:
                 self.metrics.e2e.labels(path).observe(time.monotonic() - start)
-                self.metrics.output_tokens.observe(output_tokens)
+                self.metrics.output_tokens.observe(end.output_tokens)
 
 
 def raw_text(req: CompletionRequest | ChatCompletionRequest) -> str | list:

@@ -289,6 +289,27 @@ class RouterSpec(_Model):
     local_prefill_threshold_tokens: int = Field(
         256, ge=0, le=1_000_000,
         description="With conditional disaggregation, prompts with fewer uncached tokens prefill on decode.")
+    max_in_flight: int = Field(
+        4096, ge=1, le=1_000_000,
+        description="Requests one router replica serves at once (streams included); more wait in its queue.")
+    max_queued: int = Field(
+        1024, ge=0, le=1_000_000,
+        description="Requests one replica holds waiting for admission; beyond, it answers 429 with Retry-After.")
+    queue_timeout_seconds: float = Field(
+        5, ge=0, le=3600,
+        description="How long a request may wait for admission before a 429 with Retry-After.")
+    connect_timeout_seconds: float = Field(5, gt=0, le=3600,
+                                           description="Connecting to a worker; then the next worker is tried.")
+    first_token_timeout_seconds: float = Field(
+        600, gt=0, le=86400,
+        description="A decode stream that sends no token this long after the request is cut with an error "
+                    "event (covers the engine's queue and a local prefill).")
+    idle_timeout_seconds: float = Field(
+        60, gt=0, le=86400,
+        description="A decode stream silent this long between chunks is cut with an error event.")
+    request_timeout_seconds: float = Field(
+        1800, gt=0, le=86400,
+        description="A non-streaming request to a worker is cut (504) after this long in total.")
     resources: ResourceRequirements = Field(default_factory=ResourceRequirements,
                                             description="Resources of one router replica.")
     node_selector: dict[str, Annotated[str, Field(max_length=63)]] = Field(
