@@ -160,23 +160,24 @@ class Stack:
     end: float
 
 
+def _post(url: str, body: dict) -> None:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            assert r.status == 200
+            r.read()
+    except urllib.error.HTTPError as e:   # the router's OpenAI-style error says which worker failed and how
+        raise AssertionError(f"{url}: HTTP {e.code}: {e.read()[:2000]!r}") from e
+
+
 def _complete(url: str, prompt: str, stream: bool, max_tokens: int = 8) -> None:
-    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                       "stream": stream}).encode()
-    req = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as r:
-        assert r.status == 200
-        r.read()
+    _post(f"{url}/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                                    "stream": stream})
 
 
 def _chat(url: str, text: str) -> None:
-    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": text}], "max_tokens": 8,
-                       "temperature": 0, "stream": True}).encode()
-    req = urllib.request.Request(f"{url}/v1/chat/completions", data=body,
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as r:
-        assert r.status == 200
-        r.read()
+    _post(f"{url}/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": text}],
+                                         "max_tokens": 8, "temperature": 0, "stream": True})
 
 
 class PlannerFeed:
@@ -277,30 +278,39 @@ def stack(tiny_model, worker_python, tmp_path_factory):  # noqa: F811
 
         start = time.time()
         url = procs["router"].url
-        for i, prompt in enumerate(LONG[:8]):              # remote prefill (long, uncached tails)
-            _complete(url, prompt, stream=i % 2 == 0)
-        for text in SHORT:                                 # local prefill (short)
-            _chat(url, text)
-        proxy.failing = True                               # a broken prefill: fallback to local prefill
-        for prompt in LONG[8:11]:
-            _complete(url, prompt, stream=True)
-        proxy.failing = False
-        for prompt in LONG[11:] + LONG[:2]:                # prefix hits on the prefill worker
-            _complete(url, prompt, stream=True, max_tokens=12)
-        routed = scrape(url)
-        served = metric_sum(routed, m.ROUTER_REQUESTS)
-        assert served == 20, routed
-        assert routed.get(f'{m.ROUTER_FALLBACKS}{{reason="{m.FALLBACK_PREFILL_ERROR}"}}', 0) == 3, routed
-        # vLLM publishes NIXL stats at its logging interval
-        wait_metric(procs["decode"].url, m.VLLM_NIXL_BYTES_TRANSFERRED + "_count", 1, timeout=60)
-        # until Prometheus holds the last values and the planner decided on them
-        decisions = feed.decisions
-        wait_for(lambda: prom.api("query", query=f'sum({m.ROUTER_REQUESTS}{{namespace="{NS}"}})')
-                 .get("data", {}).get("result") and float(prom.api(
-                     "query", query=f'sum({m.ROUTER_REQUESTS}{{namespace="{NS}"}})')["data"]["result"][0]["value"][1])
-                 == served, 60, "Prometheus to scrape the router's last counts", interval=1)
-        wait_for(lambda: feed.decisions >= decisions + 2, 60, "two more planner decisions", interval=0.5)
-        time.sleep(3)  # a few more scrapes of every target and rule evaluations
+        try:
+            for i, prompt in enumerate(LONG[:8]):              # remote prefill (long, uncached tails)
+                _complete(url, prompt, stream=i % 2 == 0)
+            for text in SHORT:                                 # local prefill (short)
+                _chat(url, text)
+            proxy.failing = True                               # a broken prefill: fallback to local prefill
+            for prompt in LONG[8:11]:
+                _complete(url, prompt, stream=True)
+            proxy.failing = False
+            for prompt in LONG[11:] + LONG[:2]:                # prefix hits on the prefill worker
+                _complete(url, prompt, stream=True, max_tokens=12)
+            routed = scrape(url)
+            served = metric_sum(routed, m.ROUTER_REQUESTS)
+            assert served == 20, routed
+            assert routed.get(f'{m.ROUTER_FALLBACKS}{{reason="{m.FALLBACK_PREFILL_ERROR}"}}', 0) == 3, routed
+            # vLLM publishes NIXL stats at its logging interval
+            wait_metric(procs["decode"].url, m.VLLM_NIXL_BYTES_TRANSFERRED + "_count", 1, timeout=60)
+            # until Prometheus holds the last values and the planner decided on them
+            decisions = feed.decisions
+            wait_for(lambda: prom.api("query", query=f'sum({m.ROUTER_REQUESTS}{{namespace="{NS}"}})')
+                     .get("data", {}).get("result") and float(prom.api(
+                         "query", query=f'sum({m.ROUTER_REQUESTS}{{namespace="{NS}"}})')["data"]["result"][0]["value"][1])
+                     == served, 60, "Prometheus to scrape the router's last counts", interval=1)
+            wait_for(lambda: feed.decisions >= decisions + 2, 60, "two more planner decisions", interval=0.5)
+            # every target scraped, and the chart's rules (every 2 s) evaluated, after the last decision
+            mark = time.time() + 2
+
+            def scraped_since() -> bool:
+                r = prom.api("query", query="min(timestamp(up))").get("data", {}).get("result")
+                return bool(r) and float(r[0]["value"][1]) > mark
+            wait_for(scraped_since, 60, "a scrape of every target after the last decision", interval=0.5)
+        except Exception as e:   # what the processes said is the only record a CI failure leaves
+            raise AssertionError("\n".join(f"--- {n}.log (tail) ---\n{p.tail(60)}" for n, p in procs.items())) from e
         yield Stack(prom, url, procs["decode"].url, start, time.time())
     finally:
         for close in reversed(closers):

@@ -202,6 +202,9 @@ def test_prometheus_discovers_the_pods_and_every_panel_has_data(api, pd, real, t
     prom = LocalPrometheus(tmp_path / "prometheus", [], scrape_interval="2s",
                            scrape_configs=monitoring.scrape_configs(objects, real.kubeconfig),
                            rule_groups=monitoring.rule_groups(objects), kubernetes_sd=True).start()
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    sender: threading.Thread | None = None
     try:
         start = time.time()
 
@@ -212,20 +215,21 @@ def test_prometheus_discovers_the_pods_and_every_panel_has_data(api, pd, real, t
         wait_for(targets_up, 120, "every pod of the deployment scraped through the chart's monitors", interval=1)
         # traffic for as long as the panels are checked: a ratio of rates needs its counters to move across
         # scrapes (the chart scrapes pods every 15 s), as on a serving cluster
-        stop = threading.Event()
-
         def traffic() -> None:
             import openai
 
             oa = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=300)
             i = 0
-            while not stop.is_set():
-                answer = oa.completions.create(model=realnode.SERVED_MODEL, prompt=f"{PROMPT} question {i}",
-                                               max_tokens=8, stream=bool(i % 2))
-                if i % 2:
-                    assert [c for c in answer if c.choices]
-                i += 1
-                stop.wait(1)
+            try:
+                while not stop.is_set():
+                    answer = oa.completions.create(model=realnode.SERVED_MODEL, prompt=f"{PROMPT} question {i}",
+                                                   max_tokens=8, stream=bool(i % 2))
+                    if i % 2:
+                        assert [c for c in answer if c.choices]
+                    i += 1
+                    stop.wait(1)
+            except BaseException as e:   # noqa: BLE001  (reported by the test, not lost in a thread)
+                errors.append(e)
         sender = threading.Thread(target=traffic, daemon=True)
         sender.start()
         variables = {"namespace": NS, "deployment": PD, "ttft_target": "1", "itl_target": "0.05",
@@ -253,19 +257,31 @@ def test_prometheus_discovers_the_pods_and_every_panel_has_data(api, pd, real, t
         assert not last, "\n".join(last)
     finally:
         stop.set()
+        if sender:
+            sender.join(timeout=330)   # its last request ends before the deployment goes away
         prom.stop()
+    assert sender and not sender.is_alive() and not errors, errors
 
 
-def _stream(url: str, prompt: str, max_tokens: int) -> tuple[str, str]:
-    """One streamed completion: (decode worker that served it, text); raises on any error event."""
+def _stream(url: str, prompt: str, max_tokens: int) -> tuple[str, str, str | None, int]:
+    """One streamed completion of exactly `max_tokens` tokens (EOS ignored): (decode worker that served it,
+    text, finish reason, completion tokens from the usage chunk); raises on any error event. Text alone
+    proves little: the tiny model's random weights may pick tokens that detokenize to nothing."""
     import openai
 
     oa = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
+    text, finish, tokens = "", None, 0
     with oa.completions.with_streaming_response.create(model=realnode.SERVED_MODEL, prompt=prompt,
                                                        max_tokens=max_tokens, temperature=0, stream=True,
+                                                       stream_options={"include_usage": True},
                                                        extra_body={"ignore_eos": True}) as r:
-        text = "".join(c.choices[0].text for c in r.parse() if c.choices)
-        return r.headers.get("x-disagg-decode", ""), text
+        for c in r.parse():
+            if c.choices:
+                text += c.choices[0].text
+                finish = c.choices[0].finish_reason or finish
+            if c.usage:
+                tokens = c.usage.completion_tokens
+        return r.headers.get("x-disagg-decode", ""), text, finish, tokens
 
 
 def _unary(url: str, prompt: str, max_tokens: int) -> str:
@@ -332,7 +348,8 @@ def test_scale_down_with_streams_in_flight_fails_nothing(api, agg):
                  or any(f.done() for f in futures), 120, "the streams in flight")
         dd.patch_spec({"decode": {"replicas": 1}})
         results = [f.result() for f in futures]   # raises if any stream failed
-    assert all(text for _, text in results)
+    # every stream ran to its length: none cut short by the scale-down (an aborted one ends "abort")
+    assert [(finish, tokens) for _, _, finish, tokens in results] == [("length", 96)] * 8, results
     wait_for(lambda: len(dd.pods("decode")) == 1, 300, "one decode pod left")
     # the survivor serves new requests
     assert _unary(url, PROMPT + " after", 8)
