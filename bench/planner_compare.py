@@ -13,7 +13,9 @@ Mooncake trace (12k-token prompts on average). The planner and the reactive auto
 size fit for the first minute's traffic; static-peak is sized with the same performance model for the
 busiest 30 s of the trace. The planner uses Holt-Winters on the periodic traces (season = the burst
 cycle; diurnal's period is the whole hour, so there it is Holt's trend), moving average elsewhere.
-step-slow replays step on simulated hardware 1.5x slower than the data sheet all three plan with.
+step-slow replays step on simulated hardware 1.5x slower than the data sheet all three plan with. heavy is
+a flat 4 requests/s of heavy-tailed prompts (lognormal, median ~12k, p90 ~39k tokens; ~70-token answers)
+with the Mooncake targets.
 
     .venv/bin/python bench/planner_compare.py [--out DIR] [--quick]
 """
@@ -32,6 +34,7 @@ from disagg.planner import simulate as sm
 from disagg.planner import traces
 
 REPO = Path(__file__).resolve().parent.parent
+HEAVY = traces.Mix(input_mean=18300, output_mean=70, sigma=0.92, prefix_groups=0)
 
 
 def scenarios(quick: bool) -> list[tuple[str, traces.Trace, sm.SimConfig, int]]:
@@ -47,6 +50,9 @@ def scenarios(quick: bool) -> list[tuple[str, traces.Trace, sm.SimConfig, int]]:
          int(bursty_cycle // syn.interval)),
         # the same step, on hardware 1.5x slower than its data sheet: only online correction notices
         ("step-slow", traces.synthetic("step", duration=hour, rate=12.0), replace(syn, reality=1.5), 0),
+        # flat load, heavy-tailed prompts (issue 13's production mix: median ~12k, p90 ~39k tokens, a few far
+        # longer; ~70-token answers): sized by a representative prompt, prefill runs out of room
+        ("heavy", traces.poisson(4.0, hour, HEAVY, seed=13), real, 0),
     ]
     return out
 

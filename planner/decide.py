@@ -36,6 +36,7 @@ HISTORY = 288               # intervals kept for the predictors
 SCALE_DOWN_MARGIN = 1.2     # size for 20% more load before shrinking (hysteresis)
 SCALE_DOWN_STEP = 0.25      # shrink at most a quarter of a role per interval (at least one replica)
 LEARN_ABOVE = 0.5           # online correction learns from intervals with latency above this share of target
+LOAD_STEP = 0.25            # ... and whose request rate moved less than this share from the interval before
 SATURATION = 2.0            # observed latency at this multiple of target counts as saturated
 MAX_REPLICAS = 1024
 UNATTAINABLE_SLACK = 1.25   # when a prompt alone misses the TTFT target, allow this much queueing on top
@@ -236,15 +237,17 @@ def prefill_latency(model: PerfModel | RoleModels, load: Load, replicas: int, pe
 
 
 def size_prefill(model: PerfModel | RoleModels, load: Load, ttft_target: float, percentile: float,
-                 limit: int = MAX_REPLICAS) -> tuple[int, float]:
-    """Least prefill replicas meeting the TTFT target (``limit`` when none does), and the TTFT they give."""
+                 limit: int = MAX_REPLICAS, capacity: PerfModel | RoleModels | None = None) -> tuple[int, float]:
+    """Least prefill replicas meeting the TTFT target (``limit`` when none does), and the TTFT they give;
+    never fewer than ``capacity``'s mean service time keeps under the utilisation cap."""
     models = RoleModels.of(model)
     work = _work(models, load, percentile)
+    floor = _work(RoleModels.of(capacity), load, percentile).mean if capacity is not None else None
     # prompts that alone miss the target cannot be helped by more replicas: then plan for queueing of at
     # most a quarter of their own time instead of chasing the target
     alone = serving.prefill_ttft(work, 0.0, 1, percentile)
     goal = max(ttft_target, alone * UNATTAINABLE_SLACK)
-    return serving.least_prefill(work, max(load.rate, 0.0), goal, percentile, limit)
+    return serving.least_prefill(work, max(load.rate, 0.0), goal, percentile, limit, capacity_service=floor)
 
 
 def decode_latency(model: PerfModel | RoleModels, load: Load, replicas: int, itl_target: float) -> float:
@@ -358,7 +361,11 @@ def decide(obs: Observation, target: Target, memory: Memory, model: PerfModel | 
 
     p_limit = max(min(target.prefill_max, MAX_REPLICAS), target.floor_prefill)
     d_limit = max(min(target.decode_max, MAX_REPLICAS), target.floor_decode)
-    need_p, ttft_pred = size_prefill(planning, load_p, target.ttft_target, target.percentile, p_limit)
+    # a correction below 1 says the engine's latency tail is shorter than the model's queueing predicts; it
+    # lowers the predicted TTFT, never the capacity the utilisation cap reserves (a queue past its capacity
+    # grows without bound, and one latency ratio cannot tell faster service from a gentler tail)
+    capacity = RoleModels.of(model).corrected(max(corr.prefill, 1.0), max(corr.decode, 1.0))
+    need_p, ttft_pred = size_prefill(planning, load_p, target.ttft_target, target.percentile, p_limit, capacity)
     need_d, itl_pred = size_decode(planning, load_d, target.itl_target, target.percentile, d_limit)
     # the observed latency has the last word when it breaks the target the model claims is met
     # (TTFT is prefill's unless requests wait for decode admission; then decode needs room first)
@@ -395,7 +402,7 @@ def decide(obs: Observation, target: Target, memory: Memory, model: PerfModel | 
 
     # the size to shrink to is computed for more load than predicted (hysteresis)
     shrink_p = min(max(size_prefill(planning, replace(load_p, rate=load_p.rate * SCALE_DOWN_MARGIN),
-                                    target.ttft_target, target.percentile, p_limit)[0], need_p), p_limit)
+                                    target.ttft_target, target.percentile, p_limit, capacity)[0], need_p), p_limit)
     shrink_d = min(max(size_decode(planning, replace(load_d, rate=load_d.rate * SCALE_DOWN_MARGIN),
                                    target.itl_target, target.percentile, d_limit)[0], need_d), d_limit)
     rp = role(target.prefill, need_p, target.floor_prefill, p_limit, memory.last_scale_up_prefill, ttft_obs,
@@ -466,6 +473,11 @@ def _correct(obs: Observation, target: Target, memory: Memory, model: PerfModel 
     load = Load(obs.request_rate, obs.input_tokens_mean, obs.input_tokens_p or obs.input_tokens_mean,
                 obs.output_tokens_mean, obs.prefix_hit_ratio)
     if (obs.decode_queue or 0.0) >= 1.0:  # memory-bound decode: neither latency measures the model
+        ttft_obs = itl_obs = None
+    previous = memory.rate[-1] if memory.rate else None
+    if previous is None or abs(obs.request_rate - previous) > LOAD_STEP * max(previous, obs.request_rate):
+        # the load moved within the window: its latency is the backlog of the transition (queueing that
+        # the steady-state model does not claim to predict), not a slower or faster engine
         ttft_obs = itl_obs = None
     ttft_pred = prefill_latency(planning, load, max(target.prefill, 1), target.percentile)
     itl_pred = decode_latency(planning, load, max(target.decode, 1), target.itl_target)

@@ -189,11 +189,12 @@ def prefill_ttft(work: PrefillWork, rate: float, replicas: int, percentile: floa
 
 
 def least_prefill(work: PrefillWork, rate: float, ttft_target: float, percentile: float, limit: int,
-                  first_step: float = 0.0) -> tuple[int, float]:
+                  first_step: float = 0.0, capacity_service: float | None = None) -> tuple[int, float]:
     """Fewest prefill replicas (up to ``limit``) whose TTFT at the percentile meets ``ttft_target`` and
-    whose utilisation stays under :data:`PREFILL_MAX_UTILIZATION`; ``limit`` when none does. With the
-    TTFT they give."""
-    lo = max(1, math.ceil(rate * work.mean / PREFILL_MAX_UTILIZATION - 1e-12)) if rate > 0 else 1
+    whose utilisation stays under :data:`PREFILL_MAX_UTILIZATION` (at ``capacity_service`` seconds a prompt
+    when given and longer than the work's mean); ``limit`` when none does. With the TTFT they give."""
+    service = max(work.mean, capacity_service or 0.0)
+    lo = max(1, math.ceil(rate * service / PREFILL_MAX_UTILIZATION - 1e-12)) if rate > 0 else 1
     n = min(lo, limit)
     while n < limit and prefill_ttft(work, rate, n, percentile, first_step) > ttft_target:
         n += 1
