@@ -135,7 +135,8 @@ def main() -> None:
     ap.add_argument("--itl-ms", type=float, default=10.0)
     ap.add_argument("--requests", type=int, default=30,
                     help="at least this many requests per target and level (more when the level is wider)")
-    ap.add_argument("--targets", default="direct,router,vllm-router")
+    ap.add_argument("--targets", default="direct,router,vllm-router",
+                    help="any of direct, router, router-asyncio (the router on asyncio's loop), vllm-router")
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--priority", type=int, default=-10,
                     help="nice value of this process and all it starts (as root): on a machine shared with "
@@ -159,6 +160,11 @@ def main() -> None:
         "decode": [{"url": u.url} for u in ups]}))
     procs = {"router": router(logs / "router.json", port, logs),
              "vllm-router": vllm_router([u.url for u in ups], free_port(), logs)}
+    # the same router on Python's own event loop: what uvloop is worth, measured in the same run
+    port2 = free_port()
+    procs["router-asyncio"] = LocalProcess("router-asyncio", [*procs["router"].argv, "--port", str(port2),
+                                                              "--event-loop", "asyncio"],
+                                           {}, f"http://127.0.0.1:{port2}", logs)
     procs = {t: p for t, p in procs.items() if t in targets}
     everything = ups + list(procs.values())
     for p in everything:

@@ -10,6 +10,7 @@ The second form is what the operator runs in the router Deployment.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import sys
 
@@ -53,6 +54,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="the workers' context length (default: learned from their /v1/models)")
     p.add_argument("--kv-events-topic", help="ZMQ topic of the workers' KV events")
     p.add_argument("--discovery", choices=["static", "endpointslices"], default="static")
+    p.add_argument("--event-loop", choices=["uvloop", "asyncio"], default="uvloop",
+                   help="asyncio: Python's own loop (to compare; bench/router_vs_vllm_router.py)")
     p.add_argument("--namespace", default="default")
     p.add_argument("--prefill-service")
     p.add_argument("--decode-service")
@@ -108,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     # uvloop: the relay's cost is mostly the event loop's socket reads and writes (the profile at 1,000
     # streams, bench/router_vs_vllm_router.py), which libuv does in C
     web.run_app(make_app(config, discovery=discovery), host=config.host, port=config.port, access_log=None,
-                print=None, backlog=4096, loop=uvloop.new_event_loop())
+                print=None, backlog=4096,
+                loop=uvloop.new_event_loop() if args.event_loop == "uvloop" else asyncio.new_event_loop())
     return 0
 
 

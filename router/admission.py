@@ -24,6 +24,9 @@ class Admission:
         self._waiters: deque[asyncio.Future] = deque()
         # a client told to come back when one queue wait would have run out, at least a second
         self.retry_after_s = max(1, math.ceil(queue_timeout_s))
+        # read at scrape time: no metric call on the request path
+        metrics.in_flight.set_function(lambda: self.in_flight)
+        metrics.queued.set_function(lambda: len(self._waiters))
 
     @asynccontextmanager
     async def slot(self) -> AsyncIterator[None]:
@@ -36,13 +39,11 @@ class Admission:
     async def enter(self) -> None:
         if self.in_flight < self.limit and not self._waiters:
             self.in_flight += 1
-            self.metrics.in_flight.set(self.in_flight)
             return
         if len(self._waiters) >= self.max_queued or self.queue_timeout_s <= 0:
             self._reject(m.REJECT_QUEUE_FULL, "queue is full")
         fut = asyncio.get_running_loop().create_future()
         self._waiters.append(fut)
-        self.metrics.queued.set(len(self._waiters))
         try:
             # leave() hands its slot over by resolving the future: in_flight already counts this request
             await asyncio.wait_for(asyncio.shield(fut), self.queue_timeout_s)
@@ -61,17 +62,14 @@ class Admission:
                 self._waiters.remove(fut)
             except ValueError:
                 pass
-            self.metrics.queued.set(len(self._waiters))
 
     def leave(self) -> None:
         while self._waiters:
             fut = self._waiters.popleft()
             if not fut.done():
                 fut.set_result(None)                   # the slot passes to the oldest waiter
-                self.metrics.queued.set(len(self._waiters))
                 return
         self.in_flight -= 1
-        self.metrics.in_flight.set(self.in_flight)
 
     def _reject(self, reason: str, why: str) -> None:
         self.metrics.rejected.labels(reason).inc()

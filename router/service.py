@@ -135,6 +135,7 @@ class Router:
             self._zmq.term()
 
     def _watch(self, w: Worker) -> None:
+        self.metrics.active.labels(w.role, w.name).set_function(lambda: w.active)
         if w.kv_events and w.role in self._subscribers:   # subscribers exist once started
             self._subscribers[w.role].watch(w.name, w.kv_events)
 
@@ -308,8 +309,7 @@ class Router:
             raise TimeoutError(str(e)) from e
 
     def _account(self, w: Worker, delta: int) -> None:
-        w.active += delta
-        self.metrics.active.labels(w.role, w.name).set(w.active)
+        w.active += delta     # the gauge reads it at scrape time (_watch)
 
     async def _unary(self, endpoint, plan, body, route: Route, start, ids) -> dict:
         tried: list[str] = []
