@@ -12,6 +12,7 @@ calls cost nothing in the steady state.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -80,8 +81,8 @@ def parse_count(value: str | int | None) -> int:
     return int(text[:-1]) // 1000 if text.endswith("m") else int(text)
 
 
-def free_gpus(nodes: list[dict], pods: list[dict]) -> list[NodeFree]:
-    """Allocatable GPUs minus those requested by pods bound to each schedulable node."""
+def used_gpus(pods: Iterable[dict]) -> dict[str, int]:
+    """GPUs requested per node by the pods bound to it (finished pods hold none)."""
     used: dict[str, int] = defaultdict(int)
     for pod in pods:
         node = pod.get("spec", {}).get("nodeName")
@@ -91,6 +92,13 @@ def free_gpus(nodes: list[dict], pods: list[dict]) -> list[NodeFree]:
             res = c.get("resources") or {}
             used[node] += parse_count((res.get("limits") or {}).get(GPU_RESOURCE)
                                       or (res.get("requests") or {}).get(GPU_RESOURCE))
+    return used
+
+
+def free_gpus(nodes: Iterable[dict], used: dict[str, int] | Iterable[dict]) -> list[NodeFree]:
+    """Allocatable GPUs minus those `used` (per node, or the bound pods to count) on each schedulable node."""
+    if not isinstance(used, dict):
+        used = used_gpus(used)
     out = []
     for node in nodes:
         spec = node.get("spec") or {}
@@ -101,7 +109,7 @@ def free_gpus(nodes: list[dict], pods: list[dict]) -> list[NodeFree]:
             taints = tuple(Taint(t["key"], t.get("value") or "", t["effect"]) for t in spec.get("taints") or []
                            if t.get("effect") in _BLOCKING)
             out.append(NodeFree(node["metadata"]["name"], node["metadata"].get("labels") or {},
-                                alloc - used[node["metadata"]["name"]], taints))
+                                alloc - used.get(node["metadata"]["name"], 0), taints))
     return out
 
 

@@ -21,7 +21,7 @@ from . import capacity, children, render
 from . import gang as gangs
 from . import metrics
 from . import status as statuses
-from .fleet import Fleet
+from .fleet import PAGE, Fleet
 
 log = logging.getLogger("disagg.operator")
 # A gang unplaced for this long gets its capacity explained (free GPUs per domain).
@@ -43,12 +43,28 @@ def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     # reconciles are sync (the kubernetes client) and mostly wait on the API server: more threads
     # than cores lets a burst of new deployments overlap those waits
     settings.execution.max_workers = 16
+    watch_only_owned(settings)
     memo.clients = children.Clients.create()
     memo.fleet = Fleet(memo.clients)
     memo.triggers = {}
     memo.applied = {}  # (namespace, name) -> (last applied generation, error applying the next one)
     memo.drift_seen = {}  # (namespace, child Deployment) -> its generation last restored
     metrics.serve()
+
+
+# What the operator made carries both labels; the label filters on the handlers below only act after
+# kopf has received and parsed an object.
+OWNED = f"{LABEL_DEPLOYMENT},{LABEL_MANAGED_BY}={MANAGED_BY}"
+
+
+def watch_only_owned(settings: kopf.OperatorSettings) -> None:
+    """Have the API server filter the pod and Deployment watches (and their initial lists) to the
+    operator's children: otherwise every pod in the cluster is streamed to it and dropped on arrival,
+    and its memory and the API server's load grow with the cluster, not with what it owns. Initial
+    lists come in pages. (Namespaces: `python -m disagg.operator --namespace` restricts every watch.)"""
+    settings.watching.label_selectors["v1", "pods"] = OWNED
+    settings.watching.label_selectors["apps", "deployments"] = OWNED
+    settings.watching.chunk_size = PAGE
 
 
 def _parse(body: kopf.Body) -> DisaggDeployment:

@@ -92,3 +92,20 @@ def test_required_topology_domain_names_the_short_role():
     fits, msg = capacity.explain(fleet, [role("prefill", 1, 8, "NVIDIA-H800", ()),
                                          role("decode", 1, 8, "NVIDIA-H20", ())], rack)
     assert fits and f"{rack}=r0: prefill fits" in msg, msg
+
+
+def test_the_operator_watches_only_its_children_server_side():
+    import kopf
+    from kopf._cogs.structs.references import Resource   # kopf exports no public name for it
+
+    from disagg.operator import handlers
+
+    settings = kopf.OperatorSettings()
+    handlers.watch_only_owned(settings)
+    pods, deployments = Resource("", "v1", "pods"), Resource("apps", "v1", "deployments")
+    dds = Resource("serving.disagg.dev", "v1alpha1", "disaggdeployments")
+    for resource in (pods, deployments):
+        assert settings.watching.label_selectors.collect(resource) == [
+            "serving.disagg.dev/deployment,app.kubernetes.io/managed-by=disagg-operator"], resource
+    assert settings.watching.label_selectors.collect(dds) == []
+    assert settings.watching.chunk_size == 500

@@ -82,3 +82,20 @@ def test_decode_that_does_not_fit_is_named_with_numbers(api_client, namespace, o
     # and the gang holds: the scheduler refused every worker, none is bound
     for role, count in (("prefill", 1), ("decode", 3)):
         assert all(p.spec.node_name is None for p in dd.wait_refused_by_scheduler(role, count)), role
+
+
+def test_fleet_view_in_pages_is_the_whole_fleet(api_client, mixed_fleet):
+    """The capacity view lists nodes and bound pods a page at a time: three items a page counts the same
+    free GPUs as one page for everything."""
+    from disagg.operator.children import Clients
+    from disagg.operator.fleet import Fleet
+
+    clients = Clients(api=api_client, core=client.CoreV1Api(api_client), custom=client.CustomObjectsApi(api_client))
+
+    def same():
+        small, whole = (sorted(Fleet(clients, page=n).free_gpus(), key=lambda f: f.name) for n in (3, 100_000))
+        return small == whole and whole
+    whole = wait_for(same, 30, "the paged and the unpaged view to agree")
+    mine = {f.name: f for f in whole if f.name in mixed_fleet}
+    assert set(mine) == set(mixed_fleet) and all(f.free_gpus == 8 and f.taints for f in mine.values())
+    assert len(whole) > 3
