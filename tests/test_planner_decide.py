@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from disagg.api import v1alpha1 as api
 from disagg.planner import decide as dc
-from disagg.planner import predictors
+from disagg.planner import perfmodel as pm
+from disagg.planner import predictors, serving
 from disagg.planner.perfmodel import PerfModel
 
 MODEL = PerfModel.analytic("meta-llama/Llama-3.1-8B-Instruct", "H100-SXM")
@@ -296,3 +297,49 @@ def test_far_below_target_latency_does_not_teach_the_correction():
     for i in range(10):  # 300 ms of fixed overhead on a 1 s target at light load: not a slower GPU
         _, mem = dc.decide(obs(rate=1, ttft=0.3, itl=0.01), t, mem, MODEL, now=i * 30)
     assert mem.correction.prefill == 1.0 and mem.correction.decode == 1.0
+
+
+def test_no_scale_down_while_latency_is_near_target():
+    t = target(prefill=6, decode=6, cooldown=0)
+    near, _ = dc.decide(obs(rate=0.1, ttft=0.9, itl=0.045), t, dc.Memory(), MODEL, now=0)
+    assert (near.prefill.replicas, near.decode.replicas) == (6, 6)
+    assert near.prefill.reason == near.decode.reason == dc.STEADY
+    clear, _ = dc.decide(obs(rate=0.1, ttft=0.5, itl=0.02), t, dc.Memory(), MODEL, now=0)
+    assert clear.prefill.replicas < 6 and clear.decode.replicas < 6  # the same load, latency well inside: shrinks
+
+
+def test_an_infinite_observed_latency_is_a_breach():
+    t = target(prefill=2, decode=2, cooldown=0)
+    d, mem = dc.decide(obs(rate=0.2, ttft=math.inf, itl=0.02), t, dc.Memory(), MODEL, now=0)
+    assert d.prefill.replicas > 2 and mem.correction.prefill == 1.0  # grows; nothing learnt from inf
+
+
+def test_prefill_is_sized_from_the_prompt_distribution_and_a_low_correction_keeps_capacity():
+    """Issue 13's flat heavy-tailed load (4 requests/s, median ~12k, p90 ~39k prompt tokens): the mean
+    service of the mix, not of a representative prompt, sets the capacity; and a correction learnt below 1
+    (the engine's tail shorter than the queueing model's) never shrinks prefill past that capacity."""
+    load = dc.Load(4.0, 18300, 39000, 70)
+    work = dc._work(dc.RoleModels.of(MODEL), load, 90)
+    capacity = math.ceil(4.0 * work.mean / serving.PREFILL_MAX_UTILIZATION)
+    assert work.mean > MODEL.ttft(18300)  # attention is quadratic: the mix costs more than its mean prompt
+    n, _ = dc.size_prefill(MODEL, load, 4.0, 90)
+    assert n >= capacity
+    t = target(prefill=capacity, decode=2, cooldown=0, ttft_target=4.0)
+    mem = dc.Memory(correction=pm.OnlineCorrection(prefill=0.5))
+    o = obs(rate=4.0, inp=18300, inp_p=39000, out=70, ttft=1.5, itl=0.02)
+    for i in range(5):
+        d, mem = dc.decide(o, t, replace(mem, correction=pm.OnlineCorrection(prefill=0.5)), MODEL, now=30 * i)
+        assert d.prefill.replicas >= capacity
+        t = replace(t, prefill=d.prefill.replicas, decode=d.decode.replicas)
+
+
+def test_no_learning_from_a_load_step():
+    slow = MODEL.corrected(2.0, 2.0)
+    t = target(prefill=2, decode=2, cooldown=0)
+    load = dc.Load(4, 4000, 6000, 300)
+    steady = obs(rate=4, inp=4000, inp_p=6000, out=300, ttft=dc.prefill_latency(slow, load, 2, 90),
+                 itl=dc.decode_latency(slow, load, 2, 0.05))
+    _, mem = dc.decide(steady, t, dc.Memory(rate=(1.0,)), MODEL, now=0)   # from 1 to 4 requests/s
+    assert mem.correction == pm.OnlineCorrection()
+    _, mem = dc.decide(steady, t, dc.Memory(rate=(4.0,)), MODEL, now=0)   # steady at 4
+    assert mem.correction.prefill > 1.0
