@@ -6,8 +6,13 @@ request onto one worker (the skew bound)."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
+import os
 import random
+import signal
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from openai import OpenAI
@@ -30,9 +35,7 @@ def _prefix(rng: random.Random, n_words: int = 110) -> str:
 
 @pytest.fixture(scope="module")
 def workers(tiny_model, worker_python, tmp_path_factory):
-    """Two aggregated workers (local prefill), one core each, one sequence at a time: the tiny model
-    streams thousands of tokens a second, so only a queue keeps requests in flight long enough for
-    the skew test to see concurrent load (requests queued in vLLM count as load at the router)."""
+    """Two aggregated workers (local prefill), one core each, one sequence at a time."""
     logs = tmp_path_factory.mktemp("kv-workers")
     procs = [worker(f"decode-{i}", cpu_settings("decode", tiny_model, str(i), kv_transfer=False,
                                                 drain_seconds=60, max_model_len=MAX_MODEL_LEN,
@@ -113,12 +116,49 @@ def test_kv_aware_computes_fewer_prefill_tokens_than_round_robin(workers, start_
     assert computed["kv-aware"] < 0.8 * computed["round-robin"], computed
 
 
+def _engine_cores(pid: int) -> list[int]:
+    """The vLLM engine core processes under `pid` (vLLM titles them VLLM::EngineCore)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue                     # gone meanwhile
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            todo.append(child)
+            try:
+                if Path(f"/proc/{child}/cmdline").read_bytes().startswith(b"VLLM::EngineCore"):
+                    out.append(child)
+            except OSError:
+                pass
+    return out
+
+
+@contextlib.contextmanager
+def _engines_paused(workers) -> Iterator[None]:
+    """Every worker's engine core stopped (SIGSTOP): vLLM's HTTP server still accepts requests, but none
+    makes progress, so none routed meanwhile can finish, however fast or slow this machine is. Resumed
+    on exit."""
+    pids = [pid for p, _ in workers for pid in _engine_cores(p.proc.pid)]
+    assert len(pids) == len(workers), f"one engine core per worker, found {pids}"
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+
+
 def _shares(workers, start_router, skew: float, seed: int, n: int = 10) -> tuple[list[float], float, float]:
-    """Routing decisions per worker, how many the skew bound decided, and how many were decode
-    retries (each re-decided away from the worker that failed), for n concurrent requests
-    sharing one prompt prefix that one earlier request put in one worker's cache. Each request streams
-    1,500 tokens and each worker runs one at a time, so requests pile up in flight: the bound must
-    step in as soon as the cached worker holds more than skew x (the other's load + 1)."""
+    """Each worker's load at the router at the moment all n concurrent requests sharing one prompt
+    prefix (put in one worker's cache by an earlier request) are in flight, how many decisions the skew
+    bound made, and how many were decode retries. The engines are paused while the n are routed, so
+    none finishes before all are: at that moment each worker's load is the number of decisions it got,
+    each made on the loads of the decisions before it, and the bound says what those numbers may be."""
     r = start_router("kv-aware", max_load_skew=skew)
     rng = random.Random(seed)
     for _attempt in range(5):
@@ -137,12 +177,20 @@ def _shares(workers, start_router, skew: float, seed: int, n: int = 10) -> tuple
     client = OpenAI(base_url=f"{r.url}/v1", api_key="unused", max_retries=0)
 
     def one(i: int) -> None:
-        for _ in client.completions.create(model="tiny", prompt=f"{shared} user {i}", max_tokens=1500,
+        for _ in client.completions.create(model="tiny", prompt=f"{shared} user {i}", max_tokens=16,
                                            temperature=0, stream=True, extra_body={"ignore_eos": True}):
             pass
 
+    active = [f'{m.ROUTER_ACTIVE_REQUESTS}{{role="decode",worker="{p.url}"}}' for p, _ in workers]
     with concurrent.futures.ThreadPoolExecutor(n) as pool:
-        for f in [pool.submit(one, i) for i in range(n)]:
+        with _engines_paused(workers):
+            futures = [pool.submit(one, i) for i in range(n)]
+            # all n in flight at once: none can finish, so each worker's load is the number of decisions
+            # it got, each made on the loads the decisions before it left
+            loads = wait_for(lambda: (lambda s: sum(s.get(a, 0) for a in active) == n
+                                      and [s.get(a, 0) for a in active])(scrape(r.url)),
+                             120, f"all {n} requests in flight at the router")
+        for f in futures:
             f.result(timeout=300)
     s = scrape(r.url)
     decided = f'{m.ROUTER_ROUTING_DECISIONS}{{policy="kv-aware",role="decode"'
@@ -154,26 +202,25 @@ def _shares(workers, start_router, skew: float, seed: int, n: int = 10) -> tuple
     hits = metric_sum(s, m.ROUTER_CACHED_PROMPT_TOKENS) / metric_sum(s, m.ROUTER_PROMPT_TOKENS)
     assert hits > 0.5                               # the shared prefix is reused, bound or not
     r.stop()
-    return shares, metric_sum(s, m.ROUTER_LOAD_BOUNDED), retries
+    return loads, metric_sum(s, m.ROUTER_LOAD_BOUNDED), retries
 
 
 def test_a_prompt_everyone_shares_stays_within_the_skew_bound(workers, start_router):
     # the shared prefix is 13 blocks: without a bound, cost keeps every request on the cached worker
     unbounded, overridden, retries = _shares(workers, start_router, skew=100, seed=3)
-    assert min(unbounded) <= retries and overridden == 0, (unbounded, retries)
-    # with maxLoadSkew 2 the cached worker may hold at most 2 x (the other's load + 1): once 3 are in
-    # flight there, the next goes to the other worker, and the router counts it. (Once that worker has
-    # computed the prefix too, its own KV events make it a cached worker: later requests may go there on
-    # cost alone, so the count is a lower bound on its share, not equal to it.)
-    bounded, overridden, _ = _shares(workers, start_router, skew=2, seed=4)
-    assert min(bounded) >= 1 and 1 <= overridden <= min(bounded), (bounded, overridden)
+    assert max(unbounded) >= 10 - retries and overridden == 0, (unbounded, retries)
+    # maxLoadSkew 2: a worker takes a request only while its load is at most 2 x (the least load + 1),
+    # so once all are in flight the busiest holds at most 2 x (the other's load + 1) + 1 (the bound's
+    # definition in router/policies/builtin.py; a decode retry re-decides one request, hence the slack).
+    # The cached worker still gets the larger share, and the router counts the decisions the bound made.
+    bounded, overridden, retries = _shares(workers, start_router, skew=2, seed=4)
+    assert max(bounded) <= 2 * (min(bounded) + 1) + 1 + retries, (bounded, retries)
+    assert min(bounded) >= 1 and max(bounded) > min(bounded) and overridden >= 1, (bounded, overridden)
 
 
 def test_sigterm_drains_in_flight_requests(workers):
     """The worker entrypoint forwards SIGTERM to vLLM, which stops taking work, finishes what is in
     flight (within drain_seconds) and exits cleanly."""
-    import os
-    import signal
     import threading
 
     proc, _ = workers[0]
