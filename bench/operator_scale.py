@@ -1,15 +1,21 @@
 """Operator at fleet scale, against a baseline measured in the same run.
 
-On a generated pool of GPU nodes (default 1,000 nodes x 8 GPUs, kwok), create N
-DisaggDeployments (2 prefill + 2 decode + 1 router each, the whole set as one gang)
-and time until every one is Ready. Baseline: the same pods created directly as
-plain Deployments (no gang, no operator), timed until all are ready.
-Also reports the operator's peak RSS and the write requests it makes to the API
-server (counted from the API server's audit log) during an idle window afterwards.
+On a generated fleet of GPU nodes with two GPU products (default 3,000 nodes x 8 GPUs,
+kwok: prefill on NVIDIA-H800 nodes, decode on NVIDIA-H20 nodes, the roles' nodeSelectors
+pick them), create N DisaggDeployments (2 prefill + 2 decode + 1 router each, the whole
+set as one gang) and time until every one is Ready. Baseline: the same pods created
+directly as plain Deployments (no gang, no operator), timed until all are ready. Then a
+churn phase on each: 10% of the deployments scaled (decode 2 -> 3), 10% rolled (a new
+image), 10% deleted and created again, timed until everything has converged.
 
-    .venv/bin/python bench/operator_scale.py [--nodes 1000] [--deployments 100] [--idle 60]
+Also reports the operator's peak RSS, its memory per 100 deployments, the write requests
+it makes to the API server during an idle window afterwards, and its read requests
+(from the API server's audit log: what it lists and watches, with which selectors and
+page sizes, so a watch of every pod in the cluster would show).
 
-Goal: ratio <= 1.3, 0 idle writes.
+    .venv/bin/python bench/operator_scale.py [--nodes 3000] [--deployments 300] [--idle 60]
+
+Goals: time ratio <= 1.1, peak RSS <= 300 MiB, 0 idle writes, churn ratio reported.
 """
 
 from __future__ import annotations
@@ -17,14 +23,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
+from urllib.parse import parse_qs, urlparse
 
 import yaml
 from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
 
 from disagg.e2e.localcluster import LocalCluster
 from disagg.e2e.localcluster.controlplane import free_port
@@ -32,47 +42,160 @@ from disagg.e2e.operator_fixture import ACCOUNT, NAMESPACE, operator_kubeconfig
 from disagg.e2e.testing import dd_manifest, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
+PRODUCT_LABEL = "nvidia.com/gpu.product"
+PRODUCTS = {"prefill": "NVIDIA-H800", "decode": "NVIDIA-H20"}
+GROUP, VERSION, PLURAL = "serving.disagg.dev", "v1alpha1", "disaggdeployments"
+OPERATOR_USER = f"system:serviceaccount:{NAMESPACE}:{ACCOUNT}"
 
 
 def pools(nodes: int) -> dict:
-    per_rack = 5 * 4  # 5 NVLink domains of 4 nodes
-    racks = max(1, nodes // (2 * per_rack))
-    return {"pools": [
-        {"name": "h100", "zones": 2, "racksPerZone": racks, "nvlinkDomainsPerRack": 5, "nodesPerDomain": 4,
-         "gpus": 8, "gpuProduct": "NVIDIA-H100-80GB-HBM3", "cpu": "192", "memory": "2Ti"},
-        {"name": "cpu", "nodesPerDomain": 20, "gpus": 0, "cpu": "64", "memory": "256Gi"}]}
+    """Half the GPU nodes of each product, in 2 zones of racks of 5 NVLink domains of 4 nodes."""
+    per_rack = 5 * 4
+    racks = max(1, nodes // (len(PRODUCTS) * 2 * per_rack))
+    gpu_pools = [{"name": product.split("-")[-1].lower(), "zones": 2, "racksPerZone": racks,
+                  "nvlinkDomainsPerRack": 5, "nodesPerDomain": 4, "gpus": 8, "gpuProduct": product,
+                  "cpu": "192", "memory": "2Ti"} for product in PRODUCTS.values()]
+    return {"pools": [*gpu_pools, {"name": "cpu", "nodesPerDomain": 20, "gpus": 0, "cpu": "64",
+                                   "memory": "256Gi"}]}
 
 
-def plain_deployments(i: int) -> list[dict]:
+def plain_deployments(i: int, image: str = "disagg/worker:0.1.0", decode: int = 2) -> list[dict]:
     out = []
-    for role, replicas, gpus in (("prefill", 2, 1), ("decode", 2, 1), ("router", 1, 0)):
+    for role, replicas, gpus in (("prefill", 2, 1), ("decode", decode, 1), ("router", 1, 0)):
         labels = {"bench": f"d{i}", "role": role}
-        container = {"name": "main", "image": "disagg/worker:0.1.0"}
+        container = {"name": "main", "image": image if gpus else "disagg/worker:0.1.0"}
+        pod_spec: dict = {"containers": [container]}
         if gpus:
             container["resources"] = {"limits": {"nvidia.com/gpu": str(gpus)}}
+            pod_spec["nodeSelector"] = {PRODUCT_LABEL: PRODUCTS[role]}
         out.append({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": f"d{i}-{role}"},
                     "spec": {"replicas": replicas, "selector": {"matchLabels": labels},
-                             "template": {"metadata": {"labels": labels}, "spec": {"containers": [container]}}}})
+                             "template": {"metadata": {"labels": labels}, "spec": pod_spec}}})
     return out
 
 
-def ready_pods(core: client.CoreV1Api, namespace: str) -> int:
-    return sum(1 for p in core.list_namespaced_pod(namespace).items
-               if any(c.type == "Ready" and c.status == "True" for c in p.status.conditions or []))
+def disagg_deployment(i: int) -> dict:
+    return dd_manifest(f"d{i}", prefill={"replicas": 2, "nodeSelector": {PRODUCT_LABEL: PRODUCTS["prefill"]}},
+                       decode={"replicas": 2, "nodeSelector": {PRODUCT_LABEL: PRODUCTS["decode"]}},
+                       scheduling={"gang": {"minPrefill": 2, "minDecode": 2}})
+
+
+def pods_settled(core: client.CoreV1Api, namespace: str, want: int) -> bool:
+    """Exactly `want` pods, every one Ready and none on its way out (a rollout's old pods are gone)."""
+    pods = core.list_namespaced_pod(namespace).items
+    return len(pods) == want and all(
+        not p.metadata.deletion_timestamp and any(c.type == "Ready" and c.status == "True"
+                                                  for c in p.status.conditions or []) for p in pods)
+
+
+def churn_sets(n: int) -> tuple[range, range, range]:
+    """10% scaled, 10% rolled, 10% deleted and created again (disjoint; at least one each)."""
+    k = max(1, n // 10)
+    return range(0, k), range(k, 2 * k), range(2 * k, 3 * k)
+
+
+def churn_plain(apps: client.AppsV1Api, core: client.CoreV1Api, n: int, want: int) -> float:
+    scaled, rolled, recreated = churn_sets(n)
+    t = time.monotonic()
+    for i in scaled:
+        apps.patch_namespaced_deployment_scale(f"d{i}-decode", "baseline", {"spec": {"replicas": 3}})
+    for i in rolled:
+        for dep in plain_deployments(i, image="disagg/worker:0.1.1")[:2]:
+            apps.patch_namespaced_deployment(dep["metadata"]["name"], "baseline", dep)
+    for i in recreated:
+        for dep in plain_deployments(i):
+            apps.delete_namespaced_deployment(dep["metadata"]["name"], "baseline")
+    for i in recreated:
+        for dep in plain_deployments(i):
+            _create_when_gone(lambda d=dep: apps.create_namespaced_deployment("baseline", d))
+    wait_for(lambda: pods_settled(core, "baseline", want + len(scaled)), 1800, "baseline churn settled", interval=1)
+    return time.monotonic() - t
+
+
+def churn_operator(custom: client.CustomObjectsApi, core: client.CoreV1Api, n: int, want: int) -> float:
+    scaled, rolled, recreated = churn_sets(n)
+    t = time.monotonic()
+    for i in scaled:
+        custom.patch_namespaced_custom_object(GROUP, VERSION, "ops", PLURAL, f"d{i}", {"spec": {"decode": {
+            "replicas": 3}}})
+    for i in rolled:
+        custom.patch_namespaced_custom_object(GROUP, VERSION, "ops", PLURAL, f"d{i}", {"spec": {"engine": {
+            "image": "disagg/worker:0.1.1"}}})
+    for i in recreated:
+        custom.delete_namespaced_custom_object(GROUP, VERSION, "ops", PLURAL, f"d{i}")
+    for i in recreated:
+        _create_when_gone(lambda i=i: custom.create_namespaced_custom_object(GROUP, VERSION, "ops", PLURAL,
+                                                                           disagg_deployment(i)))
+    wait_for(lambda: all_converged(custom, n) and pods_settled(core, "ops", want + len(scaled)), 1800,
+             "operator churn settled", interval=1)
+    return time.monotonic() - t
+
+
+def _create_when_gone(create) -> None:
+    """Create, waiting out the previous object of that name (a finalizer or garbage collection may hold it)."""
+    def attempt() -> bool:
+        try:
+            create()
+            return True
+        except ApiException as e:
+            if e.status != 409:
+                raise
+            return False
+    wait_for(attempt, 600, "the deleted object gone so it can be created again", interval=0.5)
+
+
+def all_converged(custom: client.CustomObjectsApi, n: int) -> bool:
+    """Every DisaggDeployment Ready for its current generation, nothing progressing or degraded."""
+    items = custom.list_namespaced_custom_object(GROUP, VERSION, "ops", PLURAL)["items"]
+    return len(items) == n and all(
+        (o.get("status") or {}).get("phase") == "Ready"
+        and o["status"].get("observedGeneration") == o["metadata"]["generation"]
+        and all(c["status"] == "False" for c in o["status"].get("conditions", [])
+                if c["type"] in ("Progressing", "Degraded")) for o in items)
+
+
+def rss_mib(pid: int, field: str = "VmRSS") -> float:
+    return next(int(line.split()[1]) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                if line.startswith(f"{field}:")) / 1024
+
+
+def audit_events(path: Path, offset: int = 0) -> list[dict]:
+    with open(path) as f:
+        f.seek(offset)
+        return [e for e in (json.loads(line) for line in f if OPERATOR_USER in line)
+                if e.get("user", {}).get("username") == OPERATOR_USER]
+
+
+def reads_summary(events: list[dict]) -> dict[str, int]:
+    """The operator's list/watch requests by resource, scope and what the API server filtered for it."""
+    out: Counter[str] = Counter()
+    for e in events:
+        if e.get("verb") not in ("list", "watch"):
+            continue
+        ref, query = e.get("objectRef", {}), parse_qs(urlparse(e.get("requestURI", "")).query)
+        scope = f"namespace {ref['namespace']}" if ref.get("namespace") else "cluster-wide"
+        filters = [f"{k}={query[k][0]}" for k in ("labelSelector", "fieldSelector", "limit") if k in query]
+        # one line per kind of request, not per deployment: names in selectors become placeholders
+        filters = [re.sub(r"(deployment|gang)(!?=)[^,]+", r"\1\2<name>", f) for f in filters]
+        out[f"{e['verb']} {ref.get('resource')} {scope} [{', '.join(filters) or 'unfiltered'}]"] += 1
+    return dict(sorted(out.items()))
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--nodes", type=int, default=1000)
-    ap.add_argument("--deployments", type=int, default=100)
+    ap.add_argument("--nodes", type=int, default=3000)
+    ap.add_argument("--deployments", type=int, default=300)
     ap.add_argument("--idle", type=int, default=60)
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="disagg-bench-"))
     (work / "pools.yaml").write_text(yaml.safe_dump(pools(args.nodes)))
-    cluster = LocalCluster("bench", state_dir=work / "state", audit_writes=True)
+    cluster = LocalCluster("bench", state_dir=work / "state", audit_writes=True, audit_reads_of=OPERATOR_USER)
     t = time.monotonic()
-    cluster.up(nodes_file=work / "pools.yaml", timeout=900)
-    print(f"cluster with {args.nodes} GPU nodes up in {time.monotonic() - t:.0f}s", flush=True)
+    cluster.up(nodes_file=work / "pools.yaml", timeout=1800)
+    gpu_nodes = sum(p["zones"] * p["racksPerZone"] * p["nvlinkDomainsPerRack"] * p["nodesPerDomain"]
+                    for p in pools(args.nodes)["pools"] if p["gpus"])
+    print(f"cluster with {gpu_nodes} GPU nodes ({len(PRODUCTS)} products) up in {time.monotonic() - t:.0f}s",
+          flush=True)
     operator = None
     try:
         cluster.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
@@ -81,71 +204,75 @@ def main() -> int:
         custom = client.CustomObjectsApi(api)
         want = args.deployments * 5
 
-        # ---- baseline: the same pods as plain Deployments
+        # ---- baseline: the same pods as plain Deployments, then the same churn
         core.create_namespace({"metadata": {"name": "baseline"}})
         wait_for(lambda: core.list_namespaced_service_account("baseline").items, 60, "baseline SA")
         t = time.monotonic()
         for i in range(args.deployments):
             for dep in plain_deployments(i):
                 apps.create_namespaced_deployment("baseline", dep)
-        wait_for(lambda: ready_pods(core, "baseline") >= want, 1800, "baseline pods ready", interval=1)
+        wait_for(lambda: pods_settled(core, "baseline", want), 1800, "baseline pods ready", interval=1)
         t_base = time.monotonic() - t
         print(f"baseline: {want} pods of plain Deployments ready in {t_base:.1f}s", flush=True)
+        t_base_churn = churn_plain(apps, core, args.deployments, want)
+        print(f"baseline churn settled in {t_base_churn:.1f}s", flush=True)
         core.delete_namespace("baseline")
         wait_for(lambda: not core.list_namespaced_pod("baseline").items, 600, "baseline deleted", interval=1)
 
         # ---- the operator, as its own process under its own ServiceAccount
         kubeconfig = operator_kubeconfig(cluster, api, work / "operator.kubeconfig")
         log = open(work / "operator.log", "w")
+        audit_start = cluster.audit_log.stat().st_size
         operator = subprocess.Popen([sys.executable, "-m", "disagg.operator", "--liveness",
                                      f"http://127.0.0.1:{free_port()}/healthz"], env={**os.environ, "KUBECONFIG": str(kubeconfig)},
                                     stdout=log, stderr=subprocess.STDOUT)
         core.create_namespace({"metadata": {"name": "ops"}})
         wait_for(lambda: core.list_namespaced_service_account("ops").items, 60, "ops SA")
-        time.sleep(3)
+        # started: its watches are open (the audit log shows them)
+        wait_for(lambda: any(e.get("verb") == "watch" for e in audit_events(cluster.audit_log, audit_start)), 60,
+                 "the operator's watches")
+        rss_empty = rss_mib(operator.pid)
         t = time.monotonic()
         for i in range(args.deployments):
-            custom.create_namespaced_custom_object("serving.disagg.dev", "v1alpha1", "ops", "disaggdeployments",
-                                                   dd_manifest(f"d{i}", prefill={"replicas": 2},
-                                                               decode={"replicas": 2},
-                                                               scheduling={"gang": {"minPrefill": 2, "minDecode": 2}}))
+            custom.create_namespaced_custom_object(GROUP, VERSION, "ops", PLURAL, disagg_deployment(i))
 
         def all_ready() -> bool:
-            items = custom.list_namespaced_custom_object("serving.disagg.dev", "v1alpha1", "ops",
-                                                         "disaggdeployments")["items"]
+            items = custom.list_namespaced_custom_object(GROUP, VERSION, "ops", PLURAL)["items"]
             return len(items) == args.deployments and all((o.get("status") or {}).get("phase") == "Ready"
                                                           for o in items)
         wait_for(all_ready, 1800, "every DisaggDeployment Ready", interval=1)
         t_op = time.monotonic() - t
         print(f"operator: {args.deployments} DisaggDeployments ({want} pods, gangs) Ready in {t_op:.1f}s",
               flush=True)
-
         # ---- idle: no write may come from the operator, once every status has settled (Ready can
         # come a refresh before Progressing turns False, and old gang objects are pruned after that)
-        def all_settled() -> bool:
-            items = custom.list_namespaced_custom_object("serving.disagg.dev", "v1alpha1", "ops",
-                                                         "disaggdeployments")["items"]
-            return all(c["status"] == "False" for o in items for c in o["status"].get("conditions", [])
-                       if c["type"] in ("Progressing", "Degraded"))
-        wait_for(all_settled, 600, "every status settled", interval=1)
+        wait_for(lambda: all_converged(custom, args.deployments), 600, "every status settled", interval=1)
+        rss_full = rss_mib(operator.pid)
         time.sleep(5)
         offset = cluster.audit_log.stat().st_size
         time.sleep(args.idle)
-        user = f"system:serviceaccount:{NAMESPACE}:{ACCOUNT}"
-        with open(cluster.audit_log) as f:
-            f.seek(offset)
-            writes = [json.loads(line) for line in f if user in line]
-        writes = [w for w in writes if w.get("user", {}).get("username") == user]
-        rss_kib = next(int(line.split()[1]) for line in Path(f"/proc/{operator.pid}/status").read_text().splitlines()
-                       if line.startswith("VmHWM:"))
+        writes = [e for e in audit_events(cluster.audit_log, offset)
+                  if e.get("verb") in ("create", "update", "patch", "delete", "deletecollection")]
+
+        # ---- churn on the operator's deployments
+        t_op_churn = churn_operator(custom, core, args.deployments, want)
+        print(f"operator churn settled in {t_op_churn:.1f}s", flush=True)
+        reads = reads_summary(audit_events(cluster.audit_log, audit_start))
         print(json.dumps({
-            "nodes": args.nodes, "deployments": args.deployments, "pods": want,
+            "gpu_nodes": gpu_nodes, "gpu_products": list(PRODUCTS.values()), "deployments": args.deployments,
+            "pods": want,
             "baseline_seconds": round(t_base, 1), "operator_seconds": round(t_op, 1),
             "ratio_operator_over_baseline": round(t_op / t_base, 2),
-            "operator_peak_rss_mib": round(rss_kib / 1024, 1),
+            "churn": "10% scaled, 10% rolled, 10% deleted and created again",
+            "baseline_churn_seconds": round(t_base_churn, 1), "operator_churn_seconds": round(t_op_churn, 1),
+            "churn_ratio_operator_over_baseline": round(t_op_churn / t_base_churn, 2),
+            "operator_peak_rss_mib": round(rss_mib(operator.pid, "VmHWM"), 1),
+            "operator_rss_mib_no_deployments": round(rss_empty, 1),
+            "operator_rss_mib_per_100_deployments": round((rss_full - rss_empty) / (args.deployments / 100), 1),
             f"operator_writes_in_{args.idle}s_idle": len(writes),
             "idle_write_examples": [f"{w['verb']} {w['objectRef'].get('resource')}/{w['objectRef'].get('name')}"
                                     for w in writes[:5]],
+            "operator_list_and_watch_requests": reads,
         }, indent=2))
         return 0
     finally:

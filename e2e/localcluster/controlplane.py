@@ -103,12 +103,14 @@ class Endpoint:
 
 class LocalCluster:
     def __init__(self, name: str = "default", state_dir: Path | None = None, audit_writes: bool = False,
-                 real_node: bool = False):
+                 real_node: bool = False, audit_reads_of: str | None = None):
         """`audit_writes`: log every write request (create/update/patch/delete) to <state>/audit.log,
-        so benchmarks can count what a client writes. `real_node`: also run one real node (node.py:
-        containerd, kubelet, kube-proxy) that runs pods for real; one per machine at a time."""
+        so benchmarks can count what a client writes; `audit_reads_of`: also log the get/list/watch
+        requests of this user (their URIs show selectors and page sizes). `real_node`: also run one real
+        node (node.py: containerd, kubelet, kube-proxy) that runs pods for real; one per machine at a time."""
         self.name = name
         self.audit_writes = audit_writes
+        self.audit_reads_of = audit_reads_of
         self.real_node = real_node
         self.dir = Path(state_dir) if state_dir else cache_root() / "clusters" / name
         self.pki = PKI(self.dir / "pki")
@@ -333,13 +335,15 @@ class LocalCluster:
         return self.dir / "audit.log"
 
     def _audit_flags(self) -> list[str]:
-        if not self.audit_writes:
+        if not self.audit_writes and not self.audit_reads_of:
             return []
         policy = self.dir / "audit-policy.yaml"
-        policy.write_text(
-            "apiVersion: audit.k8s.io/v1\nkind: Policy\nomitStages: [RequestReceived]\nrules:\n"
-            "  - level: Metadata\n    verbs: [create, update, patch, delete, deletecollection]\n"
-            "  - level: None\n")
+        reads = (f"  - level: Metadata\n    users: [{json.dumps(self.audit_reads_of)}]\n    verbs: [get, list, watch]\n"
+                 if self.audit_reads_of else "")
+        writes = "  - level: Metadata\n    verbs: [create, update, patch, delete, deletecollection]\n" \
+            if self.audit_writes else ""
+        policy.write_text("apiVersion: audit.k8s.io/v1\nkind: Policy\nomitStages: [RequestReceived]\nrules:\n"
+                          + reads + writes + "  - level: None\n")
         return [f"--audit-policy-file={policy}", f"--audit-log-path={self.audit_log}", "--audit-log-format=json",
                 "--audit-log-maxsize=0"]
 
