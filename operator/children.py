@@ -38,6 +38,11 @@ class ChildConflict(Exception):
     """A child's name is taken by an object this DisaggDeployment does not control."""
 
 
+class PredecessorChild(Exception):
+    """A child's name is still held by a child of a deleted DisaggDeployment of the same name (names are
+    unique in a namespace, so that owner is gone): the garbage collector is about to delete it."""
+
+
 @dataclass
 class Clients:
     api: client.ApiClient
@@ -110,6 +115,10 @@ def apply(clients: Clients, manifests: list[dict[str, Any]], owner_uid: str) -> 
         if live is not None:
             owners = [o for o in live["metadata"].get("ownerReferences") or [] if o.get("controller")]
             if owners and owners[0]["uid"] != owner_uid:
+                mine = (meta.get("ownerReferences") or [{}])[0]
+                if (owners[0].get("kind"), owners[0].get("name")) == (mine.get("kind"), mine.get("name")):
+                    raise PredecessorChild(f"{m['kind']} {meta['name']} still belongs to the deleted "
+                                           f"{owners[0]['kind']} of this name; waiting for its garbage collection")
                 raise ChildConflict(f"{m['kind']} {meta['name']} is controlled by {owners[0]['kind']} "
                                     f"{owners[0]['name']}, not by this DisaggDeployment")
             same = (live["metadata"].get("annotations") or {}).get(HASH_ANNOTATION) == meta["annotations"][HASH_ANNOTATION]

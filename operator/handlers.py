@@ -92,6 +92,12 @@ def reconcile(body: kopf.Body, uid: str, name: str, namespace: str, memo: kopf.M
     generation = body["metadata"].get("generation", 0)
     try:
         written = children.apply(clients, manifests, uid)
+    except children.PredecessorChild as e:
+        # deleted and created again under the same name: the old children go within seconds, and
+        # waiting the 30 s of a real conflict made a re-creation 10x slower than for plain Deployments
+        metrics.reconciles.labels("blocked").inc()
+        _wake(memo, namespace, name)
+        raise kopf.TemporaryError(str(e), delay=1) from e
     except children.ChildConflict as e:
         metrics.reconciles.labels("conflict").inc()
         memo.applied[(namespace, name)] = (generation - 1, str(e))
@@ -180,6 +186,9 @@ async def deployment_changed(namespace: str, name: str, labels: kopf.Labels, met
         restored = await asyncio.to_thread(_restore, memo.clients, namespace, dd_name)
     except ApiException as e:
         log.warning("restoring %s/%s after a change by %s failed: %s", namespace, name, manager, e.reason)
+        return
+    except (children.ChildConflict, children.PredecessorChild) as e:
+        log.info("not restoring %s/%s: %s", namespace, name, e)   # the reconcile reports and retries it
         return
     if restored is not None:
         metrics.drift_reverts.labels("Deployment", manager).inc()

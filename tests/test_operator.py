@@ -62,6 +62,32 @@ def test_creates_children_reaches_ready_and_deletes_cascade(api_client, namespac
              and not dd.core.list_namespaced_service(namespace).items, 90, "children garbage-collected")
 
 
+def test_deleted_and_created_again_under_the_same_name(api_client, namespace, operator):
+    """The old children are garbage until the collector removes them: the new deployment waits for
+    that (no ChildConflict, which means someone else's object) and ends up owning fresh children."""
+    dd = DD(api_client, namespace, dd_manifest("again"))
+    dd.wait_phase("Ready")
+    old_uid = dd.get()["metadata"]["uid"]
+    dd.custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "again")
+
+    def created() -> bool:
+        try:
+            dd.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, dd_manifest("again"))
+            return True
+        except client.exceptions.ApiException as e:
+            if e.status != 409:   # the old one still finalizing
+                raise
+            return False
+    wait_for(created, 60, "the DisaggDeployment created again")
+    uid = dd.get()["metadata"]["uid"]
+    assert uid != old_uid
+    dd.wait_phase("Ready")
+    wait_for(lambda: {d.metadata.owner_references[0].uid for d in dd.apps.list_namespaced_deployment(namespace).items}
+             == {uid}, 60, "every child Deployment owned by the new DisaggDeployment")
+    events = dd.core.list_namespaced_event(namespace, field_selector=f"involvedObject.uid={uid}").items
+    assert not [e.message for e in events if e.reason == "ChildConflict"]
+
+
 def test_printer_columns_show_live_values(cluster, api_client, namespace, operator):
     dd = DD(api_client, namespace, dd_manifest("cols", decode={"replicas": 2}))
     dd.wait_phase("Ready")
