@@ -10,6 +10,7 @@ is parsed, except the single usage-only event at the end (its token count).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import time
@@ -27,13 +28,41 @@ _DATA = b"data: "
 _DONE = b"data: [DONE]"
 
 
-@dataclass
+@dataclass(eq=False)
 class StreamEnd:
-    """How a relayed stream ended, for the caller's accounting."""
+    """How a relayed stream ended, for the caller's accounting; while it runs, when it last moved."""
     outcome: str = m.OUTCOME_UPSTREAM_ERROR
     output_tokens: int = 0
     first_token_at: float | None = None
     idle_timeout: bool = False
+    last_activity: float = 0.0
+    resp: aiohttp.ClientResponse | None = None
+
+
+class Watchdog:
+    """Cuts streams that stalled: no token within the first-token timeout of the request, or nothing
+    for the idle timeout between chunks. One sweep over all streams a fraction of a second apart, not a
+    timer per stream re-armed on every chunk (aiohttp's read timeout: a timer cancelled and created
+    per socket read, in the profile at 2,000 streams)."""
+
+    def __init__(self, first_token_timeout_s: float, idle_timeout_s: float) -> None:
+        self.first_token_timeout_s, self.idle_timeout_s = first_token_timeout_s, idle_timeout_s
+        self.streams: set[StreamEnd] = set()
+        self.interval_s = min(max(min(first_token_timeout_s, idle_timeout_s) / 4, 0.05), 1.0)
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            self.sweep(time.monotonic())
+
+    def sweep(self, now: float) -> None:
+        for end in list(self.streams):
+            started = end.first_token_at is not None
+            if now - end.last_activity > (self.idle_timeout_s if started else self.first_token_timeout_s):
+                self.streams.discard(end)
+                end.idle_timeout = True
+                # wakes the relay's pending read with the error, as aiohttp's own read timeout would
+                end.resp.content.set_exception(aiohttp.ServerTimeoutError("stalled"))
 
 
 async def relay(resp: aiohttp.ClientResponse, worker: str, end: StreamEnd, *, start: float,
@@ -43,12 +72,14 @@ async def relay(resp: aiohttp.ClientResponse, worker: str, end: StreamEnd, *, st
     """Yields the client's bytes: every ``data:`` event but the usage-only one (unless the client asked
     for usage), then ``[DONE]``; or an OpenAI-style error event when the worker fails, stalls longer
     than ``idle_timeout_s`` between chunks, or ends without ``[DONE]``. ``end`` says how it went.
-    The caller opened the response with ``first_token_timeout_s`` as its read timeout; after the first
-    token the connection's read timeout becomes ``idle_timeout_s``."""
+    The stalls are detected by a :class:`Watchdog` watching ``end`` (its ``last_activity``, from the
+    request's start until the first token). The caller opened the response with the first-token timeout
+    as its read timeout, for the response headers; from here on the watchdog alone times the stream."""
     content = resp.content
     pending = b""
     last = None
-    protocol = resp.connection.protocol if resp.connection is not None else None
+    if resp.connection is not None:
+        resp.connection.protocol.read_timeout = None      # no timer re-armed per socket read
     try:
         while True:
             data = await content.readany()
@@ -81,19 +112,18 @@ async def relay(resp: aiohttp.ClientResponse, worker: str, end: StreamEnd, *, st
                 if last is None:
                     end.first_token_at = now
                     observe_ttft(now - start)
-                    # the first token came: from now on the worker may pause at most the idle timeout
-                    if protocol is not None and idle_timeout_s is not None:
-                        protocol.read_timeout = idle_timeout_s
                 else:
                     observe_itl(now - last)
                 last = now
                 out.append(event + b"\n\n")
+            if last is not None:
+                end.last_activity = now
             if out:
                 yield out[0] if len(out) == 1 else b"".join(out)
             if done:
                 end.outcome = m.OUTCOME_SUCCESS
                 return
-    except aiohttp.ServerTimeoutError:
+    except aiohttp.ServerTimeoutError:       # the watchdog's, or the connection's read timeout
         end.idle_timeout = True
         if last is None:
             msg = f"sent no token within the first-token timeout ({first_token_timeout_s:g} s)"

@@ -28,7 +28,7 @@ from .events import Subscriber
 from .index import PrefixIndex, block_keys
 from .pool import Pool, Worker
 from .protocol import ChatCompletionRequest, CompletionRequest
-from .relay import StreamEnd, relay
+from .relay import StreamEnd, Watchdog, relay
 
 log = logging.getLogger("disagg.router")
 TOKENIZE_INLINE_CHARS = 16384
@@ -90,6 +90,8 @@ class Router:
         spec = config.spec
         self.admission = Admission(spec.max_in_flight, spec.max_queued, spec.queue_timeout_seconds, metrics)
         self._probe_timeouts: dict[str, int] = {}
+        self.watchdog = Watchdog(spec.first_token_timeout_seconds, spec.idle_timeout_seconds)
+        self._watchdog_task: asyncio.Task | None = None
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -107,6 +109,7 @@ class Router:
         for w in self.pool.all():
             self._watch(w)
         self._health_task = asyncio.create_task(self._check_health())
+        self._watchdog_task = asyncio.create_task(self.watchdog.run())
         if self._discovery is not None:
             self._discovery_task = asyncio.create_task(self._discovery.run(self.update_workers))
 
@@ -124,7 +127,7 @@ class Router:
             log.info("%s workers: +%s -%s", role, [w.name for w in added], [w.name for w in removed])
 
     async def close(self) -> None:
-        for task in (self._health_task, self._discovery_task):
+        for task in (self._health_task, self._discovery_task, self._watchdog_task):
             if task:
                 task.cancel()
         for sub in self._subscribers.values():
@@ -420,8 +423,9 @@ class Router:
 
     async def _relay(self, resp, w: Worker, path: str, start: float, client_wants_usage: bool):
         """The stream relay (:mod:`.relay`) and the request's accounting once it ends, however it ends."""
-        end = StreamEnd()
+        end = StreamEnd(last_activity=start, resp=resp)
         spec = self.config.spec
+        self.watchdog.streams.add(end)
         try:
             async for data in relay(resp, w.name, end, start=start, client_wants_usage=client_wants_usage,
                                     observe_ttft=self.metrics.ttft.labels(path).observe,
@@ -430,6 +434,7 @@ class Router:
                                     idle_timeout_s=spec.idle_timeout_seconds):
                 yield data
         finally:
+            self.watchdog.streams.discard(end)
             if end.outcome == m.OUTCOME_SUCCESS:
                 resp.release()       # read to the end: the connection goes back to the pool
             else:
