@@ -13,7 +13,8 @@ from disagg.api.names import LABEL_ROLE
 from disagg.operator import metrics as operator_metrics
 from disagg.workers.local import metric_sum, scrape
 from disagg.e2e.localcluster import nodepools
-from disagg.e2e.testing import DD, GROUP, PLURAL, VERSION, dd_manifest, pod, wait_for
+from disagg.e2e.testing import DD, GROUP, PLURAL, VERSION, dd_manifest, wait_for
+from disagg.e2e.testing import pod as pod_manifest
 from disagg.operator import gang as gangs
 
 def _empty_clique(api_client):
@@ -157,9 +158,9 @@ def test_gang_minimum_holds_per_role(api_client, namespace, operator):
         "spec": {"workloadRef": {"workloadName": "single", "templateName": "all"},
                  "schedulingPolicy": {"gang": {"minCount": 2}}}})
     for i in range(2):
-        core.create_namespaced_pod(namespace, pod(f"single-prefill-{i}", gpus=1, pod_group="single"))
-    core.create_namespaced_pod(namespace, pod("single-decode", gpus=1, pod_group="single",
-                                              node_selector={"nvidia.com/gpu.product": "no-such-gpu"}))
+        core.create_namespaced_pod(namespace, pod_manifest(f"single-prefill-{i}", gpus=1, pod_group="single"))
+    core.create_namespaced_pod(namespace, pod_manifest("single-decode", gpus=1, pod_group="single",
+                                                       node_selector={"nvidia.com/gpu.product": "no-such-gpu"}))
     wait_for(lambda: all(core.read_namespaced_pod(f"single-prefill-{i}", namespace).spec.node_name
                          for i in range(2)), 60, "a single PodGroup binding the prefill pods without a decode")
 
