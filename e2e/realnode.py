@@ -130,6 +130,23 @@ def ready_pods(api: client.ApiClient, namespace: str, selector: str) -> list[cli
             and all(c.ready for c in p.status.container_statuses or [])]
 
 
+def pod_logs(api: client.ApiClient, namespace: str, selector: str, lines: int = 60) -> str:
+    """The last lines of every matching pod's container (and of its previous run, after a restart): what a
+    failed end-to-end test attaches, since the pods and their logs are gone once the cluster is down."""
+    core = client.CoreV1Api(api)
+    out = []
+    for pod in core.list_namespaced_pod(namespace, label_selector=selector).items:
+        restarted = any(c.restart_count for c in pod.status.container_statuses or [])
+        for previous in (True, False) if restarted else (False,):
+            try:
+                text = core.read_namespaced_pod_log(pod.metadata.name, namespace, tail_lines=lines,
+                                                    previous=previous)
+            except ApiException as e:
+                text = f"(no log: {e.status} {e.reason})"
+            out.append(f"--- {pod.metadata.name}{' (previous run)' if previous else ''} ---\n{text}")
+    return "\n".join(out)
+
+
 def metric(url: str, name: str, **labels: str) -> float:
     """Sum of the samples named `name` on `url`'s /metrics whose labels include `labels`."""
     import urllib.request
@@ -183,4 +200,4 @@ def chat(url: str, question: str) -> str:
 
 
 __all__ = ["chat", "CHART", "helm", "MODEL_CLAIM", "SERVED_MODEL", "chart_values", "deployment", "install_model",
-           "metric", "placement", "ready_pods", "remove_model", "router_url", "wait_serving"]
+           "metric", "placement", "pod_logs", "ready_pods", "remove_model", "router_url", "wait_serving"]

@@ -327,7 +327,10 @@ def test_crashed_decode_is_covered_by_a_counted_retry_and_restarted(api, agg, re
                  120, "requests in flight on the victim")
         assert not any(f.done() for f in futures), "a request finished before the crash: nothing to retry"
         real.node.crash_container(victim.status.container_statuses[0].container_id)
-        served = [f.result() for f in futures]   # raises if any request failed
+        try:
+            served = [f.result() for f in futures]   # raises if any request failed
+        except Exception as e:
+            raise AssertionError(realnode.pod_logs(api, NS, f"{LABEL_DEPLOYMENT}={AGG}")) from e
     assert len(served) == 8
     assert _router_metric(dd, m.ROUTER_FALLBACKS, reason=m.FALLBACK_DECODE_RETRY) > retries
     # the kubelet restarts the crashed container in place; the router takes the worker back once it is healthy
@@ -347,7 +350,10 @@ def test_scale_down_with_streams_in_flight_fails_nothing(api, agg):
         wait_for(lambda: _router_metric(dd, m.ROUTER_ACTIVE_REQUESTS, role="decode") >= 8
                  or any(f.done() for f in futures), 120, "the streams in flight")
         dd.patch_spec({"decode": {"replicas": 1}})
-        results = [f.result() for f in futures]   # raises if any stream failed
+        try:
+            results = [f.result() for f in futures]   # raises if any stream failed
+        except Exception as e:
+            raise AssertionError(realnode.pod_logs(api, NS, f"{LABEL_DEPLOYMENT}={AGG}")) from e
     # every stream ran to its length: none cut short by the scale-down (an aborted one ends "abort")
     assert [(finish, tokens) for _, _, finish, tokens in results] == [("length", 96)] * 8, results
     wait_for(lambda: len(dd.pods("decode")) == 1, 300, "one decode pod left")
