@@ -231,21 +231,22 @@ def scale(dd: DD, role: str, replicas: int, timeout: float = 180) -> dict[str, A
 def rollout(dd: DD, patch: dict[str, Any], rolled: Callable[[client.V1Pod], bool], timeout: float = 240) -> bool:
     """Apply `patch` to the spec and watch until every worker pod satisfies `rolled` and the deployment is
     Ready again; fail the moment a role has no ready pod. True when Progressing was seen."""
-    dd.patch_spec(patch)
-    saw_progress, deadline = False, time.monotonic() + timeout
+    since = dd.patch_spec(patch)["metadata"]["resourceVersion"]
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for role in ROLES:
             assert [p for p in dd.pods(role) if is_ready(p)], f"no ready {role} pod during the rollout"
         obj = dd.get()
         status = obj.get("status") or {}
-        saw_progress |= any(c["type"] == "Progressing" and c["status"] == "True"
-                            for c in status.get("conditions") or [])
         pods = worker_pods(dd)
         want = spec_replicas(dd)
         if (status.get("phase") == "Ready" and status.get("observedGeneration") == obj["metadata"]["generation"]
                 and all(status[r]["updated"] == want[r] for r in ROLES)
                 and len(pods) == want["prefill"] + want["decode"] and all(rolled(p) for p in pods)):
-            return saw_progress
+            # every status written since the patch, not only those a poll happened to read
+            return any(c["type"] == "Progressing" and c["status"] == "True"
+                       for o in dd.history(since, obj["metadata"]["resourceVersion"])
+                       for c in (o.get("status") or {}).get("conditions") or [])
         time.sleep(0.1)
     raise AssertionError(f"rollout did not finish in {timeout:.0f}s: {dd.status()}")
 

@@ -99,7 +99,24 @@ class DD:
         return seen
 
     def patch_spec(self, spec):
-        self.custom.patch_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, self.name, {"spec": spec})
+        """Patch the spec; returns the object as the patch left it (its resourceVersion marks the change)."""
+        return self.custom.patch_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, self.name,
+                                                          {"spec": spec})
+
+    def history(self, since: str, until: str, timeout: int = 30) -> list[dict]:
+        """Every version of the object written after resourceVersion `since`, up to `until`, replayed by a
+        watch from `since`: states a poll can miss between two reads (a condition set and cleared)."""
+        from kubernetes import watch
+
+        seen: list[dict] = []
+        w = watch.Watch()
+        for ev in w.stream(self.custom.list_namespaced_custom_object, GROUP, VERSION, self.ns, PLURAL,
+                           field_selector=f"metadata.name={self.name}", resource_version=since,
+                           timeout_seconds=timeout):
+            seen.append(ev["object"])
+            if ev["object"].get("metadata", {}).get("resourceVersion") == until:
+                w.stop()
+        return seen
 
     def pods(self, role=None):
         sel = f"{LABEL_DEPLOYMENT}={self.name}" + (f",{LABEL_ROLE}={role}" if role else "")

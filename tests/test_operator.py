@@ -196,10 +196,14 @@ def test_hand_edits_of_children_are_reverted(api_client, namespace, operator):
              == container.args, 60, "the rendered args restored")
     apps.patch_namespaced_deployment_scale(name, namespace, {"spec": {"replicas": 3}}, field_manager="kubectl-scale")
     wait_for(lambda: apps.read_namespaced_deployment(name, namespace).spec.replicas == 1, 60, "replicas restored")
-    events = dd.core.list_namespaced_event(namespace, field_selector="involvedObject.name=drift").items
-    managers = {e.message.split(" was changed by ")[1].split(";")[0] for e in events
+
+    def managers() -> set[str]:
+        events = dd.core.list_namespaced_event(namespace, field_selector="involvedObject.name=drift").items
+        return {e.message.split(" was changed by ")[1].split(";")[0] for e in events
                 if e.reason == "ChildDriftReverted"}
-    assert {"kubectl-edit", "kubectl-scale"} <= managers, managers
+    # kopf posts events from its own queue, after the revert they report: wait for both
+    wait_for(lambda: {"kubectl-edit", "kubectl-scale"} <= managers(), 60,
+             "ChildDriftReverted events naming kubectl-edit and kubectl-scale")
     after = metric_sum(scrape(f"http://127.0.0.1:{operator_metrics.port()}"), m.OPERATOR_DRIFT_REVERTS)
     assert after - before >= 2
     dd.wait_phase("Ready")
