@@ -65,16 +65,48 @@ class Watchdog:
                 end.resp.content.set_exception(aiohttp.ServerTimeoutError("stalled"))
 
 
+class EndedBeforeOutput(Exception):
+    """The worker ended the stream (``[DONE]``, an error event, or the connection closed) before any token:
+    nothing reached the client yet, so another worker can serve the request."""
+
+
+async def first_token(resp: aiohttp.ClientResponse, worker: str) -> tuple[bytes, BaseException | None]:
+    """Reads ``resp`` up to its first token event. Returns what was read, for :func:`relay` to replay, and
+    the error that interrupted the read (a timeout or a broken connection: the relay reports it as it
+    would mid-stream). Raises :class:`EndedBeforeOutput` when the stream ended without a token. A
+    draining vLLM answers a request it will not run with a stream that ends at once, no token in it
+    (seen when a decode pod is scaled away under load); the client must never get that as a response."""
+    buf = b""
+    try:
+        while True:
+            data = await resp.content.readany()
+            if not data:
+                raise EndedBeforeOutput(f"the decode worker {worker} closed the stream before its first token")
+            buf += data
+            events = buf.replace(b"\r\n", b"\n").split(b"\n\n")[:-1]   # the complete ones
+            for event in events:
+                if not event.startswith(_DATA) or _USAGE_ONLY.search(event):
+                    continue
+                if event.startswith(_DONE) or b'"choices"' not in event:   # the end, or an error event
+                    raise EndedBeforeOutput(f"the decode worker {worker} ended the stream before its first "
+                                            f"token: {event[:200].decode(errors='replace')}")
+                return buf, None
+    except (aiohttp.ClientError, TimeoutError) as e:
+        return buf, e
+
+
 async def relay(resp: aiohttp.ClientResponse, worker: str, end: StreamEnd, *, start: float,
                 client_wants_usage: bool, observe_ttft: Callable[[float], None],
                 observe_itl: Callable[[float], None], first_token_timeout_s: float | None,
-                idle_timeout_s: float | None) -> AsyncIterator[bytes]:
+                idle_timeout_s: float | None, head: bytes = b"",
+                head_error: BaseException | None = None) -> AsyncIterator[bytes]:
     """Yields the client's bytes: every ``data:`` event but the usage-only one (unless the client asked
     for usage), then ``[DONE]``; or an OpenAI-style error event when the worker fails, stalls longer
     than ``idle_timeout_s`` between chunks, or ends without ``[DONE]``. ``end`` says how it went.
     The stalls are detected by a :class:`Watchdog` watching ``end`` (its ``last_activity``, from the
     request's start until the first token). The caller opened the response with the first-token timeout
-    as its read timeout, for the response headers; from here on the watchdog alone times the stream."""
+    as its read timeout, for the response headers; from here on the watchdog alone times the stream.
+    ``head`` and ``head_error`` are what :func:`first_token` read and the error that stopped it."""
     content = resp.content
     pending = b""
     last = None
@@ -82,7 +114,13 @@ async def relay(resp: aiohttp.ClientResponse, worker: str, end: StreamEnd, *, st
         resp.connection.protocol.read_timeout = None      # no timer re-armed per socket read
     try:
         while True:
-            data = await content.readany()
+            if head:
+                data, head = head, b""
+            elif head_error is not None:
+                err, head_error = head_error, None
+                raise err
+            else:
+                data = await content.readany()
             if not data:
                 yield sse(UpstreamFailed(f"the decode worker {worker} ended the stream early"))
                 return

@@ -28,7 +28,7 @@ from .events import Subscriber
 from .index import PrefixIndex, block_keys
 from .pool import Pool, Worker
 from .protocol import ChatCompletionRequest, CompletionRequest
-from .relay import StreamEnd, Watchdog, relay
+from .relay import EndedBeforeOutput, StreamEnd, Watchdog, first_token, relay
 
 log = logging.getLogger("disagg.router")
 TOKENIZE_INLINE_CHARS = 16384
@@ -411,17 +411,25 @@ class Router:
             self._account(w, +1)
             try:
                 resp = await self._open_stream(w, endpoint, body)
+                try:
+                    # up to the first token before the client sees anything: a stream that ends empty
+                    # is a failure before output, served by another worker
+                    head, head_error = await first_token(resp, w.name)
+                except BaseException:
+                    resp.close()
+                    raise
                 break
-            except _Upstream as e:
+            except (_Upstream, EndedBeforeOutput) as e:
                 self._account(w, -1)
                 w = self._next_decode(w, e, ids, tried, route)
                 body = self._without_remote_kv(body, route)
             except BaseException:
                 self._account(w, -1)
                 raise
-        return self._relay(resp, w, route.path, start, client_wants_usage)
+        return self._relay(resp, w, route.path, start, client_wants_usage, head, head_error)
 
-    async def _relay(self, resp, w: Worker, path: str, start: float, client_wants_usage: bool):
+    async def _relay(self, resp, w: Worker, path: str, start: float, client_wants_usage: bool,
+                     head: bytes = b"", head_error: BaseException | None = None):
         """The stream relay (:mod:`.relay`) and the request's accounting once it ends, however it ends."""
         end = StreamEnd(last_activity=start, resp=resp)
         spec = self.config.spec
@@ -431,7 +439,7 @@ class Router:
                                     observe_ttft=self.metrics.ttft.labels(path).observe,
                                     observe_itl=self.metrics.itl.observe,
                                     first_token_timeout_s=spec.first_token_timeout_seconds,
-                                    idle_timeout_s=spec.idle_timeout_seconds):
+                                    idle_timeout_s=spec.idle_timeout_seconds, head=head, head_error=head_error):
                 yield data
         finally:
             self.watchdog.streams.discard(end)
