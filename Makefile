@@ -6,13 +6,25 @@ BIN := $(VENV)/bin
 # Reinstall the light environment whenever pyproject.toml changes.
 STAMP := $(VENV)/.installed-$(shell sha256sum pyproject.toml | cut -c1-16)
 
-.PHONY: test demo venv bench-deps cluster-build node-build node-packages buildkit prometheus-build cluster-up cluster-down crds prometheus browser worker-env e2e e2e-kind
+.PHONY: test demo venv bench-deps cluster-build node-build node-packages test-packages buildkit prometheus-build cluster-up cluster-down crds worker-env e2e e2e-kind go-builds demo-go-builds
 
-test: venv cluster-build node-build buildkit prometheus prometheus-build browser worker-env
+# On a cold cache the prerequisites take most of the time, so they are built side by side: the Go builds
+# share one compile cache and each keeps both cores busy, so they run one after another (two at once would
+# compile the same Kubernetes packages twice), while the Python environments, mostly downloads, build
+# beside them. Debian's packages come first, in one apt call: apt holds a lock the others would wait on.
+test: test-packages
+	$(MAKE) --no-print-directory -j3 --output-sync=line venv worker-env go-builds
 	$(BIN)/python -m pytest
 
-demo: venv cluster-build node-build buildkit worker-env
+demo: node-packages
+	$(MAKE) --no-print-directory -j3 --output-sync=line venv worker-env demo-go-builds
 	$(BIN)/disagg demo
+
+go-builds:
+	$(MAKE) --no-print-directory cluster-build node-build prometheus-build buildkit
+
+demo-go-builds:
+	$(MAKE) --no-print-directory cluster-build node-build buildkit
 
 venv: $(STAMP)
 
@@ -41,9 +53,16 @@ node-build: node-packages
 # plugins, nftables (kube-proxy's mode and the node's own fence), mmdebstrap (the images' Debian base),
 # a static busybox (the real node test's tiny image) and a C toolchain for the sandbox program.
 NODE_PACKAGES := runc containernetworking-plugins nftables mmdebstrap busybox-static gcc libc6-dev ca-certificates
-node-packages:
-	@missing=$$(for p in $(NODE_PACKAGES); do dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q 'install ok installed' || echo $$p; done); \
+# make test's too: a real Prometheus for the planner's tests and a headless browser (Chromium and its driver)
+# for the configurator's web page test.
+TEST_PACKAGES := $(NODE_PACKAGES) prometheus chromium chromium-driver
+apt-install = @missing=$$(for p in $(1); do dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q 'install ok installed' || echo $$p; done); \
 	[ -z "$$missing" ] || { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y $$missing; }
+node-packages:
+	$(call apt-install,$(NODE_PACKAGES))
+
+test-packages:
+	$(call apt-install,$(TEST_PACKAGES))
 
 # BuildKit (buildkitd + buildctl) built from its Go module's source into the cache; the images
 # themselves are built by the tests and the demo into the real node's containerd (e2e/images).
@@ -70,18 +89,12 @@ cluster-up: venv cluster-build node-build
 cluster-down: venv
 	$(BIN)/disagg cluster down
 
-# A real Prometheus for the planner's tests (Debian's package), installed only when missing.
-prometheus:
-	@command -v prometheus >/dev/null || { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y prometheus; }
 
 # Prometheus with Kubernetes service discovery (Debian's has none), from its Go module into the cache,
 # for the end-to-end suite on the real node.
 prometheus-build:
 	bash e2e/localcluster/build-prometheus.sh >/dev/null
 
-# A real headless browser for the configurator's web page test (Debian's Chromium and its driver), installed only when missing.
-browser:
-	@{ command -v chromium && command -v chromedriver; } >/dev/null || { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium chromium-driver; }
 
 crds: venv
 	$(BIN)/disagg crds
