@@ -16,6 +16,7 @@ import os
 import shlex
 import sys
 
+from disagg import redact
 from disagg.api.names import local_model_path
 
 from .command import build
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = settings_from(args, engine_args)
     cmd = build(settings, python=args.python or sys.executable)
     if args.action == "command":
-        print(json.dumps({"argv": shlex.join(cmd.argv), "env": cmd.env}, indent=2))
+        print(json.dumps({"argv": shlex.join(redact.argv(cmd.argv)), "env": redact.env(cmd.env)}, indent=2))
         return 0
     from .supervisor import run
 

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 
+from disagg import redact
 from disagg.api.contract import DRAIN_MARGIN_SECONDS
 
 from .command import Command
@@ -31,7 +32,8 @@ def log(event: str, **fields) -> None:
 def run(cmd: Command, drain_seconds: int) -> int:
     env = {**os.environ, **cmd.env}
     proc = subprocess.Popen(cmd.argv, env=env)
-    log("started", pid=proc.pid, argv=cmd.argv)
+    # engine args may carry --api-key and the like: logged masked (disagg.redact)
+    log("started", pid=proc.pid, argv=redact.argv(cmd.argv))
     deadline: list[float] = []
 
     def on_signal(signum, _frame):
