@@ -129,6 +129,33 @@ def _credentials(dd: DisaggDeployment) -> list[dict[str, Any]]:
     return [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}]
 
 
+# Restricted by Pod Security Standards (tests/test_operator_security.py applies them on the API
+# server): the images' non-root user, the runtime's default seccomp profile, no privilege escalation,
+# no capabilities, a read-only root filesystem with one writable emptyDir (contract.SCRATCH_DIR).
+# fsGroup lets that user read volumes provisioned for root; OnRootMismatch keeps the kubelet from
+# walking every file of a large model volume at each start.
+def _pod_security() -> dict[str, Any]:
+    return {"runAsNonRoot": True, "runAsUser": contract.RUN_AS_USER, "runAsGroup": contract.RUN_AS_USER,
+            "fsGroup": contract.RUN_AS_USER, "fsGroupChangePolicy": "OnRootMismatch",
+            "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def _container_security() -> dict[str, Any]:
+    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]}}
+
+
+SCRATCH_VOLUME = "tmp"
+
+
+def _scratch(user_env: set[str]) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
+    """(env, volume, mount) of the writable scratch directory: no size limit, since an hf:// model's
+    weights are downloaded there (the node's ephemeral storage, as the container's own layer was)."""
+    env = [{"name": k, "value": v} for k, v in contract.SCRATCH_ENV.items() if k not in user_env]
+    return (env, {"name": SCRATCH_VOLUME, "emptyDir": {}},
+            {"name": SCRATCH_VOLUME, "mountPath": contract.SCRATCH_DIR})
+
+
 def _resources(role_spec: RoleSpec) -> dict[str, Any]:
     limits = {k: str(v) for k, v in role_spec.resources.limits.items()}
     requests = {k: str(v) for k, v in role_spec.resources.requests.items()}
@@ -175,6 +202,8 @@ def worker_deployment(dd: DisaggDeployment, uid: str, role: str, gang: gangs.Gan
            {"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "value": "$(POD_IP)"},
            *({"name": e.name, "value": e.value} for e in dd.spec.engine.env)]
     env += _credentials(dd)
+    scratch_env, scratch_volume, scratch_mount = _scratch({e.name for e in dd.spec.engine.env})
+    env = [*scratch_env, *env]
     model_volumes, model_mounts = _model_volumes(dd)
     http = {"httpGet": {"path": contract.WORKER_HEALTH_PATH, "port": "http"}}
     container = {
@@ -188,14 +217,16 @@ def worker_deployment(dd: DisaggDeployment, uid: str, role: str, gang: gangs.Gan
                   {"name": "nixl", "containerPort": NIXL_PORT},
                   {"name": "kv-events", "containerPort": KV_EVENTS_PORT}],
         "resources": _resources(role_spec),
-        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}, *model_mounts],
+        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}, scratch_mount, *model_mounts],
+        "securityContext": _container_security(),
         # timeouts above the kubelet's 1 s default: a busy engine's /health can take seconds, and a
         # liveness probe that times out under load restarts the pod and drops every request on it
         "startupProbe": {**http, "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 180},
         "readinessProbe": {**http, "periodSeconds": 5, "timeoutSeconds": 5, "failureThreshold": 3},
         "livenessProbe": {**http, "periodSeconds": 10, "timeoutSeconds": 10, "failureThreshold": 6},
     }
-    volumes = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}}, *model_volumes]
+    volumes = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}}, scratch_volume,
+               *model_volumes]
     disk_gib = dd.spec.kv_cache.offload.disk_gib
     if disk_gib:
         # vLLM's fs tier (0.32) does not evict by size: the volume's limit is the bound, and the
@@ -209,6 +240,9 @@ def worker_deployment(dd: DisaggDeployment, uid: str, role: str, gang: gangs.Gan
         # the drain vLLM runs (--shutdown-timeout) plus the supervisor's margin: one budget, both sides
         "terminationGracePeriodSeconds": contract.termination_grace_seconds(contract.DRAIN_SECONDS),
         "enableServiceLinks": False,
+        # nothing in a worker calls the Kubernetes API: no token in its file system
+        "automountServiceAccountToken": False,
+        "securityContext": _pod_security(),
         **pod_fields["spec"],
     }
     if role_spec.node_selector:
@@ -285,18 +319,20 @@ def router_deployment(dd: DisaggDeployment, uid: str) -> dict[str, Any]:
     if res:
         container["resources"] = res
     # the router tokenizes with the model's own tokenizer: same source, same credentials
-    if _credentials(dd):
-        container["env"] = _credentials(dd)
+    scratch_env, scratch_volume, scratch_mount = _scratch(set())
+    container["env"] = [*scratch_env, *_credentials(dd)]
+    container["securityContext"] = _container_security()
     volumes, mounts = _model_volumes(dd)
+    # the router keeps its ServiceAccount token: it watches the workers' EndpointSlices (router_rbac)
     pod_spec: dict[str, Any] = {"serviceAccountName": n[ROLE_ROUTER], "containers": [container],
-                                "enableServiceLinks": False, "affinity": _OFF_GPU_NODES}
+                                "enableServiceLinks": False, "affinity": _OFF_GPU_NODES,
+                                "securityContext": _pod_security()}
     if r.node_selector:
         pod_spec["nodeSelector"] = dict(r.node_selector)
     if r.tolerations:
         pod_spec["tolerations"] = _tolerations(r.tolerations)
-    if mounts:
-        container["volumeMounts"] = mounts
-        pod_spec["volumes"] = volumes
+    container["volumeMounts"] = [scratch_mount, *mounts]
+    pod_spec["volumes"] = [scratch_volume, *volumes]
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",
         "metadata": _meta(dd, uid, n[ROLE_ROUTER], ROLE_ROUTER),

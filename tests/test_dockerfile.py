@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from disagg.api import contract
+
 REPO = Path(__file__).resolve().parent.parent
 DOCKERFILES = [REPO / "Dockerfile", REPO / "e2e" / "kind" / "stub-worker" / "Dockerfile"]
 
@@ -62,7 +64,9 @@ def test_images_run_as_non_root():
             if "scratch" in stage.splitlines()[0] or name in _build_only(stages):
                 continue
             users = [line.split()[1] for line in stage.splitlines() if line.startswith("USER ")]
-            assert users and users[-1] == "10001", (dockerfile.name, name)
+            # the uid the operator renders pods with (runAsUser), so runAsNonRoot holds either way
+            assert users and users[-1] == str(contract.RUN_AS_USER), (dockerfile.name, name)
+            assert f"useradd --uid {contract.RUN_AS_USER} " in stage, (dockerfile.name, name)
 
 
 def test_dockerfile_targets():

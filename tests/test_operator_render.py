@@ -167,3 +167,42 @@ def test_worker_pods_get_the_drain_vllm_runs_plus_the_supervisors_margin():
         drain = int(args[args.index("--drain-seconds") + 1])
         assert drain == contract.DRAIN_SECONDS == 120
         assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == drain + contract.DRAIN_MARGIN_SECONDS
+
+
+def test_pods_run_restricted_with_one_writable_scratch_directory():
+    """Every router and worker pod: the images' non-root user, seccomp RuntimeDefault, no privilege
+    escalation, no capabilities, a read-only root filesystem; the caches all point into the one
+    emptyDir; workers carry no ServiceAccount token, the router (which watches EndpointSlices) does."""
+    from disagg.api import contract
+
+    dd = _dd(engine={"env": [{"name": "HF_HOME", "value": "/models/cache"}]},
+             kvCache={"offload": {"diskGiB": 10}})
+    deps = {m["metadata"]["name"]: m for m in render.children(dd, "uid")[0] if m["kind"] == "Deployment"}
+    assert set(deps) == {"demo-prefill", "demo-decode", "demo-router"}
+    for name, dep in deps.items():
+        pod = dep["spec"]["template"]["spec"]
+        psc = pod["securityContext"]
+        assert psc["runAsNonRoot"] is True and psc["runAsUser"] == psc["runAsGroup"] == contract.RUN_AS_USER != 0
+        assert psc["seccompProfile"] == {"type": "RuntimeDefault"}
+        (c,) = pod["containers"]
+        sc = c["securityContext"]
+        assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
+        assert sc["capabilities"] == {"drop": ["ALL"]} and "add" not in sc["capabilities"]
+        scratch = next(v for v in pod["volumes"] if v["name"] == render.SCRATCH_VOLUME)
+        assert scratch == {"name": render.SCRATCH_VOLUME, "emptyDir": {}}
+        assert {"name": render.SCRATCH_VOLUME, "mountPath": contract.SCRATCH_DIR} in c["volumeMounts"]
+        # every place a process writes is a volume: no mount is read-write but an emptyDir
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        for m in c["volumeMounts"]:
+            assert "emptyDir" in volumes[m["name"]] or m.get("readOnly") is True, (name, m)
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        for key, value in contract.SCRATCH_ENV.items():
+            if value.startswith("/"):
+                assert value.startswith(contract.SCRATCH_DIR)
+        worker = name != "demo-router"
+        assert env["HF_HOME"] == ("/models/cache" if worker else contract.SCRATCH_ENV["HF_HOME"]), "the spec wins"
+        assert [e["name"] for e in c["env"]].count("HF_HOME") == 1
+        assert env["HOME"] == env["TMPDIR"] == contract.SCRATCH_DIR
+        assert env["VLLM_CACHE_ROOT"].startswith(contract.SCRATCH_DIR)
+        assert pod.get("automountServiceAccountToken") is (False if worker else None)
+        assert ("serviceAccountName" in pod) is not worker

@@ -39,6 +39,28 @@ WORKER_HEALTH_PATH = "/health"
 ROUTER_READY_PATH = "/health"
 ROUTER_LIVE_PATH = "/livez"
 
+# The user every pod the operator renders runs as (never root): the uid and gid the Dockerfile's images
+# create (`useradd --uid`; tests/test_dockerfile.py keeps the two equal).
+RUN_AS_USER = 10001
+# Router and worker containers have a read-only root filesystem; this directory is an emptyDir, the one
+# place they write. Every cache is pointed into it by name rather than left to each library's default
+# under a HOME the image may not have (vLLM's compile and config caches, Triton's kernels, the Hugging
+# Face download of weights and tokenizers for hf:// sources, ZMQ's IPC sockets and Python's tempfiles
+# under TMPDIR). A variable of the same name in spec.engine.env wins.
+SCRATCH_DIR = "/tmp"
+SCRATCH_ENV = {
+    "HOME": SCRATCH_DIR,
+    "TMPDIR": SCRATCH_DIR,
+    "XDG_CACHE_HOME": f"{SCRATCH_DIR}/.cache",
+    "XDG_CONFIG_HOME": f"{SCRATCH_DIR}/.config",
+    "HF_HOME": f"{SCRATCH_DIR}/huggingface",
+    "VLLM_CACHE_ROOT": f"{SCRATCH_DIR}/.cache/vllm",
+    "VLLM_CONFIG_ROOT": f"{SCRATCH_DIR}/.config/vllm",
+    "TRITON_CACHE_DIR": f"{SCRATCH_DIR}/.triton/cache",
+    # no .pyc writes into the read-only image (they would fail anyway, on every start)
+    "PYTHONDONTWRITEBYTECODE": "1",
+}
+
 BLOCK_SIZE_FLAG = "--block-size"
 MAX_MODEL_LEN_FLAG = "--max-model-len"
 # vLLM's parser takes either spelling of a flag (underscores become dashes)
