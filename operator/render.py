@@ -22,6 +22,8 @@ from disagg.api.names import (
     ROLE_DECODE,
     ROLE_PREFILL,
     ROLE_ROUTER,
+    ROUTER_API_KEYS_FILE,
+    ROUTER_AUTH_DIR,
     child_name,
     model_claim,
 )
@@ -32,6 +34,7 @@ from disagg.api.v1alpha1 import (
     DisaggDeployment,
     GangBackend,
     RoleSpec,
+    RouterAuth,
     Toleration,
     TopologyMode,
 )
@@ -280,6 +283,18 @@ _OFF_GPU_NODES = {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecut
         {"key": f"{GPU_RESOURCE}.present", "operator": "DoesNotExist"}]}}]}}
 
 
+def _api_keys(auth: RouterAuth) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(volume, mount) of spec.router.auth's Secret key at ROUTER_API_KEYS_FILE. A volume, not an env
+    variable: the kubelet updates a mounted Secret in place and the router re-reads it, so keys rotate
+    without a restart. The whole volume is mounted (a subPath mount would never be updated); the file is
+    readable by the pod's group (fsGroup) only. The operator never reads the Secret itself: a missing one
+    leaves the router pod waiting in ContainerCreating with a FailedMount event naming it."""
+    volume = {"name": "api-keys", "secret": {"secretName": auth.secret_name, "defaultMode": 0o440,
+                                             "items": [{"key": auth.key,
+                                                        "path": ROUTER_API_KEYS_FILE.rsplit("/", 1)[1]}]}}
+    return volume, {"name": "api-keys", "mountPath": ROUTER_AUTH_DIR, "readOnly": True}
+
+
 def router_deployment(dd: DisaggDeployment, uid: str) -> dict[str, Any]:
     n = names(dd.metadata.name)
     r = dd.spec.router
@@ -306,6 +321,8 @@ def router_deployment(dd: DisaggDeployment, uid: str) -> dict[str, Any]:
                  "--first-token-timeout-seconds", str(r.first_token_timeout_seconds),
                  "--idle-timeout-seconds", str(r.idle_timeout_seconds),
                  "--request-timeout-seconds", str(r.request_timeout_seconds),
+                 "--max-body-bytes", str(r.max_body_bytes), "--body-timeout-seconds", str(r.body_timeout_seconds),
+                 *(["--api-keys-file", ROUTER_API_KEYS_FILE] if r.auth else []),
                  "--discovery", "endpointslices", "--namespace", dd.metadata.namespace or "default",
                  "--prefill-service", n[ROLE_PREFILL], "--decode-service", n[ROLE_DECODE]],
         "ports": [{"name": "http", "containerPort": HTTP_PORT}],
@@ -333,6 +350,10 @@ def router_deployment(dd: DisaggDeployment, uid: str) -> dict[str, Any]:
         pod_spec["tolerations"] = _tolerations(r.tolerations)
     container["volumeMounts"] = [scratch_mount, *mounts]
     pod_spec["volumes"] = [scratch_volume, *volumes]
+    if r.auth:
+        volume, mount = _api_keys(r.auth)
+        container["volumeMounts"].append(mount)
+        pod_spec["volumes"].append(volume)
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",
         "metadata": _meta(dd, uid, n[ROLE_ROUTER], ROLE_ROUTER),

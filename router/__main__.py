@@ -27,7 +27,8 @@ from .config import RouterConfig
 # flag -> type; each is spec.router's field of the same name in camelCase
 _LIMITS = (("max-in-flight", int), ("max-queued", int), ("queue-timeout-seconds", float),
            ("connect-timeout-seconds", float), ("first-token-timeout-seconds", float),
-           ("idle-timeout-seconds", float), ("request-timeout-seconds", float))
+           ("idle-timeout-seconds", float), ("request-timeout-seconds", float),
+           ("max-body-bytes", int), ("body-timeout-seconds", float))
 
 
 def _camel(flag: str) -> str:
@@ -53,6 +54,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int,
                    help="the workers' context length (default: learned from their /v1/models)")
     p.add_argument("--kv-events-topic", help="ZMQ topic of the workers' KV events")
+    p.add_argument("--api-keys-file", help="API keys clients must send as 'Authorization: Bearer', one a line "
+                                           "(spec.router.auth); re-read when it changes")
     p.add_argument("--discovery", choices=["static", "endpointslices"], default="static")
     p.add_argument("--event-loop", choices=["uvloop", "asyncio"], default="uvloop",
                    help="asyncio: Python's own loop (to compare; bench/router_vs_vllm_router.py)")
@@ -81,7 +84,7 @@ def config_from(args: argparse.Namespace) -> RouterConfig:
         data["model"] = args.model
     if args.tokenizer:
         data["tokenizer"] = local_model_path(args.tokenizer)
-    for flag in ("port", "block_size", "max_model_len", "kv_events_topic"):
+    for flag in ("port", "block_size", "max_model_len", "kv_events_topic", "api_keys_file"):
         if getattr(args, flag) is not None:
             data[flag] = getattr(args, flag)
     return RouterConfig.model_validate(data)
@@ -110,7 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     # a deep accept backlog: a burst of a thousand clients connecting at once must not be refused
     # uvloop: the relay's cost is mostly the event loop's socket reads and writes (the profile at 1,000
     # streams, bench/router_vs_vllm_router.py), which libuv does in C
-    web.run_app(make_app(config, discovery=discovery), host=config.host, port=config.port, access_log=None,
+    try:
+        app = make_app(config, discovery=discovery)
+    except OSError as e:         # the API keys file: a router told to authenticate never starts open
+        print(f"cannot read {e.filename}: {e.strerror}", file=sys.stderr)
+        return 2
+    web.run_app(app, host=config.host, port=config.port, access_log=None,
                 print=None, backlog=4096,
                 loop=uvloop.new_event_loop() if args.event_loop == "uvloop" else asyncio.new_event_loop())
     return 0

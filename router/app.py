@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -10,9 +11,11 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
+from disagg.api import metrics as m
 from disagg.api.contract import ROUTER_LIVE_PATH, ROUTER_READY_PATH
 
 from . import errors
+from .auth import OPEN_PATHS, ApiKeys
 from .config import RouterConfig
 from .metrics import RouterMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest
@@ -20,10 +23,15 @@ from .service import Router
 
 log = logging.getLogger("disagg.router")
 ROUTER_KEY = web.AppKey("router", Router)
+KEYS_KEY = web.AppKey("api_keys", ApiKeys)
 
 
 def _error(err: errors.RouterError) -> web.Response:
-    headers = {"Retry-After": str(err.retry_after_s)} if isinstance(err, errors.Overloaded) else None
+    headers = None
+    if isinstance(err, errors.Overloaded):
+        headers = {"Retry-After": str(err.retry_after_s)}
+    elif isinstance(err, errors.Unauthorized):
+        headers = {"WWW-Authenticate": "Bearer"}
     return web.json_response(errors.body(err), status=err.status, headers=headers)
 
 
@@ -45,9 +53,7 @@ async def error_middleware(request: web.Request, handler):
     except errors.RouterError as e:
         return _error(e)
     except web.HTTPRequestEntityTooLarge:
-        limit = request.app[ROUTER_KEY].config.max_body_bytes
-        return _error(errors.BadRequest(f"The request body is larger than the router accepts "
-                                        f"({limit} bytes).", param=None))
+        return _error(_too_large(request))
     except web.HTTPException as e:
         if e.status >= 400:
             return web.json_response(errors.body(_http(e)), status=e.status)
@@ -55,6 +61,28 @@ async def error_middleware(request: web.Request, handler):
     except Exception:  # a bug: logged, and a 500 in the same shape (never a 400)
         log.exception("unhandled error in %s %s", request.method, request.path)
         return _error(errors.RouterError("internal error in the router"))
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler):
+    """With spec.router.auth, a valid API key on everything but the probes and /metrics; checked before
+    admission and before the body is read, so a client without a key costs no slot and no upload."""
+    keys = request.app.get(KEYS_KEY)
+    if keys is not None and request.path not in OPEN_PATHS:
+        reason = keys.failure(request.headers.get("Authorization"))
+        if reason is not None:
+            metrics = request.app[ROUTER_KEY].metrics
+            metrics.auth_failures.labels(reason).inc()
+            metrics.requests.labels(m.OUTCOME_UNAUTHORIZED, "none").inc()
+            raise errors.Unauthorized(
+                "No API key: send one as 'Authorization: Bearer <key>'." if reason == m.AUTH_MISSING
+                else "The API key is not valid.")
+    return await handler(request)
+
+
+def _too_large(request: web.Request) -> errors.PayloadTooLarge:
+    limit = request.app[ROUTER_KEY].config.spec.max_body_bytes
+    return errors.PayloadTooLarge(f"The request body is larger than the router accepts ({limit} bytes).")
 
 
 def _http(e: web.HTTPException) -> errors.RouterError:
@@ -65,11 +93,21 @@ def _http(e: web.HTTPException) -> errors.RouterError:
 
 
 async def _parse(request: web.Request, model) -> tuple[object, dict]:
-    raw = await request.read()
+    spec = request.app[ROUTER_KEY].config.spec
+    if request.content_length is not None and request.content_length > spec.max_body_bytes:
+        raise _too_large(request)          # refused before a byte of it is read
+    try:
+        # bounded: a client dripping its body holds an admission slot only this long
+        raw = await asyncio.wait_for(request.read(), spec.body_timeout_seconds)
+    except TimeoutError:
+        raise errors.BodyTimeout(f"The request body did not arrive within {spec.body_timeout_seconds:g} s.") \
+            from None
     try:
         body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError) as e:     # UnicodeDecodeError: not UTF-8
         raise errors.BadRequest(f"The body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise errors.BadRequest("The body is nested too deeply.") from None
     if not isinstance(body, dict):
         raise errors.BadRequest("The body must be a JSON object.")
     try:
@@ -138,8 +176,12 @@ def make_app(config: RouterConfig, tokenizer=None, router: Router | None = None,
         from .tokenizer import Tokenizer
 
         router = Router(config, tokenizer or Tokenizer(config.tokenizer), RouterMetrics(), discovery=discovery)
-    app = web.Application(middlewares=[error_middleware], client_max_size=config.max_body_bytes)
+    app = web.Application(middlewares=[error_middleware, auth_middleware],
+                          client_max_size=config.spec.max_body_bytes)
     app[ROUTER_KEY] = router
+    keys = ApiKeys(config.api_keys_file, router.metrics) if config.api_keys_file else None
+    if keys is not None:
+        app[KEYS_KEY] = keys
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
@@ -149,7 +191,10 @@ def make_app(config: RouterConfig, tokenizer=None, router: Router | None = None,
 
     async def lifecycle(app: web.Application):
         await router.start()
+        reload = asyncio.create_task(keys.watch()) if keys is not None else None
         yield
+        if reload is not None:
+            reload.cancel()
         await router.close()
 
     app.cleanup_ctx.append(lifecycle)

@@ -12,6 +12,7 @@ import json
 class RouterError(Exception):
     status = 500
     type = "internal_error"
+    code: str | None = None     # OpenAI's string code where it has one; else the HTTP status (as vLLM does)
 
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
@@ -21,6 +22,25 @@ class RouterError(Exception):
 
 class BadRequest(RouterError):
     status = 400
+    type = "invalid_request_error"
+
+
+class Unauthorized(RouterError):
+    """No API key, or not one of the router's (spec.router.auth): OpenAI's 401. The message never
+    repeats what the client sent."""
+    status = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
+
+
+class PayloadTooLarge(RouterError):
+    status = 413
+    type = "invalid_request_error"
+
+
+class BodyTimeout(RouterError):
+    """The client did not send its whole body within spec.router.bodyTimeoutSeconds."""
+    status = 408
     type = "invalid_request_error"
 
 
@@ -65,7 +85,8 @@ class UpstreamRejected(RouterError):
 
 
 def body(err: RouterError) -> dict:
-    return {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.status}}
+    return {"error": {"message": err.message, "type": err.type, "param": err.param,
+                      "code": err.code if err.code is not None else err.status}}
 
 
 def sse(err: RouterError) -> bytes:

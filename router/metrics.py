@@ -48,5 +48,10 @@ class RouterMetrics:
         self.queued = Gauge(m.ROUTER_QUEUE_DEPTH, "Requests waiting for admission.", registry=r)
         self.rejected = Counter(m.ROUTER_REJECTED, "Requests refused with a 429, by reason.", ["reason"],
                                 registry=r)
+        self.auth_failures = Counter(m.ROUTER_AUTH_FAILURES, "Requests refused with a 401 (spec.router.auth), "
+                                     "by reason: no key, or a key that is not one of the router's.", ["reason"],
+                                     registry=r)
+        self.api_keys = Gauge(m.ROUTER_API_KEYS, "API keys the router accepts (spec.router.auth), as last read.",
+                              registry=r)
         self.timeouts = Counter(m.ROUTER_TIMEOUTS, "Worker calls cut by a timeout, by which one.", ["kind"],
                                 registry=r)

@@ -44,6 +44,12 @@ INVALID = [
     ("s3-without-tokenizer", {"spec.model.source": "s3://bucket/llama"}, "spec.model.tokenizer"),
     ("role-sets-block-size", {"spec.decode.extraArgs": ["--block-size", "32"]}, "spec.decode.extraArgs"),
     ("role-sets-context", {"spec.prefill.extraArgs": ["--max-model-len=8192"]}, "spec.prefill.extraArgs"),
+    ("router-auth-bad-secret-name", {"spec.router.auth": {"secretName": "My_Keys"}}, "spec.router.auth.secretName"),
+    ("router-auth-without-secret", {"spec.router.auth": {"key": "keys"}}, "spec.router.auth.secretName"),
+    ("router-auth-bad-key", {"spec.router.auth": {"secretName": "keys", "key": "a/b"}}, "spec.router.auth.key"),
+    ("router-auth-unknown-field", {"spec.router.auth": {"secretName": "keys", "apiKey": "sk-1"}},
+     "spec.router.auth"),
+    ("router-body-limit-tiny", {"spec.router.maxBodyBytes": 10}, "spec.router.maxBodyBytes"),
 ]
 
 

@@ -1,9 +1,17 @@
 """The operator's desired state, without a cluster: gang objects per backend, topology,
 rollout strategy, names, and the contract with the worker and router entrypoints."""
 
+import json
+
 import pytest
 
-from disagg.api.names import DISK_OFFLOAD_PATH, MODEL_MOUNT_ROOT, local_model_path
+from disagg.api.names import (
+    DISK_OFFLOAD_PATH,
+    MODEL_MOUNT_ROOT,
+    ROUTER_API_KEYS_FILE,
+    ROUTER_AUTH_DIR,
+    local_model_path,
+)
 
 from disagg.api.v1alpha1 import DisaggDeployment
 from disagg.e2e.testing import dd_manifest
@@ -111,6 +119,33 @@ def test_router_args_are_what_the_router_entrypoint_accepts():
     args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
     config = config_from(_parser().parse_args(args))
     assert config.model == "tiny" and str(config.spec.policy) == "least-loaded"
+
+
+def test_router_auth_mounts_the_secret_where_the_router_reads_its_keys():
+    """spec.router.auth: the Secret's key as a read-only volume (never a subPath, which the kubelet would not
+    update on rotation), the router told to read that file; limits on request bodies rendered too."""
+    from disagg.router.__main__ import _parser, config_from
+
+    dd = _dd(router={"auth": {"secretName": "my-keys", "key": "api.keys"}, "maxBodyBytes": 65536,
+                     "bodyTimeoutSeconds": 5})
+    pod = render.router_deployment(dd, "uid")["spec"]["template"]["spec"]
+    (volume,) = [v for v in pod["volumes"] if "secret" in v]
+    assert volume["secret"]["secretName"] == "my-keys"
+    (item,) = volume["secret"]["items"]
+    assert item["key"] == "api.keys" and f"{ROUTER_AUTH_DIR}/{item['path']}" == ROUTER_API_KEYS_FILE
+    assert volume["secret"]["defaultMode"] == 0o440 and pod["securityContext"]["fsGroup"]
+    (router,) = pod["containers"]
+    (mount,) = [mt for mt in router["volumeMounts"] if mt["name"] == volume["name"]]
+    assert mount == {"name": volume["name"], "mountPath": ROUTER_AUTH_DIR, "readOnly": True}
+    config = config_from(_parser().parse_args(router["args"]))
+    assert config.api_keys_file == ROUTER_API_KEYS_FILE
+    assert config.spec.max_body_bytes == 65536 and config.spec.body_timeout_seconds == 5
+    assert "my-keys" not in json.dumps(router.get("env", []))         # a file, never an env variable
+
+    plain = render.router_deployment(_dd(), "uid")["spec"]["template"]["spec"]
+    assert not [v for v in plain["volumes"] if "secret" in v]
+    assert "--api-keys-file" not in plain["containers"][0]["args"]
+    assert config_from(_parser().parse_args(plain["containers"][0]["args"])).api_keys_file is None
 
 
 def test_a_disk_kv_tier_gets_a_sized_volume_where_the_worker_looks():

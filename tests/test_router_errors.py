@@ -20,7 +20,7 @@ def url(tiny_model, tmp_path_factory):
     port = free_port()
     (logs / "router.json").write_text(json.dumps({
         "model": "tiny", "tokenizer": tiny_model, "block_size": 32, "max_model_len": 256, "port": port, "host": "127.0.0.1",
-        "max_body_bytes": 64 * 1024, "prefill": [], "decode": []}))
+        "spec": {"maxBodyBytes": 64 * 1024}, "prefill": [], "decode": []}))
     p = router(logs / "router.json", port, logs).start()
     try:
         p.wait_ready(path="/v1/models", timeout=60)
@@ -54,7 +54,7 @@ GOOD = {"model": "tiny", "prompt": "hello", "max_tokens": 4}
     (json.dumps({**GOOD, "max_tokens": 250, "prompt": "word " * 20}).encode(), 400, "max_tokens", "exceed"),
     (json.dumps({**GOOD, "kv_transfer_params": {"do_remote_prefill": True}}).encode(), 400,
      "kv_transfer_params", "None"),
-    (json.dumps({**GOOD, "prompt": "x" * 100_000}).encode(), 400, None, "larger than the router accepts"),
+    (json.dumps({**GOOD, "prompt": "x" * 100_000}).encode(), 413, None, "larger than the router accepts"),
     (json.dumps({**GOOD, "model": "gpt-9"}).encode(), 404, "model", "gpt-9"),
 ], ids=["malformed", "not-object", "no-model", "max-tokens", "temperature", "n", "empty-prompt",
         "prompt-too-long", "long-prompt-tokenized-off-loop", "prompt-plus-output-too-long", "kv-params-from-client", "oversized-body",

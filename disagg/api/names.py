@@ -18,6 +18,8 @@ GROUP = "serving.disagg.dev"
 MAX_NAME_LENGTH = 48
 MAX_SUFFIX_LENGTH = 14
 DNS1035_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+# An object name most kinds take (Secrets, ConfigMaps): RFC 1123 subdomain.
+DNS1123_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 _LABEL_LIMIT = 63
 
 # Label keys put on every child object and pod.
@@ -57,6 +59,11 @@ def local_model_path(source: str) -> str:
 # Where a worker keeps its disk KV tier (spec.kvCache.offload.diskGiB): the operator mounts a volume
 # of that size there and the worker points vLLM's fs tier at it.
 DISK_OFFLOAD_PATH = "/var/cache/disagg/kv-offload"
+
+# spec.router.auth: the operator mounts the Secret's key as ROUTER_API_KEYS_FILE in this directory (the whole
+# volume, never a subPath, so the kubelet's updates reach the router, which re-reads the file).
+ROUTER_AUTH_DIR = "/etc/disagg/router-auth"
+ROUTER_API_KEYS_FILE = f"{ROUTER_AUTH_DIR}/keys"
 
 
 def child_name(name: str, suffix: str) -> str:

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
 from . import contract
-from .names import DNS1035_LABEL, GROUP, MAX_NAME_LENGTH
+from .names import DNS1035_LABEL, DNS1123_SUBDOMAIN, GROUP, MAX_NAME_LENGTH
 
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -270,6 +270,16 @@ class RoleSpec(_Model):
         return self
 
 
+class RouterAuth(_Model):
+    secret_name: str = Field(min_length=1, max_length=253, pattern=DNS1123_SUBDOMAIN,
+                             description="Secret in the deployment's namespace holding the API keys. The router "
+                                         "reads it as a mounted file and picks up a changed Secret without a "
+                                         "restart (within the kubelet's sync period, about a minute).")
+    key: str = Field("keys", min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$",
+                     description="Key in the Secret: one API key a line (several for rotation); blank lines and "
+                                 "lines starting with # are ignored. Clients send Authorization: Bearer <key>.")
+
+
 class RouterSpec(_Model):
     replicas: int = Field(1, ge=1, le=64, description="Router replicas behind the deployment's Service.")
     policy: RoutingPolicy = Field(RoutingPolicy.KV_AWARE,
@@ -310,6 +320,16 @@ class RouterSpec(_Model):
     request_timeout_seconds: float = Field(
         1800, gt=0, le=86400,
         description="A non-streaming request to a worker is cut (504) after this long in total.")
+    max_body_bytes: int = Field(
+        8 * 2**20, ge=1024, le=2**30,
+        description="Largest request body a router accepts; a larger one gets 413 in OpenAI's error shape.")
+    body_timeout_seconds: float = Field(
+        30, gt=0, le=3600,
+        description="How long an admitted request may take to send its body; a slower one gets 408 and gives "
+                    "its slot back (a client dripping its body cannot hold a slot forever).")
+    auth: RouterAuth | None = Field(None, description="API keys clients must send (Authorization: Bearer) on "
+                                                      "every route but the probes and /metrics. Without it the "
+                                                      "endpoint is open to whoever reaches it.")
     resources: ResourceRequirements = Field(default_factory=ResourceRequirements,
                                             description="Resources of one router replica.")
     node_selector: dict[str, Annotated[str, Field(max_length=63)]] = Field(

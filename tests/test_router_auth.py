@@ -1,0 +1,165 @@
+"""API keys (spec.router.auth) on the real router process, in front of a real (canned) upstream: no key or
+a wrong one gets OpenAI's 401 (the openai client raises AuthenticationError), any of the keys serves,
+probes and /metrics stay open, every refusal is counted, no key ever reaches the router's log, and a
+changed keys file (swapped the way the kubelet updates a Secret volume) takes effect without a restart."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+
+from disagg.api import metrics as m
+from disagg.e2e.testing import wait_for
+from disagg.workers.local import LocalProcess, free_port, router, scrape
+from disagg.workers.testing import tiny_model, worker_python  # noqa: F401  (fixtures)
+
+OLD, NEW, WRONG = "sk-old-3b1f0c9e7d5a42e8", "sk-new-8c2d4e6f0a1b3c5d", "sk-wrong-0000000000000000"
+
+
+class SecretVolume:
+    """A directory laid out as the kubelet lays out a mounted Secret: ``keys -> ..data/keys``,
+    ``..data -> ..<version>``, updated by writing a new version and swapping ``..data`` atomically."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.version = root, 0
+        root.mkdir(parents=True, exist_ok=True)
+
+    def write(self, text: str) -> None:
+        self.version += 1
+        d = self.root / f"..v{self.version}"
+        d.mkdir()
+        (d / "keys").write_text(text)
+        tmp = self.root / "..data_tmp"
+        tmp.symlink_to(d.name)
+        os.replace(tmp, self.root / "..data")
+        if not (self.root / "keys").is_symlink():
+            (self.root / "keys").symlink_to("..data/keys")
+
+    @property
+    def file(self) -> Path:
+        return self.root / "keys"
+
+
+def _config(tiny_model: str, port: int, upstream: str, keys_file: Path | str) -> dict:
+    return {"model": "tiny", "tokenizer": tiny_model, "block_size": 16, "max_model_len": 1024, "port": port,
+            "host": "127.0.0.1", "spec": {"disaggregation": "never"}, "decode": [{"url": upstream}],
+            "api_keys_file": str(keys_file)}
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("router-auth")
+    up_port, port = free_port(), free_port()
+    upstream = LocalProcess("auth-upstream", [sys.executable, str(Path(__file__).with_name("sse_upstream.py")),
+                                              str(up_port), "4", "0"], {}, f"http://127.0.0.1:{up_port}",
+                            logs).start()
+    volume = SecretVolume(logs / "secret")
+    volume.write(f"# rotated keys: old and new both valid while clients move\n{OLD}\n\n  {NEW}  \n")
+    (logs / "router.json").write_text(json.dumps(_config(tiny_model, port, upstream.url, volume.file)))
+    r = router(logs / "router.json", port, logs).start()
+    try:
+        upstream.wait_ready(timeout=30)
+        r.wait_ready(timeout=60)
+        yield r, volume
+    finally:
+        r.stop()
+        upstream.stop()
+
+
+def _client(url: str, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
+
+
+def _get(url: str, headers: dict | None = None) -> tuple[int, dict, bytes]:
+    req = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, dict(r.headers), r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()
+
+
+def test_no_key_or_a_wrong_one_is_refused_in_openais_shape(served):
+    r, _ = served
+    before = scrape(r.url)
+    for key in (WRONG, OLD + "x", OLD[:-1]):
+        with pytest.raises(openai.AuthenticationError) as e:
+            _client(r.url, key).completions.create(model="tiny", prompt="hi", max_tokens=2)
+        assert e.value.status_code == 401 and e.value.code == "invalid_api_key"
+        assert e.value.body["type"] == "invalid_request_error" and key not in str(e.value.body)
+        assert e.value.response.headers["WWW-Authenticate"] == "Bearer"
+    for headers in ({}, {"Authorization": OLD}, {"Authorization": "Basic " + OLD}, {"Authorization": "Bearer "}):
+        status, _, body = _get(f"{r.url}/v1/models", headers)
+        err = json.loads(body)["error"]
+        assert status == 401 and err["code"] == "invalid_api_key" and "No API key" in err["message"], err
+        assert OLD.encode() not in body
+    s = scrape(r.url)
+    assert s[f'{m.ROUTER_AUTH_FAILURES}{{reason="{m.AUTH_INVALID}"}}'] - \
+        before.get(f'{m.ROUTER_AUTH_FAILURES}{{reason="{m.AUTH_INVALID}"}}', 0) == 3
+    assert s[f'{m.ROUTER_AUTH_FAILURES}{{reason="{m.AUTH_MISSING}"}}'] - \
+        before.get(f'{m.ROUTER_AUTH_FAILURES}{{reason="{m.AUTH_MISSING}"}}', 0) == 4
+    assert s[f'{m.ROUTER_REQUESTS}{{outcome="{m.OUTCOME_UNAUTHORIZED}",path="none"}}'] >= 7
+    assert m.ROUTER_IN_FLIGHT in s and s[m.ROUTER_IN_FLIGHT] == 0
+
+
+def test_every_key_in_the_file_serves_and_probes_stay_open(served):
+    r, _ = served
+    for key in (OLD, NEW):
+        c = _client(r.url, key)
+        assert c.completions.create(model="tiny", prompt="hi", max_tokens=2).choices[0].text == "tok tok "
+        chunks = list(c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=2, stream=True))
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == "tok tok "
+        assert [mdl.id for mdl in c.models.list()] == ["tiny"]
+    for path in ("/health", "/livez", "/metrics"):
+        assert _get(f"{r.url}{path}")[0] == 200, path
+    assert scrape(r.url)[m.ROUTER_API_KEYS] == 2
+
+
+def test_no_key_reaches_the_log(served):
+    r, _ = served
+    for key in (WRONG, OLD):
+        try:
+            _client(r.url, key).completions.create(model="tiny", prompt="hi", max_tokens=2)
+        except openai.AuthenticationError:
+            pass
+    log = r.log_path.read_text(errors="replace")
+    assert "API keys loaded" in log            # the log is there, and says how many, not which
+    for key in (OLD, NEW, WRONG):
+        assert key not in log
+
+
+def test_a_rotated_secret_takes_effect_without_a_restart(served):
+    r, volume = served
+    pid = r.proc.pid
+    try:
+        volume.write(f"{NEW}\n")                                  # the old key retired
+        wait_for(lambda: scrape(r.url)[m.ROUTER_API_KEYS] == 1, 30, "the router to re-read its keys")
+        with pytest.raises(openai.AuthenticationError):
+            _client(r.url, OLD).completions.create(model="tiny", prompt="hi", max_tokens=2)
+        assert _client(r.url, NEW).completions.create(model="tiny", prompt="hi", max_tokens=2).choices
+        volume.write("# no keys at all\n")                        # an emptied Secret fails closed
+        wait_for(lambda: scrape(r.url)[m.ROUTER_API_KEYS] == 0, 30, "the router to re-read its keys")
+        with pytest.raises(openai.AuthenticationError):
+            _client(r.url, NEW).completions.create(model="tiny", prompt="hi", max_tokens=2)
+        assert r.proc.pid == pid and r.proc.poll() is None
+    finally:
+        volume.write(f"{OLD}\n{NEW}\n")
+        wait_for(lambda: scrape(r.url)[m.ROUTER_API_KEYS] == 2, 30, "the keys restored")
+
+
+def test_a_router_told_to_authenticate_without_its_keys_file_does_not_start(tiny_model, tmp_path):
+    port = free_port()
+    (tmp_path / "router.json").write_text(json.dumps(
+        _config(tiny_model, port, "http://127.0.0.1:9", tmp_path / "missing" / "keys")))
+    out = subprocess.run([sys.executable, "-P", "-m", "disagg.router", "--config", str(tmp_path / "router.json")],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 2 and f"cannot read {tmp_path / 'missing' / 'keys'}" in out.stderr, out.stderr
