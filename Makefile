@@ -8,10 +8,10 @@ STAMP := $(VENV)/.installed-$(shell sha256sum pyproject.toml | cut -c1-16)
 
 .PHONY: test demo venv bench-deps cluster-build node-build node-packages test-packages buildkit prometheus-build cluster-up cluster-down crds worker-env e2e e2e-kind go-builds demo-go-builds
 
-# On a cold cache the prerequisites take most of the time, so they are built side by side: the Go builds
-# share one compile cache and each keeps both cores busy, so they run one after another (two at once would
-# compile the same Kubernetes packages twice), while the Python environments, mostly downloads, build
-# beside them. Debian's packages come first, in one apt call: apt holds a lock the others would wait on.
+# On a cold cache the prerequisites take most of the time, so they are built side by side in three job slots
+# (the inner make of go-builds shares them): the Python environments are mostly downloads, and a Go link or
+# module download leaves cores idle that another build's compiles fill. Debian's packages come first, in one
+# apt call: apt holds a lock the others would wait on.
 test: test-packages
 	$(MAKE) --no-print-directory -j3 --output-sync=line venv worker-env go-builds
 	$(BIN)/python -m pytest
