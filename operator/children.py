@@ -25,6 +25,7 @@ PLURALS = {
     ("v1", "Service"): "services", ("v1", "ServiceAccount"): "serviceaccounts",
     ("apps/v1", "Deployment"): "deployments",
     ("rbac.authorization.k8s.io/v1", "Role"): "roles", ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
+    ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
     (gangs.WORKLOAD_API, "Workload"): "workloads", (gangs.WORKLOAD_API, "PodGroup"): "podgroups",
     (gangs.COMPOSITE_API, "CompositePodGroup"): "compositepodgroups",
     (gangs.COSCHEDULING_API, "PodGroup"): "podgroups", (gangs.VOLCANO_API, "PodGroup"): "podgroups",
@@ -144,6 +145,22 @@ def drifted_by(meta: dict[str, Any]) -> str | None:
     # times have one-second resolution: the same second counts as later (callers restore once per
     # generation, so a foreign entry that survives our apply, with fields we do not set, cannot loop)
     return theirs if theirs and latest >= ours else None
+
+
+def delete_owned(clients: Clients, api_version: str, kind: str, namespace: str, name: str, owner_uid: str) -> bool:
+    """Delete a child this DisaggDeployment controls and no longer renders (its NetworkPolicy once the
+    operator's networkPolicy option is off); True when one was deleted."""
+    live = clients.get(api_version, kind, namespace, name)
+    owners = [o for o in (live or {}).get("metadata", {}).get("ownerReferences") or [] if o.get("controller")]
+    if not owners or owners[0]["uid"] != owner_uid:
+        return False
+    try:
+        clients.delete(api_version, kind, namespace, name)
+    except ApiException as e:
+        if e.status == 404:
+            return False
+        raise
+    return True
 
 
 def prune_gangs(clients: Clients, namespace: str, dd_name: str, keep: set[str], current_gang: str) -> list[str]:

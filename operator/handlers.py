@@ -48,7 +48,7 @@ def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     memo.fleet = Fleet(memo.clients)
     memo.triggers = {}
     memo.applied = {}  # (namespace, name) -> (last applied generation, error applying the next one)
-    memo.drift_seen = {}  # (namespace, child Deployment) -> its generation last restored
+    memo.drift_seen = {}  # (kind, namespace, child) -> its generation (uid once deleted) last restored
     metrics.serve()
 
 
@@ -64,6 +64,7 @@ def watch_only_owned(settings: kopf.OperatorSettings) -> None:
     lists come in pages. (Namespaces: `python -m disagg.operator --namespace` restricts every watch.)"""
     settings.watching.label_selectors["v1", "pods"] = OWNED
     settings.watching.label_selectors["apps", "deployments"] = OWNED
+    settings.watching.label_selectors["networking.k8s.io", "networkpolicies"] = OWNED
     settings.watching.chunk_size = PAGE
 
 
@@ -110,6 +111,10 @@ def reconcile(body: kopf.Body, uid: str, name: str, namespace: str, memo: kopf.M
         _wake(memo, namespace, name)
         raise
     memo.applied[(namespace, name)] = (generation, None)
+    if not render.network_policy_enabled() and children.delete_owned(
+            clients, "networking.k8s.io/v1", "NetworkPolicy", namespace, render.names(name)["network-policy"], uid):
+        kopf.info(body, reason="NetworkPolicyDeleted", message="deleted the workers' NetworkPolicy: the operator's "
+                                                               "networkPolicy option is off")
     metrics.reconciles.labels("applied" if written else "unchanged").inc()
     for kind in written:
         metrics.child_writes.labels(kind).inc()
@@ -173,46 +178,69 @@ async def child_changed(namespace: str, labels: kopf.Labels, memo: kopf.Memo, **
 @kopf.on.event("deployments", labels={LABEL_DEPLOYMENT: kopf.PRESENT, LABEL_MANAGED_BY: MANAGED_BY})
 async def deployment_changed(namespace: str, name: str, labels: kopf.Labels, meta: kopf.Meta, memo: kopf.Memo,
                              type: str | None = None, **_: Any) -> None:
+    _wake(memo, namespace, labels[LABEL_DEPLOYMENT])
+    await _revert_drift(memo, "Deployment", namespace, name, labels, meta, type)
+
+
+@kopf.on.event("networking.k8s.io", "v1", "networkpolicies",
+               labels={LABEL_DEPLOYMENT: kopf.PRESENT, LABEL_MANAGED_BY: MANAGED_BY})
+async def network_policy_changed(namespace: str, name: str, labels: kopf.Labels, meta: kopf.Meta, memo: kopf.Memo,
+                                 type: str | None = None, **_: Any) -> None:
+    await _revert_drift(memo, "NetworkPolicy", namespace, name, labels, meta, type)
+
+
+async def _revert_drift(memo: kopf.Memo, kind: str, namespace: str, name: str, labels: kopf.Labels, meta: kopf.Meta,
+                        type: str | None) -> None:
+    """Someone else changed a child's spec (kubectl edit/scale, another controller), or deleted the
+    NetworkPolicy that guards the workers: the DisaggDeployment is the source of truth, so restore what
+    it renders, once per change."""
     dd_name = labels[LABEL_DEPLOYMENT]
-    _wake(memo, namespace, dd_name)
-    manager = children.drifted_by(dict(meta)) if type != "DELETED" else None
-    generation = meta.get("generation")
-    if manager is None or memo.drift_seen.get((namespace, name)) == generation:
+    if type == "DELETED":
+        # a deleted Deployment is re-created by the next reconcile; a deleted policy leaves the workers
+        # open until then, so it is restored at once (not while its DisaggDeployment is being deleted)
+        manager = "delete" if kind == "NetworkPolicy" else None
+    else:
+        manager = children.drifted_by(dict(meta))
+    generation = meta.get("generation") if type != "DELETED" else meta.get("uid")
+    if manager is None or memo.drift_seen.get((kind, namespace, name)) == generation:
         return
-    # someone else changed a child's spec (kubectl edit/scale, another controller): the
-    # DisaggDeployment is the source of truth, so restore the rendered spec, once per change
-    memo.drift_seen[(namespace, name)] = generation
+    memo.drift_seen[(kind, namespace, name)] = generation
     try:
         restored = await asyncio.to_thread(_restore, memo.clients, namespace, dd_name)
     except ApiException as e:
-        log.warning("restoring %s/%s after a change by %s failed: %s", namespace, name, manager, e.reason)
+        log.warning("restoring %s %s/%s after a change by %s failed: %s", kind, namespace, name, manager, e.reason)
         return
     except (children.ChildConflict, children.PredecessorChild) as e:
         log.info("not restoring %s/%s: %s", namespace, name, e)   # the reconcile reports and retries it
         return
     if restored is not None:
-        metrics.drift_reverts.labels("Deployment", manager).inc()
+        metrics.drift_reverts.labels(kind, manager).inc()
+        what = "was deleted" if manager == "delete" else f"was changed by {manager}"
         kopf.event(restored, type="Warning", reason="ChildDriftReverted",
-                   message=f"Deployment {name} was changed by {manager}; restored the spec this "
+                   message=f"{kind} {name} {what}; restored the spec this "
                            f"DisaggDeployment renders (change the DisaggDeployment instead)")
 
 
 def _restore(clients: children.Clients, namespace: str, dd_name: str) -> dict[str, Any] | None:
-    """Re-apply a deployment's children; returns its body for the event, None if it is gone or invalid."""
+    """Re-apply a deployment's children; returns its body for the event, None if it is gone, being
+    deleted, or invalid, or when nothing needed restoring (a policy the operator itself deleted)."""
     try:
         obj = clients.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, dd_name)
     except ApiException as e:
         if e.status == 404:
             return None
         raise
+    if obj["metadata"].get("deletionTimestamp"):
+        return None
     try:
         dd = _parse(obj)
     except ValidationError:
         return None
     manifests, _ = render.children(dd, obj["metadata"]["uid"])
-    for kind in children.apply(clients, manifests, obj["metadata"]["uid"]):
+    written = children.apply(clients, manifests, obj["metadata"]["uid"])
+    for kind in written:
         metrics.child_writes.labels(kind).inc()
-    return obj
+    return obj if written else None
 
 
 # ---------------------------------------------------------------- status

@@ -55,6 +55,29 @@ HTTP_PORT = 8000
 NIXL_PORT = 5600
 KV_EVENTS_PORT = 5557
 
+# The NetworkPolicy of each DisaggDeployment (network_policy below): on unless the chart's
+# networkPolicy.enabled is false; who may scrape the workers' metrics is the chart's
+# networkPolicy.prometheus, a list of NetworkPolicyPeers as JSON. Read at each render, as the router image is.
+NETWORK_POLICY_ENV, NETWORK_POLICY_PROMETHEUS_ENV = "DISAGG_NETWORK_POLICY", "DISAGG_NETWORK_POLICY_PROMETHEUS"
+# The chart's default: Prometheus pods (kube-prometheus-stack, the Prometheus Operator and the
+# community chart all label them so) in any namespace.
+DEFAULT_PROMETHEUS_PEERS: list[dict[str, Any]] = [
+    {"namespaceSelector": {}, "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}]
+
+
+def network_policy_enabled() -> bool:
+    return os.environ.get(NETWORK_POLICY_ENV, "true").strip().lower() not in ("false", "0", "no", "off")
+
+
+def prometheus_peers() -> list[dict[str, Any]]:
+    raw = os.environ.get(NETWORK_POLICY_PROMETHEUS_ENV)
+    if not raw:
+        return DEFAULT_PROMETHEUS_PEERS
+    peers = json.loads(raw)
+    if not isinstance(peers, list) or not all(isinstance(p, dict) for p in peers):
+        raise ValueError(f"{NETWORK_POLICY_PROMETHEUS_ENV} must be a JSON list of NetworkPolicyPeer objects")
+    return peers
+
 
 def names(dd_name: str) -> dict[str, str]:
     return {
@@ -62,6 +85,7 @@ def names(dd_name: str) -> dict[str, str]:
         ROLE_DECODE: child_name(dd_name, ROLE_DECODE),
         ROLE_ROUTER: child_name(dd_name, ROLE_ROUTER),
         "service": dd_name,  # the endpoint users call
+        "network-policy": child_name(dd_name, "workers"),  # what it guards
     }
 
 
@@ -386,6 +410,39 @@ def services(dd: DisaggDeployment, uid: str) -> list[dict[str, Any]]:
     return out
 
 
+def _workers_of(dd_name: str) -> dict[str, Any]:
+    return {"matchExpressions": [{"key": LABEL_DEPLOYMENT, "operator": "In", "values": [dd_name]},
+                                 {"key": LABEL_ROLE, "operator": "In", "values": [ROLE_PREFILL, ROLE_DECODE]}]}
+
+
+def _tcp(*ports: int) -> list[dict[str, Any]]:
+    return [{"protocol": "TCP", "port": p} for p in ports]
+
+
+def network_policy(dd: DisaggDeployment, uid: str) -> dict[str, Any]:
+    """Ingress to the deployment's prefill and decode pods, which serve vLLM's API, the NIXL side channel
+    and the KV events without authentication: from its own workers on every port (NIXL's side channel,
+    and the ports UCX's TCP transport picks for the KV itself, which are not fixed), from its own routers
+    to vLLM's HTTP port and the KV events, from Prometheus (prometheus_peers) to vLLM's HTTP port, which
+    serves /metrics. Nothing else, including other deployments in the namespace. Router pods are not
+    selected: their port stays as open as it is without this policy. Egress is not restricted (model
+    downloads). Only enforced by a CNI that implements NetworkPolicy."""
+    name = dd.metadata.name
+    ingress: list[dict[str, Any]] = [
+        {"from": [{"podSelector": _workers_of(name)}]},
+        {"from": [{"podSelector": {"matchLabels": selector(name, ROLE_ROUTER)}}],
+         "ports": _tcp(HTTP_PORT, KV_EVENTS_PORT)},
+    ]
+    peers = prometheus_peers()
+    if peers:  # an empty `from` would admit every source: no peers, no rule
+        ingress.append({"from": peers, "ports": _tcp(HTTP_PORT)})
+    return {
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": _meta(dd, uid, names(name)["network-policy"]),
+        "spec": {"podSelector": _workers_of(name), "policyTypes": ["Ingress"], "ingress": ingress},
+    }
+
+
 def router_rbac(dd: DisaggDeployment, uid: str) -> list[dict[str, Any]]:
     """The router discovers workers from the role Services' EndpointSlices."""
     name = names(dd.metadata.name)[ROLE_ROUTER]
@@ -415,6 +472,8 @@ def children(dd: DisaggDeployment, uid: str) -> tuple[list[dict[str, Any]], gang
         out.append({**obj, "metadata": meta})
     out += router_rbac(dd, uid)
     out += services(dd, uid)
+    if network_policy_enabled():
+        out.append(network_policy(dd, uid))
     out += [worker_deployment(dd, uid, ROLE_PREFILL, gang), worker_deployment(dd, uid, ROLE_DECODE, gang),
             router_deployment(dd, uid)]
     for obj in out:

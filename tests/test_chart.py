@@ -393,3 +393,32 @@ def test_example_applies_cleanly(cluster, crd_installed, namespace, example):
     name = yaml.safe_load(example.read_text())["metadata"]["name"]
     got = json.loads(cluster.kubectl("get", "dd", name, "-n", namespace, "-o", "json").stdout)
     assert got["spec"]["model"] == yaml.safe_load(example.read_text())["spec"]["model"]
+
+
+def test_network_policy_option_reaches_the_operator(helm, monkeypatch):
+    """networkPolicy.enabled and networkPolicy.prometheus become the operator's environment, which
+    operator/render.py reads; the chart's default peers are the operator's own default."""
+    from disagg.operator import render as r
+
+    def operator_env(*args: str) -> dict[str, str]:
+        pod = one(render(helm, *args), "Deployment", "operator")["spec"]["template"]["spec"]
+        return {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+
+    default = operator_env()
+    assert default[r.NETWORK_POLICY_ENV] == "true"
+    assert json.loads(default[r.NETWORK_POLICY_PROMETHEUS_ENV]) == r.DEFAULT_PROMETHEUS_PEERS
+    peers = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}},
+             {"ipBlock": {"cidr": "10.1.0.0/16"}}]
+    off = operator_env("--set", "networkPolicy.enabled=false", "--set-json", f"networkPolicy.prometheus={json.dumps(peers)}")
+    for env in (default, off):
+        for name in (r.NETWORK_POLICY_ENV, r.NETWORK_POLICY_PROMETHEUS_ENV):
+            monkeypatch.setenv(name, env[name])
+        assert r.network_policy_enabled() is (env is default)
+        assert r.prometheus_peers() == (r.DEFAULT_PROMETHEUS_PEERS if env is default else peers)
+    # a misspelt peer field is refused, not rendered into a rule that admits more than meant
+    bad = subprocess.run([str(helm), "template", "x", str(CHART), "--set-json",
+                          'networkPolicy.prometheus=[{"podSelektor": {}}]'], capture_output=True, text=True)
+    assert bad.returncode != 0 and "podSelektor" in bad.stderr, bad.stderr
+
+
+# ---------------------------------------------------------------- the planner's Prometheus allowlist

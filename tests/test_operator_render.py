@@ -241,3 +241,25 @@ def test_pods_run_restricted_with_one_writable_scratch_directory():
         assert env["VLLM_CACHE_ROOT"].startswith(contract.SCRATCH_DIR)
         assert pod.get("automountServiceAccountToken") is (False if worker else None)
         assert ("serviceAccountName" in pod) is not worker
+
+
+def test_network_policy_follows_the_operators_options(monkeypatch):
+    """On by default with Prometheus pods as the scrapers; the chart's peers replace them; off, no policy."""
+    kinds = lambda: [o["kind"] for o in render.children(_dd(), "uid")[0]]  # noqa: E731
+    monkeypatch.delenv(render.NETWORK_POLICY_ENV, raising=False)
+    monkeypatch.delenv(render.NETWORK_POLICY_PROMETHEUS_ENV, raising=False)
+    assert kinds().count("NetworkPolicy") == 1
+    assert render.network_policy(_dd(), "uid")["spec"]["ingress"][-1]["from"] == render.DEFAULT_PROMETHEUS_PEERS
+    peers = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}},
+             {"ipBlock": {"cidr": "10.0.0.0/8"}}]
+    monkeypatch.setenv(render.NETWORK_POLICY_PROMETHEUS_ENV, json.dumps(peers))
+    rule = render.network_policy(_dd(), "uid")["spec"]["ingress"][-1]
+    assert rule == {"from": peers, "ports": [{"protocol": "TCP", "port": render.HTTP_PORT}]}
+    monkeypatch.setenv(render.NETWORK_POLICY_PROMETHEUS_ENV, "[]")
+    assert all(rule["from"] for rule in render.network_policy(_dd(), "uid")["spec"]["ingress"]), \
+        "no peers: no rule (an empty `from` admits everyone)"
+    monkeypatch.setenv(render.NETWORK_POLICY_PROMETHEUS_ENV, '{"not": "a list"}')
+    with pytest.raises(ValueError, match=render.NETWORK_POLICY_PROMETHEUS_ENV):
+        render.network_policy(_dd(), "uid")
+    monkeypatch.setenv(render.NETWORK_POLICY_ENV, "false")
+    assert "NetworkPolicy" not in kinds()
