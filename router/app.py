@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 
@@ -18,7 +17,7 @@ from . import errors
 from .auth import OPEN_PATHS, ApiKeys
 from .config import RouterConfig
 from .metrics import RouterMetrics
-from .protocol import ChatCompletionRequest, CompletionRequest
+from .protocol import ChatCompletionRequest, CompletionRequest, load_json
 from .service import Router
 
 log = logging.getLogger("disagg.router")
@@ -67,8 +66,8 @@ async def error_middleware(request: web.Request, handler):
 async def auth_middleware(request: web.Request, handler):
     """With spec.router.auth, a valid API key on everything but the probes and /metrics; checked before
     admission and before the body is read, so a client without a key costs no slot and no upload."""
-    keys = request.app.get(KEYS_KEY)
-    if keys is not None and request.path not in OPEN_PATHS:
+    keys = request.app[KEYS_KEY]
+    if request.path not in OPEN_PATHS:
         reason = keys.failure(request.headers.get("Authorization"))
         if reason is not None:
             metrics = request.app[ROUTER_KEY].metrics
@@ -97,17 +96,19 @@ async def _parse(request: web.Request, model) -> tuple[object, dict]:
     if request.content_length is not None and request.content_length > spec.max_body_bytes:
         raise _too_large(request)          # refused before a byte of it is read
     try:
-        # bounded: a client dripping its body holds an admission slot only this long
-        raw = await asyncio.wait_for(request.read(), spec.body_timeout_seconds)
+        # bounded: a client dripping its body holds an admission slot only this long (a timer, no task)
+        async with asyncio.timeout(spec.body_timeout_seconds):
+            raw = await request.read()
     except TimeoutError:
         raise errors.BodyTimeout(f"The request body did not arrive within {spec.body_timeout_seconds:g} s.") \
             from None
+    except web.RequestPayloadError:        # a body aiohttp cannot decode
+        raise errors.BadRequest("The request body could not be read: malformed chunked transfer encoding or "
+                                "a Content-Encoding the body does not have.") from None
     try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:     # UnicodeDecodeError: not UTF-8
+        body = load_json(raw)
+    except ValueError as e:     # UnicodeDecodeError among them: not UTF-8
         raise errors.BadRequest(f"The body is not valid JSON: {e}") from None
-    except RecursionError:
-        raise errors.BadRequest("The body is nested too deeply.") from None
     if not isinstance(body, dict):
         raise errors.BadRequest("The body must be a JSON object.")
     try:
@@ -176,10 +177,11 @@ def make_app(config: RouterConfig, tokenizer=None, router: Router | None = None,
         from .tokenizer import Tokenizer
 
         router = Router(config, tokenizer or Tokenizer(config.tokenizer), RouterMetrics(), discovery=discovery)
-    app = web.Application(middlewares=[error_middleware, auth_middleware],
+    keys = ApiKeys(config.api_keys_file, router.metrics) if config.api_keys_file else None
+    # no auth layer at all without keys: nothing added to the request path
+    app = web.Application(middlewares=[error_middleware, *([auth_middleware] if keys else [])],
                           client_max_size=config.spec.max_body_bytes)
     app[ROUTER_KEY] = router
-    keys = ApiKeys(config.api_keys_file, router.metrics) if config.api_keys_file else None
     if keys is not None:
         app[KEYS_KEY] = keys
     app.router.add_get("/v1/models", models)

@@ -7,28 +7,73 @@ request is refused before any worker sees it.
 
 from __future__ import annotations
 
+import json
+import math
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_PROMPT_CHARS = 1_000_000
 MAX_MESSAGES = 1024
+# Deeper bodies are refused: no OpenAI request nests this deep (tool schemas included), and a deeper one
+# would reach the recursion limits of the JSON encoders on the way to the worker.
+MAX_JSON_DEPTH = 64
+INT64 = (-(2**63), 2**63 - 1)
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"the number {text[:20]} is out of range")
+    return value
+
+
+def load_json(raw: bytes) -> Any:
+    """A request body as strict JSON (RFC 8259): UTF-8, no NaN or Infinity, finite numbers, nested at most
+    MAX_JSON_DEPTH deep. ValueError (with a message for the client) otherwise."""
+    try:
+        doc = json.loads(raw, parse_constant=_no_constant, parse_float=_finite)
+    except RecursionError:
+        raise ValueError(f"nested deeper than {MAX_JSON_DEPTH} levels") from None
+    if _depth_exceeds(doc, MAX_JSON_DEPTH):
+        raise ValueError(f"nested deeper than {MAX_JSON_DEPTH} levels")
+    return doc
+
+
+def _depth_exceeds(doc: Any, limit: int) -> bool:
+    stack = [(doc, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            node = node.values()
+        elif not isinstance(node, list):
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in node if isinstance(child, (dict, list)))
+    return False
+
+
+# strict: a field of the wrong JSON type is refused as OpenAI refuses it ("5" is no max_tokens), never
+# coerced, since the body is forwarded to the worker as the client sent it
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     include_usage: bool = False
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str = Field(min_length=1, max_length=1024)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64[0], le=INT64[1])
     stop: str | Annotated[list[str], Field(max_length=16)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -56,13 +101,13 @@ class CompletionRequest(_Request):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["text"]
     text: str = Field(max_length=MAX_PROMPT_CHARS)
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)] | list[ContentPart] | None = None
 
