@@ -53,7 +53,8 @@ CMD ["disagg.operator"]
 
 FROM ${VLLM_IMAGE} AS worker
 # No home directory here either: model downloads (Hugging Face cache) and vLLM's, torch's and Triton's
-# caches (under HOME) go to /tmp.
+# caches (under HOME) go to /tmp. The operator runs worker pods as this uid with a read-only root
+# filesystem and an emptyDir on /tmp (operator/render.py, disagg/api/contract.py SCRATCH_ENV).
 ENV HOME=/tmp HF_HOME=/tmp/huggingface
 # The Run:ai streamer reads s3:// model sources (workers/__main__.py adds --load-format runai_streamer).
 # NIXL at the CPU worker's pinned version (workers/env/versions.env).
