@@ -29,7 +29,7 @@ ROUTER_IN_FLIGHT = "disagg_router_in_flight_requests"              # gauge: admi
 ROUTER_QUEUE_DEPTH = "disagg_router_queued_requests"                # gauge: waiting for admission
 ROUTER_REJECTED = "disagg_router_rejected_requests_total"           # counter; labels: reason (429s)
 ROUTER_TIMEOUTS = "disagg_router_upstream_timeouts_total"           # counter; labels: kind (worker calls cut)
-ROUTER_AUTH_FAILURES = "disagg_router_auth_failures_total"          # counter; labels: reason (401s)
+ROUTER_AUTH_FAILURES = "disagg_router_auth_failures_total"          # counter; labels: reason (401s: never in ROUTER_REQUESTS, whose rate the planner reads as load)
 ROUTER_API_KEYS = "disagg_router_api_keys"                          # gauge: API keys loaded (spec.router.auth)
 
 # request paths (label values of ROUTER_REQUESTS{path=...})
@@ -43,7 +43,6 @@ OUTCOME_UPSTREAM_ERROR = "upstream_error"
 OUTCOME_NO_WORKERS = "no_workers"
 OUTCOME_REJECTED = "rejected"                     # admission: 429 (queue full or the wait ran out)
 OUTCOME_TIMEOUT = "timeout"                       # a worker call cut by a timeout
-OUTCOME_UNAUTHORIZED = "unauthorized"             # 401: no API key or a wrong one
 # why a request was refused admission (ROUTER_REJECTED{reason=...})
 REJECT_QUEUE_FULL = "queue_full"
 REJECT_QUEUE_TIMEOUT = "queue_timeout"
