@@ -1,5 +1,6 @@
 """Run the operator in-process against the local cluster under its own
-least-privilege identity (operator/rbac.yaml), as the tests and the demo do."""
+least-privilege identity (operator/rbac.yaml), as the tests and the demo do; the planner's
+identity (its own ServiceAccount and role) likewise."""
 
 from __future__ import annotations
 
@@ -17,16 +18,35 @@ from .localcluster import LocalCluster
 RBAC = Path(__file__).resolve().parent.parent / "operator" / "rbac.yaml"
 NAMESPACE = "disagg-system"
 ACCOUNT = "disagg-operator"
+# The tests' API server logs every request of the ServiceAccounts in this namespace (tests/conftest.py), so
+# tests/test_rbac.py can compare what the chart's accounts do with what their roles grant.
+AUDITED_NAMESPACE = "disagg-audited"
+PLANNER_ACCOUNT = "disagg-planner"
+# operator/rbac.yaml's ClusterRoles each account holds, here bound cluster-wide (all namespaces)
+ROLES = {ACCOUNT: ("disagg-operator-cluster", "disagg-operator"), PLANNER_ACCOUNT: ("disagg-planner",)}
+
+
+def _bound_account(cluster: LocalCluster, account: str) -> None:
+    cluster.kubectl("apply", "--server-side", "-f", str(RBAC))
+    cluster.kubectl("create", "namespace", NAMESPACE, check=False)
+    cluster.kubectl("create", "serviceaccount", account, "-n", NAMESPACE, check=False)
+    for role in ROLES[account]:
+        cluster.kubectl("create", "clusterrolebinding", role, "--clusterrole", role,
+                        f"--serviceaccount={NAMESPACE}:{account}", check=False)
 
 
 def operator_kubeconfig(cluster: LocalCluster, api: client.ApiClient, path: Path) -> Path:
-    """A kubeconfig carrying a token of the operator's ServiceAccount, bound to operator/rbac.yaml only."""
-    cluster.kubectl("apply", "--server-side", "-f", str(RBAC))
-    cluster.kubectl("create", "namespace", NAMESPACE, check=False)
-    cluster.kubectl("create", "serviceaccount", ACCOUNT, "-n", NAMESPACE, check=False)
-    cluster.kubectl("create", "clusterrolebinding", ACCOUNT, "--clusterrole", "disagg-operator",
-                    f"--serviceaccount={NAMESPACE}:{ACCOUNT}", check=False)
+    """A kubeconfig carrying a token of the operator's ServiceAccount, bound to operator/rbac.yaml's
+    operator roles only."""
+    _bound_account(cluster, ACCOUNT)
     return token_kubeconfig(cluster.kubeconfig, api, NAMESPACE, ACCOUNT, path)
+
+
+def planner_kubeconfig(cluster: LocalCluster, api: client.ApiClient, path: Path) -> Path:
+    """A kubeconfig carrying a token of the planner's ServiceAccount, bound to operator/rbac.yaml's
+    disagg-planner role only."""
+    _bound_account(cluster, PLANNER_ACCOUNT)
+    return token_kubeconfig(cluster.kubeconfig, api, NAMESPACE, PLANNER_ACCOUNT, path)
 
 
 def token_kubeconfig(admin_kubeconfig: Path, api: client.ApiClient, namespace: str, account: str, path: Path,
@@ -52,8 +72,9 @@ def token_kubeconfig(admin_kubeconfig: Path, api: client.ApiClient, namespace: s
 
 
 @contextlib.contextmanager
-def running_operator(kubeconfig: Path) -> Iterator[object]:
-    """The operator in this process (kopf's KopfRunner), using `kubeconfig`."""
+def running_operator(kubeconfig: Path, namespaces: tuple[str, ...] = ()) -> Iterator[object]:
+    """The operator in this process (kopf's KopfRunner), using `kubeconfig`; in every namespace, or only
+    in `namespaces` (as the chart's operator.watchNamespaces runs it)."""
     from kopf.testing import KopfRunner
 
     old = os.environ.get("KUBECONFIG")
@@ -63,7 +84,8 @@ def running_operator(kubeconfig: Path) -> Iterator[object]:
             sock.bind(("127.0.0.1", 0))
             os.environ["DISAGG_OPERATOR_METRICS_PORT"] = str(sock.getsockname()[1])
     try:
-        with KopfRunner(["run", "--standalone", "--all-namespaces", "-m", "disagg.operator.handlers"],
+        scope = [f"--namespace={n}" for n in namespaces] or ["--all-namespaces"]
+        with KopfRunner(["run", "--standalone", *scope, "-m", "disagg.operator.handlers"],
                         timeout=60) as runner:
             yield runner
     finally:

@@ -13,6 +13,7 @@ import datetime as dt
 import os
 import shutil
 import signal
+import ssl
 import subprocess
 import threading
 import time
@@ -64,10 +65,11 @@ def kubernetes_prometheus() -> Path:
 class LocalPrometheus:
     def __init__(self, state_dir: Path, targets: list[str], scrape_interval: str = "1s",
                  scrape_configs: list[dict] | None = None, rule_groups: list[dict] | None = None,
-                 kubernetes_sd: bool = False):
+                 kubernetes_sd: bool = False, tls: tuple[Path, Path, Path] | None = None):
         """Scrapes `targets` as one job, or the jobs of `scrape_configs` given in full; evaluates
         `rule_groups` (recording and alerting rules) when given. `kubernetes_sd`: the Prometheus built with
-        Kubernetes service discovery (build-prometheus.sh) instead of Debian's, which has none."""
+        Kubernetes service discovery (build-prometheus.sh) instead of Debian's, which has none. `tls`:
+        (certificate, key, CA file) to serve HTTPS with (its web config file), for clients that verify it."""
         if kubernetes_sd:
             binary = str(kubernetes_prometheus())
         else:
@@ -79,7 +81,8 @@ class LocalPrometheus:
         self.dir = Path(state_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.tls = tls
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
         self.targets = targets
         self.scrape_interval = scrape_interval
         self.scrape_configs = scrape_configs
@@ -156,7 +159,7 @@ class LocalPrometheus:
         log = (self.dir / "prometheus.log").open("ab")
         self._proc = subprocess.Popen(
             [self.binary, f"--config.file={self._config()}", f"--storage.tsdb.path={self.dir / 'data'}",
-             f"--web.listen-address=127.0.0.1:{self.port}", "--storage.tsdb.retention.time=1h"],
+             f"--web.listen-address=127.0.0.1:{self.port}", "--storage.tsdb.retention.time=1h", *self._web_config()],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -167,9 +170,18 @@ class LocalPrometheus:
             time.sleep(0.2)
         raise RuntimeError(f"prometheus not ready after {timeout:.0f}s: {self.tail()}")
 
+    def _web_config(self) -> list[str]:
+        if not self.tls:
+            return []
+        cert, key, _ = self.tls
+        path = self.dir / "web.yml"
+        path.write_text(yaml.safe_dump({"tls_server_config": {"cert_file": str(cert), "key_file": str(key)}}))
+        return [f"--web.config.file={path}"]
+
     def ready(self) -> bool:
+        context = ssl.create_default_context(cafile=str(self.tls[2])) if self.tls else None
         try:
-            with urllib.request.urlopen(f"{self.url}/-/ready", timeout=1) as r:
+            with urllib.request.urlopen(f"{self.url}/-/ready", timeout=1, context=context) as r:
                 return r.status == 200
         except OSError:
             return False

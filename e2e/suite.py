@@ -27,9 +27,15 @@ INSTANCE = "app.kubernetes.io/instance"
 
 # ---------------------------------------------------------------- the Helm release
 
+# The Prometheus endpoint examples/with-planner.yaml names (spec.planner.prometheus: main): the chart's
+# admission policy refuses a name its planner.prometheusEndpoints does not list.
+EXAMPLE_PROMETHEUS = ("--set-json",
+                      'planner.prometheusEndpoints=[{"name": "main", "url": "http://prometheus-operated.monitoring:9090"}]')
+
+
 def helm_install(provider: Provider, release: str, namespace: str, *values: str, timeout: str = "5m") -> None:
     provider.helm("install", release, str(CHART), "--namespace", namespace, "--create-namespace",
-                  "--timeout", timeout, *values)
+                  "--timeout", timeout, *EXAMPLE_PROMETHEUS, *values)
 
 
 def helm_uninstall(provider: Provider, release: str, namespace: str, check: bool = True) -> None:
@@ -50,6 +56,10 @@ def release_objects(api: client.ApiClient, release: str, namespace: str) -> dict
         "ClusterRoleBinding": rbac.list_cluster_role_binding(label_selector=sel).items,
         "Role": rbac.list_namespaced_role(namespace, label_selector=sel).items,
         "RoleBinding": rbac.list_namespaced_role_binding(namespace, label_selector=sel).items,
+        "ValidatingAdmissionPolicy": client.AdmissionregistrationV1Api(api).list_validating_admission_policy(
+            label_selector=sel).items,
+        "ValidatingAdmissionPolicyBinding": client.AdmissionregistrationV1Api(
+            api).list_validating_admission_policy_binding(label_selector=sel).items,
     }
     out = {kind: sorted(o.metadata.name for o in objs) for kind, objs in found.items()}
     custom = client.CustomObjectsApi(api)
@@ -118,7 +128,7 @@ def delete_crd_if_unused(api: client.ApiClient, timeout: float = 120) -> bool:
 
 
 def assert_secure_operator_pod(pod_spec: client.V1PodSpec) -> None:
-    """The chart's security defaults on the operator pod (and its planner sidecar)."""
+    """The chart's security defaults on the operator's (or the planner's) pod."""
     psc = pod_spec.security_context
     assert psc.run_as_non_root is True and psc.run_as_user and psc.run_as_user != 0, psc
     assert psc.seccomp_profile.type == "RuntimeDefault", psc

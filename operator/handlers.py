@@ -40,6 +40,10 @@ def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     settings.posting.level = logging.WARNING
     settings.persistence.finalizer = "serving.disagg.dev/operator"
     settings.watching.server_timeout = 300
+    # No CRD or Namespace watches: the resources it serves are found once at start-up through discovery
+    # (the CRD is installed before the operator), namespaces are the ones it is told; so its role needs
+    # no cluster-wide read of CRDs or Namespaces (operator/rbac.yaml).
+    settings.scanning.disabled = True
     # reconciles are sync (the kubernetes client) and mostly wait on the API server: more threads
     # than cores lets a burst of new deployments overlap those waits
     settings.execution.max_workers = 16
@@ -85,10 +89,6 @@ def reconcile(body: kopf.Body, uid: str, name: str, namespace: str, memo: kopf.M
         kopf.warn(body, reason="InvalidSpec", message=str(e).splitlines()[0])
         raise kopf.PermanentError(f"invalid spec: {e}") from e
     clients: children.Clients = memo.clients
-    if dd.spec.model.secret_ref and _secret_missing(clients, namespace, dd.spec.model.secret_ref.name):
-        _wake(memo, namespace, name)
-        metrics.reconciles.labels("blocked").inc()
-        raise kopf.TemporaryError(f"Secret {dd.spec.model.secret_ref.name} not found", delay=5)
     manifests, gang = render.children(dd, uid)
     generation = body["metadata"].get("generation", 0)
     try:
@@ -127,16 +127,6 @@ def reconcile(body: kopf.Body, uid: str, name: str, namespace: str, memo: kopf.M
     _wake(memo, namespace, name)
 
 
-def _secret_missing(clients: children.Clients, namespace: str, secret: str) -> bool:
-    try:
-        clients.core.read_namespaced_secret(secret, namespace)
-        return False
-    except ApiException as e:
-        if e.status == 404:
-            return True
-        raise
-
-
 def _wake(memo: kopf.Memo, namespace: str, name: str) -> None:
     event = memo.triggers.get((namespace, name))
     if event is not None:
@@ -148,12 +138,15 @@ def _wake(memo: kopf.Memo, namespace: str, name: str) -> None:
 @kopf.index("pods", labels={LABEL_DEPLOYMENT: kopf.PRESENT, LABEL_MANAGED_BY: MANAGED_BY})
 def pods_by_deployment(namespace: str, name: str, labels: kopf.Labels, spec: kopf.Spec, status: kopf.Status,
                        meta: kopf.Meta, **_: Any) -> dict[Any, statuses.PodView]:
-    waiting = None
+    waiting = message = None
     for cs in status.get("containerStatuses") or []:
-        waiting = waiting or ((cs.get("state") or {}).get("waiting") or {}).get("reason")
+        state = (cs.get("state") or {}).get("waiting") or {}
+        if not waiting and state.get("reason"):
+            waiting, message = state["reason"], state.get("message")
     ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
     view = statuses.PodView(name=name, role=labels.get(LABEL_ROLE, ""), node=spec.get("nodeName"), ready=ready,
                             phase=status.get("phase", "Pending"), waiting_reason=waiting,
+                            waiting_message=message,
                             terminating=bool(meta.get("deletionTimestamp")),
                             template_hash=labels.get("pod-template-hash"),
                             created=meta.get("creationTimestamp", ""), gang=labels.get(LABEL_GANG))
@@ -303,9 +296,6 @@ def refresh(clients: children.Clients, namespace: str, name: str, pods: list[sta
     obs = statuses.Observed(pods=pods, deployments={role: view for role, view in deps})
     if applied:
         obs.applied_generation, obs.apply_error = applied
-    if dd.spec.model.secret_ref and _secret_missing(clients, namespace, dd.spec.model.secret_ref.name):
-        obs.blocked = ("SecretNotFound", f"spec.model.secretRef: Secret {dd.spec.model.secret_ref.name!r} not "
-                                         f"found in namespace {namespace}; workers are not started until it exists")
     gang = dd.spec.scheduling.gang
     bound = {r: sum(1 for p in pods if p.role == r and p.node and not p.terminating) for r in ("prefill", "decode")}
     waiting_since = statuses.gang_pending_since(obs, dd)

@@ -30,6 +30,7 @@ class PodView:
     ready: bool
     phase: str
     waiting_reason: str | None = None
+    waiting_message: str | None = None  # the kubelet's, e.g. 'secret "hf-token" not found'
     terminating: bool = False
     template_hash: str | None = None
     created: str = ""
@@ -52,9 +53,19 @@ class Observed:
     deployments: dict[str, DeploymentView] = field(default_factory=dict)
     gang_message: str | None = None     # why the gang waits (capacity or scheduler message)
     gang_fits: bool | None = None       # capacity verdict, when computed
-    blocked: tuple[str, str] | None = None  # (reason, message) that stops the rollout, e.g. SecretNotFound
+    blocked: tuple[str, str] | None = None  # (reason, message) that stops the rollout
     applied_generation: int | None = None   # last generation whose children were applied (None: unknown)
     apply_error: str | None = None          # why applying the current generation failed
+
+
+def _fault_detail(dd: DisaggDeployment, reason: str, message: str | None) -> str:
+    """What the kubelet says about a container that cannot be configured: a missing spec.model.secretRef
+    shows here (the operator never reads Secrets; the kubelet does, for the pod)."""
+    if reason != "CreateContainerConfigError" or not message:
+        return ""
+    ref = dd.spec.model.secret_ref
+    hint = " (spec.model.secretRef)" if ref and f'"{ref.name}"' in message else ""
+    return f": {message[:200]}{hint}"
 
 
 def _now() -> str:
@@ -94,7 +105,7 @@ def compute(dd: DisaggDeployment, generation: int, previous: dict[str, Any] | No
         roles[role] = {"desired": desired, "scheduled": sum(bool(p.node) for p in pods), "ready": ready,
                        "updated": min(updated, desired) if dep else 0, "summary": f"{ready}/{desired}"}
 
-    faults = sorted((p.role, p.name, p.waiting_reason) for p in obs.pods
+    faults = sorted((p.role, p.name, p.waiting_reason, p.waiting_message) for p in obs.pods
                     if p.waiting_reason in FAULTS and not p.terminating)
     gang = spec.scheduling.gang
     mins = {ROLE_PREFILL: gang.min_prefill, ROLE_DECODE: gang.min_decode}
@@ -127,7 +138,8 @@ def compute(dd: DisaggDeployment, generation: int, previous: dict[str, Any] | No
     elif obs.apply_error:
         deg = (True, "ApplyFailed", f"generation {generation} could not be applied: {obs.apply_error}")
     elif faults:
-        deg = (True, faults[0][2], "; ".join(f"{reason} on {role} pod {name}" for role, name, reason in faults))
+        deg = (True, faults[0][2], "; ".join(f"{reason} on {role} pod {name}{_fault_detail(dd, reason, message)}"
+                                             for role, name, reason, message in faults))
     else:
         short = [f"{r} {roles[r]['ready']}/{roles[r]['desired']} ready" for r in ROLES
                  if roles[r]["ready"] < roles[r]["desired"]]

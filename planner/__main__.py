@@ -14,8 +14,11 @@ from .metrics_source import DEFAULT_SCRAPE_INTERVAL, parse_duration
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m disagg.planner", description="The disagg SLO planner.")
     p.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster, then ~/.kube/config)")
-    p.add_argument("--namespace", help="watch one namespace (default: all)")
-    p.add_argument("--prometheus-url", default=None, help="Prometheus for deployments that name none")
+    p.add_argument("--namespace", action="append", default=[],
+                   help="plan only in this namespace (repeatable; default: all namespaces)")
+    p.add_argument("--prometheus-endpoints", default=None, metavar="FILE",
+                   help="the Prometheus endpoints deployments may name in spec.planner.prometheus, and the default "
+                        "(disagg/planner/endpoints.py; the chart's planner.prometheusEndpoints); none: no metrics")
     p.add_argument("--metrics-port", type=int, default=9091, help="port of the planner's own /metrics (0: off)")
     p.add_argument("--scrape-interval", type=parse_duration, default=DEFAULT_SCRAPE_INTERVAL, metavar="DURATION",
                    help="how often Prometheus scrapes the routers and workers (15s, 1m, or seconds): the planner's "
@@ -28,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     from prometheus_client import start_http_server
 
     from .apply import Executor, PlannerMetrics
+    from .endpoints import Allowlist, Endpoint
     from .loop import PlannerLoop
     from .metrics_source import PrometheusSource
 
@@ -43,14 +47,15 @@ def main(argv: list[str] | None = None) -> int:
     metrics = PlannerMetrics()
     if args.metrics_port:
         start_http_server(args.metrics_port, registry=metrics.registry)
+    endpoints = Allowlist.load(args.prometheus_endpoints)
     sources: dict[str, PrometheusSource] = {}
 
-    def source_for(url: str) -> PrometheusSource:
-        if url not in sources:
-            sources[url] = PrometheusSource(url)
-        return sources[url]
+    def source_for(endpoint: Endpoint) -> PrometheusSource:
+        if endpoint.name not in sources:
+            sources[endpoint.name] = PrometheusSource.for_endpoint(endpoint)
+        return sources[endpoint.name]
 
-    loop = PlannerLoop(api_client, Executor(api_client, metrics), source_for, args.prometheus_url, args.namespace,
+    loop = PlannerLoop(api_client, Executor(api_client, metrics), source_for, endpoints, args.namespace,
                        scrape_interval=args.scrape_interval)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

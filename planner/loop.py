@@ -21,7 +21,9 @@ from disagg.api.v1alpha1 import PLURAL, VERSION, ConditionType, DisaggDeployment
 from . import perfmodel, slo
 from .apply import Executor
 from .decide import Decision, Memory, Observation, RoleModels, Target, decide
+from .endpoints import Allowlist, Endpoint
 from .metrics_source import DEFAULT_SCRAPE_INTERVAL, MetricsSource, query_window
+from .reasons import PROMETHEUS_NOT_ALLOWED
 
 log = logging.getLogger("disagg.planner")
 
@@ -78,8 +80,8 @@ class _State:
 
 
 class PlannerLoop:
-    def __init__(self, api_client: Any, executor: Executor, source_for: Callable[[str], MetricsSource],
-                 default_prometheus_url: str | None = None, namespace: str | None = None,
+    def __init__(self, api_client: Any, executor: Executor, source_for: Callable[[Endpoint], MetricsSource],
+                 endpoints: Allowlist | None = None, namespace: str | list[str] | None = None,
                  clock: Callable[[], float] = time.time, scrape_interval: float = DEFAULT_SCRAPE_INTERVAL):
         from kubernetes import client
 
@@ -87,15 +89,17 @@ class PlannerLoop:
         self.core = client.CoreV1Api(api_client)
         self.executor = executor
         self.source_for = source_for
-        self.default_url = default_prometheus_url
-        self.namespace = namespace
+        self.endpoints = endpoints or Allowlist({})  # the only Prometheus servers it may read
+        # one namespace, several (a namespaced planner role in each: never a cluster-wide list), or all
+        self.namespaces = [namespace] if isinstance(namespace, str) else list(namespace or [])
         self.clock = clock
         self.scrape_interval = scrape_interval  # of the series it reads: its windows span at least four
         self.state: dict[str, _State] = {}
 
     def _list(self) -> list[dict[str, Any]]:
-        if self.namespace:
-            items = self.custom.list_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL)["items"]
+        if self.namespaces:
+            items = [o for ns in self.namespaces
+                     for o in self.custom.list_namespaced_custom_object(GROUP, VERSION, ns, PLURAL)["items"]]
         else:
             items = self.custom.list_cluster_custom_object(GROUP, VERSION, PLURAL)["items"]
         # the planner sizes those with the planner enabled, and reports latency against spec.slo for
@@ -139,11 +143,10 @@ class PlannerLoop:
     def _observe(self, meta: dict[str, Any], spec: DisaggDeploymentSpec, now: float) -> tuple[Observation, float]:
         """The last interval's observation from the deployment's Prometheus, and that window in seconds."""
         window = query_window(spec.planner.interval_seconds, self.scrape_interval)
-        url = spec.planner.prometheus_url or self.default_url
-        if not url:
-            return Observation.unavailable(now, "no Prometheus URL: set spec.planner.prometheusUrl or the planner's "
-                                                "--prometheus-url"), window
-        return self.source_for(url).observe(meta["namespace"], meta["name"], spec.slo.percentile, window), window
+        endpoint = self.endpoints.resolve(spec.planner.prometheus)
+        if isinstance(endpoint, str):  # not allowed (or none): hold, and say which field to change
+            return Observation.unavailable(now, endpoint, PROMETHEUS_NOT_ALLOWED), window
+        return self.source_for(endpoint).observe(meta["namespace"], meta["name"], spec.slo.percentile, window), window
 
     def step(self, now: float | None = None) -> list[tuple[str, str, Decision | slo.Verdict]]:
         """One pass: plan every enabled deployment whose interval has passed (a Decision each), and report

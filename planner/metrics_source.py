@@ -11,8 +11,11 @@ Prometheus, created once and reused.
 
 Unreachable Prometheus -> ``Observation.unavailable`` with reason ``PrometheusUnreachable``; Prometheus
 answering a query with an error (malformed PromQL, a failed evaluation, its own timeout) -> reason
-``QueryError`` with Prometheus' own message: the first is an outage, the second a bug or an overload that
-no waiting will fix. Either way the planner holds and says why. A required series absent or NaN ->
+``QueryError``: the first is an outage, the second a bug or an overload that no waiting will fix. Either way
+the planner holds and says why, in words of its own: the endpoint's name, an HTTP status, Prometheus'
+error type from a fixed set, an exception's class. Nothing the remote end sent is copied into status or
+events (an endpoint that is not what it claims could otherwise be read back through them). TLS is verified
+(the endpoint's CA file, else the system's trust store) unless the endpoint says ``insecureSkipVerify``. A required series absent or NaN ->
 ``Observation.missing`` names it. With no traffic the latency quantiles are NaN by nature: not missing,
 the deployment is idle.
 
@@ -64,12 +67,27 @@ def query_window(interval_seconds: float, scrape_interval_seconds: float) -> flo
     return max(float(interval_seconds), SCRAPES_PER_WINDOW * scrape_interval_seconds)
 
 
-class QueryRefused(Exception):
-    """Prometheus answered, with an error (its API's ``{"status": "error"}``)."""
+# Prometheus' HTTP API error types; anything else an endpoint sends is reported as "unknown"
+ERROR_TYPES = frozenset({"bad_data", "execution", "timeout", "canceled", "internal", "unavailable", "not_found",
+                         "not_acceptable"})
 
-    def __init__(self, error_type: str, message: str):
-        super().__init__(f"{error_type}: {message}")
-        self.error_type, self.message = error_type, message
+
+class QueryRefused(Exception):
+    """Prometheus answered, with an error (its API's ``{"status": "error"}``). Carries the HTTP status and the
+    error type only: Prometheus' message stays out of status (it is the remote end's text)."""
+
+    def __init__(self, status: int, error_type: str):
+        self.status = status
+        self.error_type = error_type if error_type in ERROR_TYPES else "unknown"
+        super().__init__(f"HTTP {status}, {self.error_type}")
+
+
+class NotPrometheus(Exception):
+    """An answer that is not Prometheus' API (a proxy's error page, another server): as good as unreachable."""
+
+    def __init__(self, status: int):
+        self.status = status
+        super().__init__(f"HTTP {status}")
 
 
 class MetricsSource(Protocol):
@@ -138,8 +156,8 @@ def queries(namespace: str, name: str, percentile: float, window_seconds: float,
 REQUIRED_WITH_TRAFFIC = ("ttft", "itl", "input_tokens_mean", "output_tokens_mean")
 
 
-def _client(url: str, timeout: float):
-    from prometheus_api_client import PrometheusApiClientException, PrometheusConnect
+def _client(url: str, timeout: float, verify: bool | str = True):
+    from prometheus_api_client import PrometheusConnect
     from urllib3.util.retry import Retry
 
     class Client(PrometheusConnect):
@@ -150,25 +168,44 @@ def _client(url: str, timeout: float):
             response = self._session.request(method="GET", url=f"{self.url}/api/v1/query", params={"query": promql},
                                              verify=self._session.verify, headers=self.headers, auth=self.auth,
                                              cert=self._session.cert, timeout=self._timeout)
-            if response.status_code == 200:
-                return response.json()["data"]["result"]
             try:
                 body = response.json()
             except ValueError:  # not Prometheus' API answering (a proxy's error page): as good as unreachable
-                body = {}
-            if isinstance(body, dict) and body.get("status") == "error":
-                raise QueryRefused(str(body.get("errorType", response.status_code)), str(body.get("error", "")))
-            raise PrometheusApiClientException(f"HTTP Status Code {response.status_code} ({response.content[:200]!r})")
+                raise NotPrometheus(response.status_code) from None
+            if not isinstance(body, dict):
+                raise NotPrometheus(response.status_code)
+            if response.status_code == 200 and body.get("status") == "success":
+                try:
+                    return list(body["data"]["result"])
+                except (KeyError, TypeError):
+                    raise NotPrometheus(response.status_code) from None
+            if body.get("status") == "error":
+                raise QueryRefused(response.status_code, str(body.get("errorType", "")))
+            raise NotPrometheus(response.status_code)
 
     # no retries inside one observation: the planner's next interval is the retry
-    return Client(url=url, disable_ssl=True, timeout=timeout, retry=Retry(total=0))
+    c = Client(url=url, disable_ssl=verify is False, timeout=timeout, retry=Retry(total=0))
+    c._session.verify = verify   # a CA file (str), the system's trust store (True) or off (False)
+    return c
 
 
 class PrometheusSource:
-    def __init__(self, url: str, timeout: float = 5.0, labels: Labels = Labels()):
+    def __init__(self, url: str, timeout: float = 5.0, labels: Labels = Labels(), verify: bool | str = True,
+                 name: str | None = None):
+        """``name``: the allowlist entry it reads (how status refers to it); ``verify``: as ``requests``'."""
         self.url = url
+        self.name = name
         self.labels = labels
-        self._client = _client(url, timeout)
+        self._client = _client(url, timeout, verify)
+
+    @classmethod
+    def for_endpoint(cls, endpoint, timeout: float = 5.0) -> PrometheusSource:
+        """A source for one :class:`disagg.planner.endpoints.Endpoint` of the allowlist."""
+        return cls(endpoint.url, timeout, verify=endpoint.verify, name=endpoint.name)
+
+    @property
+    def what(self) -> str:
+        return f"Prometheus endpoint {self.name!r}" if self.name else f"Prometheus at {self.url}"
 
     def close(self) -> None:
         self._client.close()
@@ -188,12 +225,15 @@ class PrometheusSource:
                 try:
                     values[key] = self._scalar(promql)
                 except QueryRefused as e:
+                    # the query is the planner's own text; Prometheus' message is not repeated
                     return Observation.unavailable(
-                        now, f"Prometheus at {self.url} refused the {key} query ({e.error_type}): "
-                             f"{e.message[:500]}; query: {promql[:300]}", QUERY_ERROR)
-        except Exception as e:  # connection refused, timeout, an answer that is not Prometheus': hold and say so
-            return Observation.unavailable(now, f"Prometheus at {self.url} unreachable: {type(e).__name__}: "
-                                                f"{str(e)[:200]}", PROMETHEUS_UNREACHABLE)
+                        now, f"{self.what} refused the {key} query ({e}); query: {promql[:300]}", QUERY_ERROR)
+        except NotPrometheus as e:
+            return Observation.unavailable(now, f"{self.what} unreachable: not Prometheus' API answering ({e})",
+                                           PROMETHEUS_UNREACHABLE)
+        except Exception as e:  # connection refused, timeout, TLS: hold and say so (the class, not its text)
+            return Observation.unavailable(now, f"{self.what} unreachable ({type(e).__name__})",
+                                           PROMETHEUS_UNREACHABLE)
         rate = values["request_rate"]
         if rate is None:
             return Observation(time=now, missing=(m.ROUTER_REQUESTS,))

@@ -14,7 +14,8 @@ METRICS_UNAVAILABLE = "MetricsUnavailable"  # Prometheus answered, a required se
 
 # the metrics source could not be read (decisions hold; SLOMet is Unknown with the same reason)
 PROMETHEUS_UNREACHABLE = "PrometheusUnreachable"  # no answer: refused, timed out, not Prometheus' API
-QUERY_ERROR = "QueryError"                        # Prometheus answered with an error: its message is kept
+QUERY_ERROR = "QueryError"                        # Prometheus answered with an error (its type, never its text)
+PROMETHEUS_NOT_ALLOWED = "PrometheusNotAllowed"    # spec.planner.prometheus names no endpoint of the allowlist
 
 # SLOMet
 TARGETS_MET = "TargetsMet"

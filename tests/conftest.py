@@ -16,8 +16,10 @@ def cluster(tmp_path_factory):
     """The local control plane (etcd, kube-apiserver, scheduler, controller-manager, kwok GPU pools),
     started once for the test run and torn down after it."""
     from disagg.e2e.localcluster import LocalCluster
+    from disagg.e2e.operator_fixture import AUDITED_NAMESPACE
 
-    c = LocalCluster(f"test-{os.getpid()}", state_dir=tmp_path_factory.mktemp("cluster"))
+    c = LocalCluster(f"test-{os.getpid()}", state_dir=tmp_path_factory.mktemp("cluster"),
+                     audit_groups=(f"system:serviceaccounts:{AUDITED_NAMESPACE}",))
     c.up()
     yield c
     c.down()

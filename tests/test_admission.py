@@ -50,6 +50,10 @@ INVALID = [
     ("router-auth-unknown-field", {"spec.router.auth": {"secretName": "keys", "apiKey": "sk-1"}},
      "spec.router.auth"),
     ("router-body-limit-tiny", {"spec.router.maxBodyBytes": 10}, "spec.router.maxBodyBytes"),
+    # removed: a URL any namespace user wrote, fetched by the planner's pod; the message names the replacement
+    ("planner-prometheus-url", {"spec.planner.prometheusUrl": "http://169.254.169.254/"},
+     "spec.planner.prometheusUrl"),
+    ("planner-prometheus-not-a-name", {"spec.planner.prometheus": "http://prom:9090"}, "spec.planner.prometheus"),
 ]
 
 

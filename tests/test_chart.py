@@ -49,8 +49,14 @@ def one(objs: list[dict], kind: str, name_part: str = "") -> dict:
     return found[0]
 
 
+def source_roles() -> dict[str, list[dict]]:
+    """operator/rbac.yaml: ClusterRole name -> rules."""
+    return {d["metadata"]["name"]: d["rules"]
+            for d in yaml.safe_load_all((REPO / "operator" / "rbac.yaml").read_text()) if d}
+
+
 def operator_rules() -> list[dict]:
-    return yaml.safe_load((REPO / "operator" / "rbac.yaml").read_text())["rules"]
+    return source_roles()["disagg-operator"]
 
 
 def norm(rules: list[dict]) -> list[dict]:
@@ -93,10 +99,15 @@ def test_values_schema_refuses_unknown_and_bad_values(helm):
 
 def test_defaults_render_no_monitors_without_the_prometheus_operator(helm):
     objs = render(helm)
-    assert kinds(objs) == sorted(["ServiceAccount", "ClusterRole", "ClusterRole", "ClusterRole",
-                                  "ClusterRoleBinding", "Service", "Deployment"] + ["ConfigMap"] * 4)
+    # operator and planner: a ServiceAccount, a Deployment and a metrics Service each; roles: the operator's
+    # cluster-scoped one, its namespaced one and the planner's (bound cluster-wide: no watchNamespaces),
+    # and the two aggregated user roles; the planner's Prometheus allowlist (a ConfigMap) and the admission
+    # policy that refuses other names
+    assert kinds(objs) == sorted(["ServiceAccount"] * 2 + ["ClusterRole"] * 5 + ["ClusterRoleBinding"] * 3
+                                 + ["Service"] * 2 + ["Deployment"] * 2 + ["ConfigMap"] * 5
+                                 + ["ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"])
     assert not MONITOR_KINDS & set(kinds(objs))
-    dashboards = [o for o in objs if o["kind"] == "ConfigMap"]
+    dashboards = [o for o in objs if o["kind"] == "ConfigMap" and "dashboard" in o["metadata"]["name"]]
     for cm in dashboards:
         assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
         (text,) = cm["data"].values()
@@ -112,12 +123,16 @@ def test_monitors_render_when_the_prometheus_operator_is_there(helm):
     sm = one(objs, "ServiceMonitor")
     assert [e["port"] for e in sm["spec"]["endpoints"]] == ["metrics", "planner-metrics"]
     assert all(e["honorLabels"] for e in sm["spec"]["endpoints"])
-    svc = one(objs, "Service")
-    assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
-    assert [p["name"] for p in svc["spec"]["ports"]] == ["metrics", "planner-metrics"]
-    pod_ports = {p["name"] for c in one(objs, "Deployment")["spec"]["template"]["spec"]["containers"]
-                 for p in c["ports"]}
-    assert {p["targetPort"] for p in svc["spec"]["ports"]} <= pod_ports
+    for component, ports in (("operator", ["metrics"]), ("planner", ["planner-metrics"])):
+        svc = one(objs, "Service", component)
+        assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+        assert svc["metadata"]["labels"]["app.kubernetes.io/component"] in \
+            sm["spec"]["selector"]["matchExpressions"][0]["values"]
+        assert [p["name"] for p in svc["spec"]["ports"]] == ports
+        dep = one(objs, "Deployment", component)
+        assert svc["spec"]["selector"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+        pod_ports = {p["name"] for c in dep["spec"]["template"]["spec"]["containers"] for p in c["ports"]}
+        assert {p["targetPort"] for p in svc["spec"]["ports"]} <= pod_ports
     workers, routers = one(objs, "PodMonitor", "workers"), one(objs, "PodMonitor", "routers")
     targets = lambda pm: [r["targetLabel"] for r in pm["spec"]["podMetricsEndpoints"][0]["relabelings"]]  # noqa: E731
     assert targets(workers) == ["deployment", "role"]
@@ -129,54 +144,67 @@ def test_monitors_render_when_the_prometheus_operator_is_there(helm):
     off = render(helm, "--api-versions", MONITORING, "--set", "monitoring.serviceMonitor.enabled=false",
                  "--set", "monitoring.podMonitors.enabled=false", "--set", "monitoring.prometheusRule.enabled=false",
                  "--set", "monitoring.dashboards.enabled=false")
-    assert not MONITOR_KINDS & set(kinds(off)) and "ConfigMap" not in kinds(off)
+    assert not MONITOR_KINDS & set(kinds(off))
+    assert [o["metadata"]["name"] for o in off if o["kind"] == "ConfigMap"] == ["disagg-planner-prometheus"]
 
 
 def test_operator_switched_off_renders_everything_but_the_operator_pod(helm):
     objs = render(helm, "--api-versions", MONITORING, "--set", "operator.enabled=false")
     assert "Deployment" not in kinds(objs) and "ServiceMonitor" not in kinds(objs) and "Service" not in kinds(objs)
-    sa = one(objs, "ServiceAccount")
-    binding = one(objs, "ClusterRoleBinding")
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"],
-                                    "namespace": "disagg-system"}]
+    for component in ("operator", "planner"):
+        sa = [o for o in objs if o["kind"] == "ServiceAccount" and
+              o["metadata"]["labels"]["app.kubernetes.io/component"] == component][0]
+        for binding in (o for o in objs if o["kind"] == "ClusterRoleBinding" and
+                        o["metadata"]["labels"]["app.kubernetes.io/component"] == component):
+            assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"],
+                                            "namespace": "disagg-system"}]
     assert {"PodMonitor", "PrometheusRule", "ClusterRole"} <= set(kinds(objs))
 
 
-def test_planner_switched_off_leaves_one_container(helm):
+def test_planner_switched_off_leaves_the_operator_alone(helm):
     objs = render(helm, "--api-versions", MONITORING, "--set", "planner.enabled=false")
     pod = one(objs, "Deployment")["spec"]["template"]["spec"]
     assert [c["name"] for c in pod["containers"]] == ["operator"]
     assert [p["name"] for p in one(objs, "Service")["spec"]["ports"]] == ["metrics"]
     assert [e["port"] for e in one(objs, "ServiceMonitor")["spec"]["endpoints"]] == ["metrics"]
+    assert not [o for o in objs if "planner" in o["metadata"]["name"] and o["kind"] != "ConfigMap"]
 
 
 def test_operator_pod_runs_the_images_entrypoints_with_values(helm):
     objs = render(helm, "--set", "image.repository=registry.example/disagg/cp", "--set", "image.tag=1.2.3",
-                  "--set", "planner.prometheusUrl=http://prom.monitoring:9090",
+                  "--set-json", 'planner.prometheusEndpoints=[{"name": "main", "url": "http://prom.monitoring:9090"}]',
                   "--set", "operator.watchNamespaces={team-a}")
-    pod = one(objs, "Deployment")["spec"]["template"]["spec"]
-    op, planner = pod["containers"]
+    pod = one(objs, "Deployment", "operator")["spec"]["template"]["spec"]
+    planner_pod = one(objs, "Deployment", "planner")["spec"]["template"]["spec"]
+    (op,), (planner,) = pod["containers"], planner_pod["containers"]
     assert op["image"] == planner["image"] == "registry.example/disagg/cp:1.2.3"
     assert op["args"][0] == "disagg.operator" and "--namespace=team-a" in op["args"]
     assert planner["args"][0] == "disagg.planner"
-    assert "--prometheus-url=http://prom.monitoring:9090" in planner["args"] and "--namespace=team-a" in planner["args"]
+    assert "--prometheus-endpoints=/etc/disagg/prometheus/endpoints.yaml" in planner["args"]
+    assert "--namespace=team-a" in planner["args"]
     # the planner's windows follow the scrape interval of the series it reads: the pod monitors', or its own value
     assert "--scrape-interval=15s" in planner["args"]
-    planner = one(render(helm, "--set", "monitoring.podMonitors.interval=30s"), "Deployment")["spec"]["template"][
-        "spec"]["containers"][1]
+    planner = one(render(helm, "--set", "monitoring.podMonitors.interval=30s"), "Deployment", "planner")["spec"][
+        "template"]["spec"]["containers"][0]
     assert "--scrape-interval=30s" in planner["args"]
-    planner = one(render(helm, "--set", "planner.scrapeInterval=1m"), "Deployment")["spec"]["template"]["spec"][
-        "containers"][1]
+    planner = one(render(helm, "--set", "planner.scrapeInterval=1m"), "Deployment", "planner")["spec"]["template"][
+        "spec"]["containers"][0]
     assert "--scrape-interval=1m" in planner["args"]
+    # several watched namespaces: one --namespace each (the planner's role is a Role in each of them)
+    planner = one(render(helm, "--set", "operator.watchNamespaces={a,b}"), "Deployment", "planner")["spec"][
+        "template"]["spec"]["containers"][0]
+    assert "--namespace=a" in planner["args"] and "--namespace=b" in planner["args"]
     assert {"name": "DISAGG_OPERATOR_METRICS_PORT", "value": "8000"} in op["env"]
-    assert pod["serviceAccountName"] == one(objs, "ServiceAccount")["metadata"]["name"]
+    # each its own ServiceAccount
+    assert pod["serviceAccountName"] == "disagg"
+    assert planner_pod["serviceAccountName"] == "disagg-planner"
     digest = "sha256:" + "a" * 64
-    pod = one(render(helm, "--set", f"image.digest={digest}"), "Deployment")["spec"]["template"]["spec"]
+    pod = one(render(helm, "--set", f"image.digest={digest}"), "Deployment", "operator")["spec"]["template"]["spec"]
     assert pod["containers"][0]["image"] == f"disagg/control-plane@{digest}"
     # the default tag is the chart's appVersion (the Dockerfile's control-plane image the operator runs too)
     from disagg.operator.render import CONTROL_PLANE_IMAGE
 
-    default = one(render(helm), "Deployment")["spec"]["template"]["spec"]["containers"][0]["image"]
+    default = one(render(helm), "Deployment", "operator")["spec"]["template"]["spec"]["containers"][0]["image"]
     assert default == CONTROL_PLANE_IMAGE
 
 
@@ -188,7 +216,7 @@ def test_routers_run_the_operators_own_image(helm, monkeypatch):
     from disagg.api.v1alpha1 import DisaggDeployment
 
     pod = one(render(helm, "--set", "image.repository=mirror.example/disagg/cp", "--set", "image.tag=9.9",
-                     "--set", "image.pullPolicy=Never"), "Deployment")["spec"]["template"]["spec"]
+                     "--set", "image.pullPolicy=Never"), "Deployment", "operator")["spec"]["template"]["spec"]
     env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
     assert env[r.ROUTER_IMAGE_ENV] == pod["containers"][0]["image"] == "mirror.example/disagg/cp:9.9"
     assert env[r.ROUTER_PULL_POLICY_ENV] == "Never"
@@ -199,8 +227,9 @@ def test_routers_run_the_operators_own_image(helm, monkeypatch):
     assert (router["image"], router["imagePullPolicy"]) == ("mirror.example/disagg/cp:9.9", "Never")
 
 
-def test_secure_pod_defaults(helm):
-    pod = one(render(helm), "Deployment")["spec"]["template"]["spec"]
+@pytest.mark.parametrize("component", ["operator", "planner"])
+def test_secure_pod_defaults(helm, component):
+    pod = one(render(helm), "Deployment", component)["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["runAsUser"] != 0
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
@@ -216,27 +245,63 @@ def test_secure_pod_defaults(helm):
 # ---------------------------------------------------------------- RBAC
 
 
+def grants(objs: list[dict]) -> dict[tuple[str, str, str], list[dict]]:
+    """(kind, namespace, name) of each rendered ClusterRole/Role -> its rules."""
+    return {(o["kind"], o["metadata"].get("namespace", ""), o["metadata"]["name"]): norm(o["rules"])
+            for o in objs if o["kind"] in ("ClusterRole", "Role") and "aggregate" not in str(o["metadata"]["labels"])}
+
+
 def test_rbac_equals_operator_rbac_without_switched_off_backends(helm):
+    source = source_roles()
     rules = operator_rules()
-    role = one(render(helm), "ClusterRole", "operator")
-    expected = [r for r in rules if not set(r["apiGroups"]) & OPTIONAL_GROUPS.keys()]
-    assert len(expected) == len(rules) - 2
-    assert norm(role["rules"]) == norm(expected)
-    assert not any(set(r["apiGroups"]) & OPTIONAL_GROUPS.keys() for r in role["rules"])
+    without = [r for r in rules if not set(r["apiGroups"]) & OPTIONAL_GROUPS.keys()]
+    assert len(without) == len(rules) - 2
+    cluster = ("ClusterRole", "")
+    assert grants(render(helm)) == {(*cluster, "disagg-operator-cluster"): norm(source["disagg-operator-cluster"]),
+                                    (*cluster, "disagg-operator"): norm(without),
+                                    (*cluster, "disagg-planner"): norm(source["disagg-planner"])}
+    both = grants(render(helm, "--set", "gangBackends.coscheduling=true", "--set", "gangBackends.volcano=true"))
+    assert both[(*cluster, "disagg-operator")] == norm(rules)
+    volcano = grants(render(helm, "--set", "gangBackends.volcano=true"))
+    assert volcano[(*cluster, "disagg-operator")] == norm(
+        [r for r in rules if "scheduling.x-k8s.io" not in r["apiGroups"]])
 
-    both = one(render(helm, "--set", "gangBackends.coscheduling=true", "--set", "gangBackends.volcano=true"),
-               "ClusterRole", "operator")
-    assert norm(both["rules"]) == norm(rules)
-    volcano = one(render(helm, "--set", "gangBackends.volcano=true"), "ClusterRole", "operator")
-    assert norm(volcano["rules"]) == norm([r for r in rules if "scheduling.x-k8s.io" not in r["apiGroups"]])
+
+def test_watched_namespaces_get_roles_and_only_what_cannot_be_namespaced_is_cluster_wide(helm):
+    source = source_roles()
+    objs = render(helm, "--set", "operator.watchNamespaces={team-a,team-b}", "--set", "gangBackends.volcano=true",
+                  "--set", "gangBackends.coscheduling=true")
+    expected = {("ClusterRole", "", "disagg-operator-cluster"): norm(source["disagg-operator-cluster"])}
+    for ns in ("team-a", "team-b"):
+        expected[("Role", ns, "disagg-operator")] = norm(source["disagg-operator"])
+        expected[("Role", ns, "disagg-planner")] = norm(source["disagg-planner"])
+    assert grants(objs) == expected
+    # what stays cluster-wide: list nodes and pods (free GPUs on every node), nothing that reads contents
+    assert norm(source["disagg-operator-cluster"]) == [{"apiGroups": [""], "resources": ["nodes", "pods"],
+                                                        "verbs": ["list"]}]
+    bindings = sorted((o["kind"], o["metadata"].get("namespace", ""), o["roleRef"]["kind"], o["roleRef"]["name"],
+                       o["subjects"][0]["name"]) for o in objs if o["kind"] in ("ClusterRoleBinding", "RoleBinding"))
+    assert bindings == sorted([("ClusterRoleBinding", "", "ClusterRole", "disagg-operator-cluster", "disagg")] + [
+        ("RoleBinding", ns, "Role", f"disagg-{who}", "disagg" if who == "operator" else "disagg-planner")
+        for ns in ("team-a", "team-b") for who in ("operator", "planner")])
 
 
-def test_nothing_else_is_granted_to_the_operator(helm):
+def test_no_role_reads_secrets_or_anything_cluster_wide_it_need_not(helm):
+    for args in ([], ["--set", "operator.watchNamespaces={a}"]):
+        for role in (o for o in render(helm, *args) if o["kind"] in ("ClusterRole", "Role")):
+            for rule in role["rules"]:
+                assert "secrets" not in rule["resources"] and "*" not in rule["verbs"] + rule["resources"], rule
+                assert not {"customresourcedefinitions", "namespaces", "leases"} & set(rule["resources"]), rule
+
+
+def test_each_account_is_bound_to_its_own_roles_only(helm):
     objs = render(helm)
-    sa = one(objs, "ServiceAccount")["metadata"]["name"]
-    bound = [b for b in objs if b["kind"] in ("ClusterRoleBinding", "RoleBinding")
-             and any(s.get("name") == sa for s in b["subjects"])]
-    assert [b["roleRef"]["name"] for b in bound] == [one(objs, "ClusterRole", "operator")["metadata"]["name"]]
+    accounts = {o["metadata"]["labels"]["app.kubernetes.io/component"]: o["metadata"]["name"]
+                for o in objs if o["kind"] == "ServiceAccount"}
+    assert accounts == {"operator": "disagg", "planner": "disagg-planner"}
+    bound = {a: sorted(b["roleRef"]["name"] for b in objs if b["kind"] in ("ClusterRoleBinding", "RoleBinding")
+                       and any(s.get("name") == name for s in b["subjects"])) for a, name in accounts.items()}
+    assert bound == {"operator": ["disagg-operator", "disagg-operator-cluster"], "planner": ["disagg-planner"]}
     # the aggregated user roles never grant more than DisaggDeployments
     for role in (o for o in objs if o["kind"] == "ClusterRole" and "aggregate" in str(o["metadata"]["labels"])):
         assert {g for r in role["rules"] for g in r["apiGroups"]} == {"serving.disagg.dev"}
@@ -349,7 +414,10 @@ def dry_run(cluster, objs: list[dict], namespace: str) -> subprocess.CompletedPr
 @pytest.mark.cluster
 def test_api_server_accepts_everything_the_chart_renders(helm, cluster, crd_installed, monitoring_crds, namespace):
     for args in ([], ["--set", "gangBackends.coscheduling=true", "--set", "gangBackends.volcano=true",
-                      "--set", "operator.watchNamespaces={a,b}", "--set", "planner.prometheusUrl=http://p:9090"],
+                      "--set", f"operator.watchNamespaces={{{namespace}}}",  # a Role each: in this one
+                      "--set-json", 'planner.prometheusEndpoints=[{"name": "p", "url": "https://p:9090", '
+                                    '"caSecret": {"name": "p-ca", "key": "ca.crt"}}]',
+                      "--set", "planner.defaultPrometheus=p"],
                  ["--set", "operator.enabled=false", "--set", "rbac.aggregateToDefaultRoles=false"]):
         objs = render(helm, "--api-versions", MONITORING, *args, namespace=namespace, release="chart-test")
         assert MONITOR_KINDS <= set(kinds(objs)) or "operator.enabled=false" in args
@@ -422,3 +490,82 @@ def test_network_policy_option_reaches_the_operator(helm, monkeypatch):
 
 
 # ---------------------------------------------------------------- the planner's Prometheus allowlist
+
+
+def test_prometheus_allowlist_reaches_the_planner_as_a_file_with_its_ca(helm):
+    from disagg.planner.endpoints import Allowlist
+
+    objs = render(helm, "--set-json", 'planner.prometheusEndpoints=[{"name": "main", "url": "https://prom:9090", '
+                                      '"caSecret": {"name": "prom-ca", "key": "tls.ca"}}, '
+                                      '{"name": "lab", "url": "http://lab:9090", "insecureSkipVerify": true}]',
+                  "--set", "planner.defaultPrometheus=main")
+    cm = one(objs, "ConfigMap", "planner-prometheus")
+    allowlist = Allowlist.from_dict(yaml.safe_load(cm["data"]["endpoints.yaml"]))
+    assert allowlist.default == "main" and sorted(allowlist.endpoints) == ["lab", "main"]
+    main, lab = allowlist.endpoints["main"], allowlist.endpoints["lab"]
+    assert (main.url, main.verify) == ("https://prom:9090", "/etc/disagg/prometheus-ca/main/ca.crt")
+    assert (lab.url, lab.verify) == ("http://lab:9090", False)
+    pod = one(objs, "Deployment", "planner")["spec"]["template"]["spec"]
+    (planner,) = pod["containers"]
+    mounts = {m["name"]: m["mountPath"] for m in planner["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["prometheus-endpoints"]["configMap"]["name"] == cm["metadata"]["name"]
+    assert mounts["prometheus-endpoints"] == "/etc/disagg/prometheus"
+    # the CA comes from a Secret the kubelet mounts: the planner's ServiceAccount reads no Secret
+    assert volumes["prometheus-ca-main"]["secret"] == {"secretName": "prom-ca", "items": [{"key": "tls.ca",
+                                                                                         "path": "ca.crt"}]}
+    assert mounts["prometheus-ca-main"] == "/etc/disagg/prometheus-ca/main" and "prometheus-ca-lab" not in mounts
+    # the defaults: an empty allowlist (deployments with the planner hold, naming the field)
+    empty = Allowlist.from_dict(yaml.safe_load(one(render(helm), "ConfigMap", "planner-prometheus")["data"][
+        "endpoints.yaml"]))
+    assert empty.endpoints == {} and empty.default is None
+
+
+def test_a_default_that_is_not_in_the_allowlist_is_refused(helm):
+    out = subprocess.run([str(helm), "template", "x", str(CHART), "--set", "planner.defaultPrometheus=nope"],
+                         capture_output=True, text=True)
+    assert out.returncode != 0 and "planner.defaultPrometheus" in out.stderr
+    out = subprocess.run([str(helm), "template", "x", str(CHART), "--set", "planner.prometheusUrl=http://p:9090"],
+                         capture_output=True, text=True)
+    assert out.returncode != 0 and "prometheusUrl" in out.stderr   # removed: the schema refuses it
+
+
+@pytest.mark.cluster
+def test_admission_refuses_a_prometheus_name_not_in_the_allowlist(helm, cluster, crd_installed, namespace):
+    """The chart's ValidatingAdmissionPolicy on the real API server (bound to this namespace only)."""
+    from disagg.e2e.testing import dd_manifest, wait_for
+
+    objs = render(helm, "--set-json", 'planner.prometheusEndpoints=[{"name": "main", "url": "http://p:9090"}]',
+                  "--set", f"operator.watchNamespaces={{{namespace}}}", release=namespace, namespace=namespace)
+    policy = [o for o in objs if o["kind"].startswith("ValidatingAdmissionPolicy")]
+    assert len(policy) == 2
+    text = "---\n".join(yaml.safe_dump(o) for o in policy)
+    cluster.kubectl("apply", "--server-side", "-f", "-", input=text)
+    try:
+        def create(name: str, prometheus: str) -> subprocess.CompletedProcess:
+            doc = dd_manifest(name, slo={"ttftMs": 1000, "itlMs": 50},
+                              planner={"enabled": True, "prometheus": prometheus})
+            doc["metadata"]["namespace"] = namespace
+            return cluster.kubectl("create", "-f", "-", input=yaml.safe_dump(doc), check=False)
+
+        def refused_once() -> subprocess.CompletedProcess | None:
+            out = create("probe", "elsewhere")
+            if out.returncode == 0:   # admitted before the API server loaded the policy: try again
+                cluster.kubectl("delete", "dd", "probe", "-n", namespace, check=False)
+                return None
+            return out
+
+        refused = wait_for(refused_once, 60, "the admission policy to refuse an unknown name")
+        assert 'spec.planner.prometheus: "elsewhere" is not an allowed Prometheus endpoint (allowed: main)' in \
+            refused.stderr, refused.stderr
+        out = create("allowed", "main")
+        assert out.returncode == 0, out.stderr
+        # the removed URL field: refused by the CRD, naming the field and its replacement
+        doc = dd_manifest("url", slo={"ttftMs": 1000, "itlMs": 50},
+                          planner={"enabled": True, "prometheusUrl": "http://169.254.169.254/"})
+        doc["metadata"]["namespace"] = namespace
+        out = cluster.kubectl("create", "-f", "-", input=yaml.safe_dump(doc), check=False)
+        assert out.returncode != 0 and "spec.planner.prometheusUrl" in out.stderr
+        assert "spec.planner.prometheus instead" in out.stderr, out.stderr
+    finally:
+        cluster.kubectl("delete", "-f", "-", "--ignore-not-found", input=text, check=False)

@@ -189,17 +189,22 @@ def test_chart_installs_crd_rbac_monitors_and_dashboards(provider, kube, release
     assert objs == manifest_objects(provider, RELEASE, RELEASE_NS), \
         "live objects labelled with the release differ from Helm's manifest"
     full = f"{RELEASE}-disagg"
-    assert objs["ServiceAccount"] == [full]
-    assert objs["ClusterRole"] == [f"{full}-edit", f"{full}-operator", f"{full}-view"]
-    assert objs["ClusterRoleBinding"] == [f"{full}-operator"]
-    assert objs["ConfigMap"] == sorted(f"{full}-dashboard-{d}" for d in
-                                       ("overview", "planner", "prefill-decode", "router"))
+    assert objs["ServiceAccount"] == [full, f"{full}-planner"]
+    assert objs["ClusterRole"] == [f"{full}-edit", f"{full}-operator", f"{full}-operator-cluster", f"{full}-planner",
+                                   f"{full}-view"]
+    assert objs["ClusterRoleBinding"] == [f"{full}-operator", f"{full}-operator-cluster", f"{full}-planner"]
+    assert objs["ValidatingAdmissionPolicy"] == objs["ValidatingAdmissionPolicyBinding"] == [
+        f"{full}-prometheus-endpoints"]
+    assert objs["ConfigMap"] == sorted([f"{full}-dashboard-{d}" for d in
+                                        ("overview", "planner", "prefill-decode", "router")]
+                                       + ([] if provider.operator_in_process else [f"{full}-planner-prometheus"]))
     assert objs["PodMonitor"] == [f"{full}-routers", f"{full}-workers"]
     assert objs["PrometheusRule"] == [full]
     if provider.operator_in_process:   # operator.enabled=false: no operator pod, its Service or monitor
         assert not {"Deployment", "Service", "ServiceMonitor"} & objs.keys(), objs
     else:
-        assert objs["Deployment"] == [f"{full}-operator"] and objs["ServiceMonitor"] == [f"{full}-operator"]
+        assert objs["Deployment"] == [f"{full}-operator", f"{full}-planner"]
+        assert objs["ServiceMonitor"] == [f"{full}-operator"]
     binding = client.RbacAuthorizationV1Api(kube).read_cluster_role_binding(f"{full}-operator")
     assert [(s.kind, s.namespace, s.name) for s in binding.subjects] == [
         ("ServiceAccount", RELEASE_NS, full)]
@@ -224,16 +229,22 @@ def test_operator_pod_reaches_available_with_secure_defaults(provider, kube, rel
     try:
         objs = suite.release_objects(kube, release_name, namespace)
         assert objs == manifest_objects(provider, release_name, namespace)
-        (name,) = objs["Deployment"]
-        assert objs["ServiceMonitor"] == [name] and objs["Service"] == [f"{name}-metrics"]
+        name, planner = objs["Deployment"]
+        assert planner == name.replace("-operator", "-planner")
+        assert objs["ServiceMonitor"] == [name] and objs["Service"] == [f"{name}-metrics", f"{planner}-metrics"]
+        # the planner: its own pod, ServiceAccount and security defaults
+        planner_spec = suite.wait_deployment_available(kube, namespace, planner).spec.template.spec
+        assert planner_spec.service_account_name == objs["ServiceAccount"][1]
+        assert [c.name for c in planner_spec.containers] == ["planner"]
+        suite.assert_secure_operator_pod(planner_spec)
         dep = suite.wait_deployment_available(kube, namespace, name)
         pod_spec = dep.spec.template.spec
         assert pod_spec.service_account_name == objs["ServiceAccount"][0]
-        assert [c.name for c in pod_spec.containers] == ["operator", "planner"]
+        assert [c.name for c in pod_spec.containers] == ["operator"]
         suite.assert_secure_operator_pod(pod_spec)
         (pod,) = [p for p in client.CoreV1Api(kube).list_namespaced_pod(
-            namespace, label_selector=f"app.kubernetes.io/instance={release_name}").items
-            if not p.metadata.deletion_timestamp]
+            namespace, label_selector=f"app.kubernetes.io/instance={release_name},app.kubernetes.io/component=operator"
+            ).items if not p.metadata.deletion_timestamp]
         assert suite.is_ready(pod) and pod.status.phase == "Running"
         suite.assert_secure_operator_pod(pod.spec)
         # the metrics Service selects the operator pod

@@ -1,7 +1,9 @@
 """The planner on the local control plane: server-side apply under `disagg-planner`, status, events, and a
 user's later `kubectl apply` (client-side and server-side) of a manifest without replicas not undoing it.
 
-Metrics come from a real Prometheus scraping an exporter the test drives; the operator is not needed.
+Metrics come from a real Prometheus scraping an exporter the test drives; the operator is not needed. The
+planner runs under its own ServiceAccount bound to operator/rbac.yaml's disagg-planner role only, as the chart
+runs it: a call that role does not allow fails the test.
 """
 
 from dataclasses import replace
@@ -17,15 +19,21 @@ from disagg.e2e.prometheus import LocalPrometheus, MetricsExporter
 from disagg.e2e.testing import wait_for
 from disagg.planner import decide as dc
 from disagg.planner.apply import FIELD_MANAGER, Executor, PlannerMetrics, replicas_owner
+from disagg.planner.endpoints import Allowlist, Endpoint
 from disagg.planner.loop import PlannerLoop, resolve_gpu, resolve_model_name
 from disagg.planner import reasons, slo
 from disagg.planner.metrics_source import PrometheusSource, parse_duration
 
 pytestmark = pytest.mark.cluster
 NAME = "llama"
+ENDPOINT = "test"  # the name deployments give (spec.planner.prometheus); the allowlist maps it to the URL
 
 
-def manifest(namespace, prometheus_url, image="disagg/worker:0.1.0"):
+def allowlist(prom) -> Allowlist:
+    return Allowlist({ENDPOINT: Endpoint(ENDPOINT, prom.url)})
+
+
+def manifest(namespace, image="disagg/worker:0.1.0"):
     """What a user keeps in git: no replica counts (the planner owns them)."""
     return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "DisaggDeployment",
             "metadata": {"name": NAME, "namespace": namespace},
@@ -35,7 +43,7 @@ def manifest(namespace, prometheus_url, image="disagg/worker:0.1.0"):
                      "decode": {"tensorParallelSize": 1, "maxReplicas": 8},
                      "slo": {"ttftMs": 1000, "itlMs": 50, "percentile": 90},
                      "planner": {"enabled": True, "intervalSeconds": 5, "gpuBudget": 16,
-                                 "scaleDownCooldownSeconds": 60, "prometheusUrl": prometheus_url}}}
+                                 "scaleDownCooldownSeconds": 60, "prometheus": ENDPOINT}}}
 
 
 @pytest.fixture
@@ -45,6 +53,19 @@ def metrics_world(namespace, tmp_path):
     yield exporter, prom
     prom.stop()
     exporter.close()
+
+
+@pytest.fixture(scope="module")
+def planner_api(cluster, api_client, crd_installed, tmp_path_factory):
+    """An API client holding a token of the planner's ServiceAccount (its role only)."""
+    from kubernetes import config
+
+    from disagg.e2e.operator_fixture import planner_kubeconfig
+
+    path = planner_kubeconfig(cluster, api_client, tmp_path_factory.mktemp("planner") / "kubeconfig")
+    api = config.new_client_from_config(str(path))
+    yield api
+    api.close()
 
 
 def _get(api_client, namespace):
@@ -62,22 +83,22 @@ def _kubectl_apply(cluster, doc, *flags):
 
 
 def test_decision_lands_and_a_users_apply_without_replicas_keeps_it(cluster, api_client, crd_installed, namespace,
-                                                                    metrics_world):
+                                                                    metrics_world, planner_api):
     from kubernetes import client
 
     exporter, prom = metrics_world
-    doc = manifest(namespace, prom.url)
+    doc = manifest(namespace)
     out = _kubectl_apply(cluster, doc)  # client-side, as most users do
     assert out.returncode == 0, out.stderr
     assert _replicas(_get(api_client, namespace)) == (1, 1)  # schema defaults
 
     # traffic that breaks both targets
     exporter.traffic = replace(exporter.traffic, rate=20.0, ttft=3.0, itl=0.2, prefill_waiting=10)
-    source = PrometheusSource(prom.url, timeout=3)
+    source = PrometheusSource.for_endpoint(allowlist(prom).endpoints[ENDPOINT], timeout=3)
     wait_for(lambda: (lambda o: o.ttft and o.ttft > 2 and o.itl and o.itl > 0.1 and o.request_rate > 12)(
         source.observe(namespace, NAME, 90, 10)), 60, "breaching traffic in Prometheus", interval=0.5)
     metrics = PlannerMetrics()
-    loop = PlannerLoop(api_client, Executor(api_client, metrics), lambda url: source, namespace=namespace,
+    loop = PlannerLoop(planner_api, Executor(planner_api, metrics), lambda endpoint: source, allowlist(prom), namespace=namespace,
                        scrape_interval=parse_duration(prom.scrape_interval))
     [(ns, name, decision)] = loop.step(now=1000.0)
     assert (ns, name) == (namespace, NAME)
@@ -106,19 +127,19 @@ def test_decision_lands_and_a_users_apply_without_replicas_keeps_it(cluster, api
     assert sample == want[0]
 
     # the user re-applies the same manifest (a new image, still no replicas): client-side ...
-    out = _kubectl_apply(cluster, manifest(namespace, prom.url, image="disagg/worker:0.1.1"))
+    out = _kubectl_apply(cluster, manifest(namespace, image="disagg/worker:0.1.1"))
     assert out.returncode == 0, out.stderr
     obj = _get(api_client, namespace)
     assert obj["spec"]["engine"]["image"] == "disagg/worker:0.1.1" and _replicas(obj) == want
     # ... and server-side, as kubectl's own field manager
-    out = _kubectl_apply(cluster, manifest(namespace, prom.url, image="disagg/worker:0.1.2"), "--server-side")
+    out = _kubectl_apply(cluster, manifest(namespace, image="disagg/worker:0.1.2"), "--server-side")
     assert out.returncode == 0, out.stderr
     obj = _get(api_client, namespace)
     assert obj["spec"]["engine"]["image"] == "disagg/worker:0.1.2" and _replicas(obj) == want
     assert replicas_owner(obj) == FIELD_MANAGER
 
     # a user who does put replicas in a server-side apply is told who owns them
-    with_replicas = manifest(namespace, prom.url, image="disagg/worker:0.1.2")
+    with_replicas = manifest(namespace, image="disagg/worker:0.1.2")
     with_replicas["spec"]["prefill"]["replicas"] = 1
     out = _kubectl_apply(cluster, with_replicas, "--server-side")
     assert out.returncode != 0 and "conflict" in out.stderr.lower() and FIELD_MANAGER in out.stderr
@@ -132,9 +153,11 @@ def test_decision_lands_and_a_users_apply_without_replicas_keeps_it(cluster, api
     assert _replicas(obj) == want
     assert obj["status"]["planner"]["reason"] == dc.PROMETHEUS_UNREACHABLE
     cond = next(c for c in obj["status"]["conditions"] if c["type"] == "PlannerActive")
-    assert cond["status"] == "False" and cond["reason"] == dc.PROMETHEUS_UNREACHABLE and prom.url in cond["message"]
+    # the endpoint by its allowlist name and the exception's class: nothing the remote end said
+    unreachable = f"Prometheus endpoint '{ENDPOINT}' unreachable (ConnectionError)"
+    assert cond["status"] == "False" and cond["reason"] == dc.PROMETHEUS_UNREACHABLE and unreachable in cond["message"]
     met = next(c for c in obj["status"]["conditions"] if c["type"] == "SLOMet")
-    assert met["status"] == "Unknown" and met["reason"] == reasons.PROMETHEUS_UNREACHABLE and prom.url in met["message"]
+    assert met["status"] == "Unknown" and met["reason"] == reasons.PROMETHEUS_UNREACHABLE and unreachable in met["message"]
     assert "ttftMs" not in obj["status"]["latency"]      # no stale figure once nothing is measured
     assert metrics.registry.get_sample_value(m.PLANNER_METRICS_AVAILABLE,
                                              {"namespace": namespace, "deployment": NAME}) == 0
@@ -173,19 +196,19 @@ def test_planner_example_is_admitted_and_planned(cluster, api_client, crd_instal
 
 
 def test_latency_and_slo_met_without_the_planner_fill_kubectls_columns(cluster, api_client, crd_installed, namespace,
-                                                                       metrics_world):
+                                                                       metrics_world, planner_api):
     """A deployment with spec.slo and the planner off: latency and SLOMet are still written (the
     TTFT-MS and ITL-MS columns), and its replicas are left alone."""
     exporter, prom = metrics_world
-    doc = manifest(namespace, prom.url)
-    doc["spec"]["planner"] = {"prometheusUrl": prom.url, "intervalSeconds": 5}
+    doc = manifest(namespace)
+    doc["spec"]["planner"] = {"prometheus": ENDPOINT, "intervalSeconds": 5}
     out = _kubectl_apply(cluster, doc)
     assert out.returncode == 0, out.stderr
     exporter.traffic = replace(exporter.traffic, rate=10.0, ttft=0.3, itl=0.02, prefill_waiting=0)
     source = PrometheusSource(prom.url, timeout=3)
     wait_for(lambda: (lambda o: o.request_rate and o.ttft and o.ttft < 0.5 and o.itl and o.itl < 0.03)(
         source.observe(namespace, NAME, 90, 10)), 60, "steady traffic in Prometheus", interval=0.5)
-    loop = PlannerLoop(api_client, Executor(api_client), lambda url: source, namespace=namespace,
+    loop = PlannerLoop(planner_api, Executor(planner_api), lambda endpoint: source, allowlist(prom), namespace=namespace,
                        scrape_interval=parse_duration(prom.scrape_interval))
     [(_, _, verdict)] = loop.step(now=1000.0)
     assert isinstance(verdict, slo.Verdict) and verdict.status == "True"
@@ -199,3 +222,23 @@ def test_latency_and_slo_met_without_the_planner_fill_kubectls_columns(cluster, 
     columns = dict(zip(header, row))
     assert float(columns["TTFT-MS"]) == obj["status"]["latency"]["ttftMs"]
     assert float(columns["ITL-MS"]) == obj["status"]["latency"]["itlMs"]
+
+
+def test_a_prometheus_name_outside_the_allowlist_holds_and_names_the_field(cluster, api_client, crd_installed,
+                                                                          namespace, planner_api):
+    """A deployment admitted without the chart's admission policy (or before the list changed) naming an
+    endpoint the planner does not know: nothing is fetched, the planner holds and says which field to change."""
+    doc = manifest(namespace)
+    doc["spec"]["planner"]["prometheus"] = "elsewhere"
+    out = _kubectl_apply(cluster, doc)
+    assert out.returncode == 0, out.stderr
+    fetched = []
+    loop = PlannerLoop(planner_api, Executor(planner_api), lambda endpoint: fetched.append(endpoint),
+                       Allowlist({ENDPOINT: Endpoint(ENDPOINT, "http://127.0.0.1:9")}), namespace=namespace)
+    [(_, _, decision)] = loop.step(now=1000.0)
+    assert fetched == [] and decision.reason == reasons.PROMETHEUS_NOT_ALLOWED
+    assert (decision.prefill.replicas, decision.decode.replicas) == (1, 1)
+    cond = next(c for c in _get(api_client, namespace)["status"]["conditions"] if c["type"] == "PlannerActive")
+    assert cond["status"] == "False" and cond["reason"] == reasons.PROMETHEUS_NOT_ALLOWED
+    assert "spec.planner.prometheus: 'elsewhere' is not an allowed Prometheus endpoint (allowed: test)" in \
+        cond["message"]

@@ -16,6 +16,7 @@ from disagg.e2e.prometheus import LocalPrometheus, MetricsExporter
 from disagg.e2e.testing import wait_for
 from disagg.planner import decide as dc
 from disagg.planner import reasons, slo
+from disagg.planner.endpoints import Allowlist, Endpoint
 from disagg.planner.metrics_source import Labels, PrometheusSource, parse_duration, query_window
 from disagg.planner.perfmodel import PerfModel
 
@@ -142,18 +143,22 @@ def test_hold_when_prometheus_is_stopped(exporter, source, prometheus):
     assert o.request_rate > 0
 
 
-def test_a_refused_query_is_a_query_error_with_prometheus_message(exporter, source, prometheus):
+def test_a_refused_query_is_a_query_error_without_prometheus_text(exporter, source, prometheus):
     # a label name PromQL cannot parse unquoted: Prometheus answers, with an error, on every query
-    broken = PrometheusSource(prometheus.url, timeout=3, labels=Labels(namespace="1namespace"))
+    broken = PrometheusSource(prometheus.url, timeout=3, labels=Labels(namespace="1namespace"), name="main")
     try:
         o = broken.observe(NS, NAME, 90, WINDOW)
     finally:
         broken.close()
-    assert o.error_reason == reasons.QUERY_ERROR and prometheus.url in o.error
-    assert "parse error" in o.error and "1namespace" in o.error  # Prometheus' own words, and the query
+    assert o.error_reason == reasons.QUERY_ERROR
+    # the endpoint's name, the HTTP status, Prometheus' error type and the planner's own query; not the
+    # remote end's text (which an endpoint that is not Prometheus could fill with anything)
+    assert o.error.startswith("Prometheus endpoint 'main' refused the request_rate query (HTTP 400, bad_data); "
+                              "query: "), o.error
+    assert "1namespace" in o.error and "parse error" not in o.error
     d, mem = dc.decide(o, target(prefill=3, decode=2), dc.Memory(), MODEL, now=0)
     assert d.reason == reasons.QUERY_ERROR and not d.metrics_ok and (d.prefill.replicas, d.decode.replicas) == (3, 2)
-    assert "parse error" in d.message and mem == dc.Memory()
+    assert "bad_data" in d.message and mem == dc.Memory()
     v = slo.judge(o, SLOSpec(ttftMs=1000, itlMs=50, percentile=90), WINDOW)
     assert (v.status, v.reason) == ("Unknown", reasons.QUERY_ERROR)
     # the same source with sound queries reads Prometheus as before: it was the query, not Prometheus
@@ -185,3 +190,74 @@ def test_without_streams_ttft_and_itl_come_from_the_engines(exporter, source):
     o = settle(exporter, source, lambda o: o.ttft and o.ttft > 2.0, "the router's TTFT", streamed=0.5)
     assert 4.0 < o.ttft <= 8.0
     exporter.traffic = replace(exporter.traffic, streamed=1.0, ttft=0.3, itl=0.02)
+
+
+def test_nothing_an_endpoint_answers_reaches_status(exporter):
+    """An allowed endpoint that is not Prometheus (here the exporter: every path answers its metrics page):
+    the planner says so in its own words and copies none of the page."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{exporter.port}/api/v1/query?query=up", timeout=5) as r:
+        page = r.read().decode()
+    assert m.ROUTER_REQUESTS in page
+    wrong = PrometheusSource.for_endpoint(Endpoint("wrong", f"http://127.0.0.1:{exporter.port}"), timeout=3)
+    try:
+        o = wrong.observe(NS, NAME, 90, WINDOW)
+    finally:
+        wrong.close()
+    assert o.error == "Prometheus endpoint 'wrong' unreachable: not Prometheus' API answering (HTTP 200)"
+    assert o.error_reason == reasons.PROMETHEUS_UNREACHABLE and m.ROUTER_REQUESTS not in o.error
+
+
+@pytest.fixture(scope="module")
+def tls_prometheus(exporter, tmp_path_factory):
+    """The same Prometheus, serving HTTPS with a certificate of a CA of the test's own."""
+    from disagg.e2e.localcluster.pki import PKI
+
+    pki = PKI(tmp_path_factory.mktemp("pki"))
+    pki.ensure(["localhost"], ["127.0.0.1"])  # the CA (and a server certificate for 127.0.0.1)
+    cert, key = pki.issue("prometheus", "prometheus", server=True, dns_names=["localhost"], ips=["127.0.0.1"])
+    p = LocalPrometheus(tmp_path_factory.mktemp("prometheus-tls"), [f"127.0.0.1:{exporter.port}"],
+                        tls=(cert, key, pki.ca_cert)).start()
+    yield p, pki.ca_cert
+    p.stop()
+
+
+def test_tls_is_verified_against_the_endpoints_ca(exporter, tls_prometheus):
+    prom, ca = tls_prometheus
+    assert prom.url.startswith("https://")
+    allowlist = Allowlist.from_dict({"endpoints": [
+        {"name": "with-ca", "url": prom.url, "caFile": str(ca)},
+        {"name": "system-trust", "url": prom.url},
+        {"name": "skip", "url": prom.url, "insecureSkipVerify": True}]})
+
+    def observe_with(name):
+        s = PrometheusSource.for_endpoint(allowlist.endpoints[name], timeout=3)
+        try:
+            return s.observe(NS, NAME, 90, WINDOW)
+        finally:
+            s.close()
+
+    # with its CA: read (the exporter's traffic shows once Prometheus has scraped it)
+    o = wait_for(lambda: (lambda o: o if o.error is None and o.request_rate is not None else None)(
+        observe_with("with-ca")), 60, "the HTTPS Prometheus read with its CA", interval=0.5)
+    assert o.request_rate >= 0
+    # without it, the certificate is refused: verification is the default, and the class is all it says
+    o = observe_with("system-trust")
+    assert o.error == "Prometheus endpoint 'system-trust' unreachable (SSLError)"
+    assert o.error_reason == reasons.PROMETHEUS_UNREACHABLE
+    # only an endpoint that says so skips verification
+    assert observe_with("skip").error is None
+
+
+def test_the_allowlist_file_is_checked():
+    ok = Allowlist.from_dict({"default": "a", "endpoints": [{"name": "a", "url": "http://a:9090/"}]})
+    assert ok.resolve(None).url == "http://a:9090" and ok.resolve("a").verify is True
+    assert ok.resolve("b") == "spec.planner.prometheus: 'b' is not an allowed Prometheus endpoint (allowed: a)"
+    assert Allowlist.from_dict(None).resolve(None) == ("spec.planner.prometheus is unset and the operator has no "
+                                                       "default Prometheus endpoint (allowed: none configured)")
+    for bad in ({"endpoints": [{"name": "A", "url": "http://a"}]}, {"endpoints": [{"name": "a", "url": "file:///x"}]},
+                {"endpoints": [{"name": "a", "url": "http://a"}] * 2}, {"default": "b", "endpoints": []},
+                {"endpoints": [{"name": "a", "url": "http://a", "headers": {}}]}):
+        with pytest.raises(ValueError):
+            Allowlist.from_dict(bad)

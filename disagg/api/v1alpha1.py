@@ -381,13 +381,30 @@ class ProfileRef(_Model):
                       description="ConfigMap holding a measured performance profile (from `disagg profile`).")
 
 
+PROMETHEUS_URL_REMOVED = ("spec.planner.prometheusUrl is no longer accepted: name one of the operator's allowed "
+                          "Prometheus endpoints in spec.planner.prometheus instead (the chart's "
+                          "planner.prometheusEndpoints)")
+
+
 class PlannerSpec(_Model):
+    model_config = ConfigDict(json_schema_extra=_validations(
+        cel("!has(self.prometheusUrl)", PROMETHEUS_URL_REMOVED, field_path=".prometheusUrl",
+            reason="FieldValueForbidden"),
+    ))
+
     enabled: bool = Field(False, description="Let the planner own prefill/decode replicas.")
     interval_seconds: int = Field(30, ge=5, le=3600, description="Seconds between planning decisions.")
     gpu_budget: int | None = Field(None, ge=1, le=100_000,
                                    description="Most GPUs prefill and decode may use together.")
-    prometheus_url: str | None = Field(None, max_length=2048, pattern=r"^https?://.+",
-                                       description="Prometheus the planner reads; the operator's default when unset.")
+    prometheus: str | None = Field(None, min_length=1, max_length=63, pattern=DNS1035_LABEL,
+                                   description="Name of the Prometheus endpoint the planner reads: one of the "
+                                               "operator's allowlist (the chart's planner.prometheusEndpoints), "
+                                               "whose URL and TLS settings the operator's configuration holds; "
+                                               "the operator's default when unset. A name not in the list is "
+                                               "refused at admission.")
+    prometheus_url: str | None = Field(None, max_length=2048,
+                                       description="Removed (refused at admission): a URL here let any namespace "
+                                                   "user make the planner fetch it. Use prometheus.")
     predictor: Predictor = Field(Predictor.MOVING_AVERAGE, description="Load predictor for the next interval.")
     scale_down_cooldown_seconds: int = Field(300, ge=0, le=86400,
                                              description="Seconds after a scale-up before any scale-down.")
@@ -399,6 +416,12 @@ class PlannerSpec(_Model):
     season_seconds: int | None = Field(None, ge=60, le=604_800,
                                        description="Period of the traffic's cycle (for example 86400 for daily) "
                                                    "for the holt-winters predictor; unset: level and trend only.")
+
+    @model_validator(mode="after")
+    def _no_url(self) -> PlannerSpec:
+        if self.prometheus_url is not None:
+            raise ValueError(PROMETHEUS_URL_REMOVED)
+        return self
 
 
 class OffloadSpec(_Model):

@@ -103,14 +103,18 @@ class Endpoint:
 
 class LocalCluster:
     def __init__(self, name: str = "default", state_dir: Path | None = None, audit_writes: bool = False,
-                 real_node: bool = False, audit_reads_of: str | None = None):
+                 real_node: bool = False, audit_reads_of: str | None = None,
+                 audit_groups: tuple[str, ...] = ()):
         """`audit_writes`: log every write request (create/update/patch/delete) to <state>/audit.log,
         so benchmarks can count what a client writes; `audit_reads_of`: also log the get/list/watch
-        requests of this user (their URIs show selectors and page sizes). `real_node`: also run one real
+        requests of this user (their URIs show selectors and page sizes); `audit_groups`: every request of a
+        member of these groups (e.g. system:serviceaccounts:<namespace>), with its verb, resource and
+        response code, so a test can compare what an account did with what its role grants. `real_node`: also run one real
         node (node.py: containerd, kubelet, kube-proxy) that runs pods for real; one per machine at a time."""
         self.name = name
         self.audit_writes = audit_writes
         self.audit_reads_of = audit_reads_of
+        self.audit_groups = tuple(audit_groups)
         self.real_node = real_node
         self.dir = Path(state_dir) if state_dir else cache_root() / "clusters" / name
         self.pki = PKI(self.dir / "pki")
@@ -335,15 +339,17 @@ class LocalCluster:
         return self.dir / "audit.log"
 
     def _audit_flags(self) -> list[str]:
-        if not self.audit_writes and not self.audit_reads_of:
+        if not self.audit_writes and not self.audit_reads_of and not self.audit_groups:
             return []
         policy = self.dir / "audit-policy.yaml"
         reads = (f"  - level: Metadata\n    users: [{json.dumps(self.audit_reads_of)}]\n    verbs: [get, list, watch]\n"
                  if self.audit_reads_of else "")
         writes = "  - level: Metadata\n    verbs: [create, update, patch, delete, deletecollection]\n" \
             if self.audit_writes else ""
+        groups = (f"  - level: Metadata\n    userGroups: {json.dumps(list(self.audit_groups))}\n"
+                  if self.audit_groups else "")
         policy.write_text("apiVersion: audit.k8s.io/v1\nkind: Policy\nomitStages: [RequestReceived]\nrules:\n"
-                          + reads + writes + "  - level: None\n")
+                          + groups + reads + writes + "  - level: None\n")
         return [f"--audit-policy-file={policy}", f"--audit-log-path={self.audit_log}", "--audit-log-format=json",
                 "--audit-log-maxsize=0"]
 

@@ -64,3 +64,46 @@ app.kubernetes.io/component: operator
 {{- define "disagg.le" -}}
 le=~"{{ . }}|{{ . }}.0"
 {{- end }}
+
+{{/* The planner: its own Deployment and ServiceAccount, with only the planner's role. */}}
+{{- define "disagg.plannerName" -}}
+{{- printf "%s-planner" (include "disagg.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "disagg.plannerSelectorLabels" -}}
+app.kubernetes.io/name: {{ include "disagg.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: planner
+{{- end }}
+
+{{- define "disagg.plannerServiceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "disagg.plannerName" .) .Values.serviceAccount.plannerName }}
+{{- else }}
+{{- required "serviceAccount.plannerName is required when serviceAccount.create is false" .Values.serviceAccount.plannerName }}
+{{- end }}
+{{- end }}
+
+{{/* The planner's allowlist file (planner/endpoints.py reads it): planner.prometheusEndpoints with each
+caSecret as the file the pod mounts it at. */}}
+{{- define "disagg.prometheusEndpointsFile" -}}
+{{- $names := list }}
+{{- range .Values.planner.prometheusEndpoints }}{{ $names = append $names .name }}{{ end }}
+{{- if and .Values.planner.defaultPrometheus (not (has .Values.planner.defaultPrometheus $names)) }}
+{{- fail (printf "planner.defaultPrometheus %q is not a name in planner.prometheusEndpoints" .Values.planner.defaultPrometheus) }}
+{{- end }}
+{{- if ne (len $names) (len (uniq $names)) }}
+{{- fail "planner.prometheusEndpoints: names must be unique" }}
+{{- end }}
+default: {{ .Values.planner.defaultPrometheus | quote }}
+endpoints:
+{{- range .Values.planner.prometheusEndpoints }}
+  - name: {{ .name | quote }}
+    url: {{ .url | quote }}
+    {{- if .caSecret }}
+    caFile: /etc/disagg/prometheus-ca/{{ .name }}/ca.crt
+    {{- end }}
+    insecureSkipVerify: {{ .insecureSkipVerify | default false }}
+{{- else }} []
+{{- end }}
+{{- end }}

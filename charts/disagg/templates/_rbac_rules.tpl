@@ -1,0 +1,85 @@
+{{/* The rules of operator/rbac.yaml, one template per role (tests/test_chart.py keeps them equal). */}}
+
+{{/* disagg-operator-cluster: what cannot be namespaced. */}}
+{{- define "disagg.operatorClusterRules" -}}
+# Free GPUs per node for the capacity messages of a waiting gang: every node, and every pod bound to one
+# in any namespace (other tenants' pods take GPUs too). Lists only, in pages, with field selectors.
+- apiGroups: [""]
+  resources: [nodes, pods]
+  verbs: [list]
+{{- end }}
+
+{{/* disagg-operator: what the operator does in the namespaces it serves. */}}
+{{- define "disagg.operatorRules" -}}
+# The API it owns (patch: kopf's finalizer and its handler progress annotations).
+- apiGroups: [serving.disagg.dev]
+  resources: [disaggdeployments]
+  verbs: [get, list, watch, patch]
+- apiGroups: [serving.disagg.dev]
+  resources: [disaggdeployments/status]
+  verbs: [patch]
+# Children it creates and owns, by server-side apply: a patch, which also needs create while the
+# object does not exist yet.
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [get, list, watch, create, patch]
+- apiGroups: [""]
+  resources: [services, serviceaccounts]
+  verbs: [get, create, patch]
+- apiGroups: [rbac.authorization.k8s.io]
+  resources: [roles, rolebindings]
+  verbs: [get, create, patch]
+# The workers' NetworkPolicy: watched to revert hand edits at once, deleted when the chart's
+# networkPolicy.enabled is turned off.
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [get, list, watch, create, patch, delete]
+# What the router Role grants must be held by whoever creates it.
+- apiGroups: [discovery.k8s.io]
+  resources: [endpointslices]
+  verbs: [get, list, watch]
+# Gang objects: the Workload/PodGroup API (default backend).
+- apiGroups: [scheduling.k8s.io]
+  resources: [workloads, podgroups, compositepodgroups]
+  verbs: [get, list, create, patch, delete]
+{{- if .Values.gangBackends.coscheduling }}
+# Gang backend: scheduler-plugins' coscheduling (gangBackends.coscheduling).
+- apiGroups: [scheduling.x-k8s.io]
+  resources: [podgroups]
+  verbs: [get, list, create, patch, delete]
+{{- end }}
+{{- if .Values.gangBackends.volcano }}
+# Gang backend: Volcano (gangBackends.volcano).
+- apiGroups: [scheduling.volcano.sh]
+  resources: [podgroups]
+  verbs: [get, list, create, patch, delete]
+{{- end }}
+# Its children's pods: placement and faults in status (watch), which gang they belong to (list).
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [list, watch]
+# Events for every decision.
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create]
+{{- end }}
+
+{{/* disagg-planner: the planner's own ServiceAccount. */}}
+{{- define "disagg.plannerRules" -}}
+# The deployments to size (list), their replica counts (server-side apply under its own field manager).
+- apiGroups: [serving.disagg.dev]
+  resources: [disaggdeployments]
+  verbs: [list, patch]
+# status.planner, status.latency, PlannerActive and SLOMet.
+- apiGroups: [serving.disagg.dev]
+  resources: [disaggdeployments/status]
+  verbs: [patch]
+# spec.planner.profileRef: a measured performance profile.
+- apiGroups: [""]
+  resources: [configmaps]
+  verbs: [get]
+# An event when the size changes or the planner holds.
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create]
+{{- end }}
