@@ -1,0 +1,217 @@
+"""Least privilege, measured: every verb each ServiceAccount's roles grant is used, and nothing is denied.
+
+The chart's RBAC (helm template, both gang backends on) is applied to the real API server for a release in
+the audited namespace (conftest.AUDITED_NAMESPACE: the API server logs every request of its ServiceAccounts),
+once watching all namespaces (ClusterRoles) and once with operator.watchNamespaces (Roles in that namespace).
+The operator runs in this process under a token of the chart's operator ServiceAccount and the planner loop
+under the planner's, through a scenario that makes each do everything it does: create, drift-revert and
+re-gang a deployment, the other gang backends, a gang that does not fit (the capacity lists), the
+NetworkPolicy switched off, a planner decision with a profile ConfigMap. Then, per account, the grants
+(API group, resource, verb) are compared with the audit log:
+
+- a grant never used fails the test (remove it, or exercise it);
+- a request answered 403 fails the test (the role lacks what the code does).
+
+Two kinds of use are not requests of their own: a server-side apply that creates an object is a patch the
+API server also authorizes as create (logged as a patch answered 201), and a Role the operator creates
+for a router is admitted only if the operator holds every rule in it (RBAC's escalation check), so the
+router Role's rules are used by each Role the operator created.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from kubernetes import client, config
+
+from disagg.api.v1alpha1 import DisaggDeployment
+from disagg.e2e.localcluster import binaries, nodepools
+from disagg.e2e.operator_fixture import AUDITED_NAMESPACE, running_operator, token_kubeconfig
+from disagg.e2e.testing import DD, dd_manifest, wait_for
+from disagg.operator import render
+from disagg.planner import perfmodel
+from disagg.planner.apply import Executor
+from disagg.planner.endpoints import Allowlist, Endpoint
+from disagg.planner.loop import PlannerLoop
+from disagg.planner.metrics_source import PrometheusSource
+from disagg.planner.profile import configmap
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
+
+REPO = Path(__file__).resolve().parent.parent
+CHART = REPO / "charts" / "disagg"
+RBAC_KINDS = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
+GANG_GROUPS = {"coscheduling": ("scheduling.x-k8s.io", "v1alpha1"), "volcano": ("scheduling.volcano.sh", "v1beta1")}
+Grant = tuple[str, str, str]   # (API group, resource[/subresource], verb)
+
+
+def chart_rbac(release: str, *values: str) -> list[dict]:
+    out = subprocess.run(
+        [str(binaries() / "helm"), "template", release, str(CHART), "--namespace", AUDITED_NAMESPACE,
+         "--set", "gangBackends.coscheduling=true", "--set", "gangBackends.volcano=true", *values],
+        capture_output=True, text=True, check=True).stdout
+    return [d for d in yaml.safe_load_all(out) if d and d["kind"] in RBAC_KINDS]
+
+
+def expand(rules: list[dict]) -> set[Grant]:
+    return {(g, r, v) for rule in rules for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
+
+
+def granted(objs: list[dict], account: str) -> dict[Grant, str]:
+    """Every (group, resource, verb) bound to `account`, with the role that grants it."""
+    roles = {(o["kind"], o["metadata"].get("namespace", ""), o["metadata"]["name"]): o["rules"]
+             for o in objs if o["kind"] in ("ClusterRole", "Role")}
+    out: dict[Grant, str] = {}
+    for b in (o for o in objs if o["kind"] in ("ClusterRoleBinding", "RoleBinding")):
+        if not any(s["name"] == account and s.get("namespace") == AUDITED_NAMESPACE for s in b["subjects"]):
+            continue
+        ref = b["roleRef"]
+        key = (ref["kind"], b["metadata"].get("namespace", "") if ref["kind"] == "Role" else "", ref["name"])
+        for grant in expand(roles[key]):
+            out[grant] = f"{ref['kind']} {ref['name']}"
+    return out
+
+
+def audit_events(path: Path, offset: int, user: str) -> list[dict]:
+    with path.open() as f:
+        f.seek(offset)
+        events = [json.loads(line) for line in f if line.strip()]
+    # every stage: a watch's ResponseStarted is there as soon as it is open
+    return [e for e in events if e.get("user", {}).get("username") == user and e.get("objectRef")]
+
+
+def used(events: list[dict]) -> tuple[set[Grant], list[str]]:
+    """(grants used, requests denied) from the audit events of one account."""
+    uses: set[Grant] = set()
+    denied = []
+    for e in events:
+        ref, code = e["objectRef"], (e.get("responseStatus") or {}).get("code", 0)
+        resource = ref["resource"] + (f"/{ref['subresource']}" if ref.get("subresource") else "")
+        grant = (ref.get("apiGroup", ""), resource, e["verb"])
+        if code == 403:
+            denied.append(f"{e['verb']} {resource} ({ref.get('apiGroup', '') or 'core'}) in "
+                          f"{ref.get('namespace', '<cluster>')}")
+            continue
+        uses.add(grant)
+        if e["verb"] == "patch" and code == 201:   # a server-side apply that created the object
+            uses.add(grant[:2] + ("create",))
+    return uses, denied
+
+
+def router_role_rules() -> set[Grant]:
+    """The rules of the Role the operator writes for each router (rendered, not copied)."""
+    dd = DisaggDeployment.model_validate({**dd_manifest("x"), "metadata": {"name": "x", "namespace": "n"}})
+    manifests, _ = render.children(dd, "uid")
+    (role,) = [m for m in manifests if m["kind"] == "Role"]
+    return expand(role["rules"])
+
+
+def token_client(cluster, api_client, account: str, path: Path) -> tuple[Path, client.ApiClient]:
+    kubeconfig = token_kubeconfig(cluster.kubeconfig, api_client, AUDITED_NAMESPACE, account, path)
+    return kubeconfig, config.new_client_from_config(str(kubeconfig))
+
+
+def gang_groups(api_client, namespace: str, backend: str) -> list[str]:
+    group, version = GANG_GROUPS[backend]
+    return sorted(g["metadata"]["name"] for g in client.CustomObjectsApi(api_client).list_namespaced_custom_object(
+        group, version, namespace, "podgroups")["items"])
+
+
+def operator_scenario(api_client, namespace: str) -> None:
+    """Everything the operator does, under its role, in `namespace`."""
+    apps, custom = client.AppsV1Api(api_client), client.CustomObjectsApi(api_client)
+    # a deployment: every child created (server-side apply), status, events
+    dd = DD(api_client, namespace, dd_manifest("main", scheduling={
+        "gang": {"minPrefill": 1, "minDecode": 1}, "topology": {"key": nodepools.CLIQUE_LABEL, "mode": "required"}}))
+    dd.wait_phase("Ready", timeout=120)
+    # a hand edit of a child: read and restored
+    apps.patch_namespaced_deployment_scale("main-decode", namespace, {"spec": {"replicas": 3}})
+    wait_for(lambda: apps.read_namespaced_deployment("main-decode", namespace).spec.replicas == 1, 60,
+             "the hand edit reverted")
+    # the other gang backends: their PodGroups created; switched back to the Workload API, the pods of the
+    # old gang (unbound: no such scheduler runs here) are replaced and its PodGroups deleted
+    for backend in GANG_GROUPS:
+        other = DD(api_client, namespace, dd_manifest(f"gang-{backend}", scheduling={
+            "gang": {"backend": backend, "minPrefill": 1, "minDecode": 1}}))
+        wait_for(lambda: gang_groups(api_client, namespace, backend), 60, f"{backend} PodGroups")
+        other.patch_spec({"scheduling": {"gang": {"backend": "workload-api"}}})
+        wait_for(lambda: not gang_groups(api_client, namespace, backend), 120, f"{backend} PodGroups deleted")
+    # a gang that cannot be placed: the capacity view lists nodes and bound pods cluster-wide
+    DD(api_client, namespace, dd_manifest("too-big", decode={"replicas": 1, "tensorParallelSize": 16,
+                                                             "resources": {"limits": {"nvidia.com/gpu": 16}}})
+       ).wait_condition("GangScheduled", "False", "InsufficientCapacity", timeout=90)
+    # the NetworkPolicy option turned off: the operator deletes the one it made (at the next reconcile),
+    # and a new topology key re-gangs `main`: the old gang's Workload API objects are deleted
+    os.environ[render.NETWORK_POLICY_ENV] = "false"
+    try:
+        old = sorted(g["metadata"]["name"] for g in custom.list_namespaced_custom_object(
+            "scheduling.k8s.io", "v1beta1", namespace, "podgroups")["items"] if g["metadata"]["name"].startswith("main"))
+        dd.patch_spec({"scheduling": {"topology": {"key": nodepools.RACK_LABEL, "mode": "required"}}})
+        wait_for(lambda: not client.NetworkingV1Api(api_client).list_namespaced_network_policy(
+            namespace, label_selector="serving.disagg.dev/deployment=main").items, 60, "the NetworkPolicy deleted")
+        wait_for(lambda: not {g["metadata"]["name"] for g in custom.list_namespaced_custom_object(
+            "scheduling.k8s.io", "v1beta1", namespace, "podgroups")["items"]} & set(old), 180,
+            "the old gang's PodGroups deleted")
+    finally:
+        del os.environ[render.NETWORK_POLICY_ENV]
+
+
+def planner_scenario(planner_api, api_client, namespace: str, namespaces: list[str]) -> None:
+    """One planner pass over a deployment with a profile ConfigMap, its Prometheus unreachable: it reads the
+    profile, takes the replicas (server-side apply), writes status and posts an event."""
+    profile = perfmodel.Profile(model="tiny", gpu="H100-SXM", tensor_parallel_size=1,
+                                prefill=tuple({"tokens": t, "batch": 1, "seconds": t / 1e4} for t in (64, 128, 256)),
+                                decode=tuple({"concurrency": c, "context": 128, "seconds": 0.01 * c} for c in (1, 2, 4)))
+    client.CoreV1Api(api_client).create_namespaced_config_map(namespace, configmap(profile, "profile"))
+    DD(api_client, namespace, dd_manifest("planned", slo={"ttftMs": 1000, "itlMs": 50}, planner={
+        "enabled": True, "prometheus": "main", "profileRef": {"name": "profile"}}))
+    loop = PlannerLoop(planner_api, Executor(planner_api), lambda endpoint: PrometheusSource.for_endpoint(endpoint, 1),
+                       Allowlist({"main": Endpoint("main", "http://127.0.0.1:9")}), namespace=namespaces)
+    done = [d for ns, name, d in loop.step() if (ns, name) == (namespace, "planned")]
+    assert done and done[0].reason == "PrometheusUnreachable", done
+
+
+@pytest.mark.parametrize("mode", ["all-namespaces", "watch-namespaces"])
+def test_every_grant_is_used_and_nothing_is_denied(mode, cluster, api_client, crd_installed, other_gang_crds,
+                                                    namespace, tmp_path):
+    release = f"rbac-{mode.split('-')[0]}"
+    watched = [namespace] if mode == "watch-namespaces" else []
+    values = ["--set", f"operator.watchNamespaces={{{namespace}}}"] if watched else []
+    objs = chart_rbac(release, *values)
+    core = client.CoreV1Api(api_client)
+    if not any(n.metadata.name == AUDITED_NAMESPACE for n in core.list_namespace().items):
+        core.create_namespace({"metadata": {"name": AUDITED_NAMESPACE}})
+    text = "---\n".join(yaml.safe_dump(o) for o in objs)
+    cluster.kubectl("apply", "--server-side", "-f", "-", input=text)
+    accounts = {o["metadata"]["labels"]["app.kubernetes.io/component"]: o["metadata"]["name"]
+                for o in objs if o["kind"] == "ServiceAccount"}
+    try:
+        operator_config, _ = token_client(cluster, api_client, accounts["operator"], tmp_path / "operator")
+        _, planner_api = token_client(cluster, api_client, accounts["planner"], tmp_path / "planner")
+        offset = cluster.audit_log.stat().st_size if cluster.audit_log.exists() else 0
+        with running_operator(operator_config, namespaces=tuple(watched)):
+            operator_scenario(api_client, namespace)
+        planner_scenario(planner_api, api_client, namespace, watched)
+        planner_api.close()
+
+        problems = []
+        for who, account in accounts.items():
+            user = f"system:serviceaccount:{AUDITED_NAMESPACE}:{account}"
+            uses, denied = used(audit_events(cluster.audit_log, offset, user))
+            grants = granted(objs, account)
+            if who == "operator" and ("rbac.authorization.k8s.io", "roles", "create") in uses:
+                uses |= router_role_rules()
+            unused = sorted(g for g in grants if g not in uses)
+            problems += [f"{who}: {verb} {resource} ({group or 'core'}) granted by {grants[(group, resource, verb)]}"
+                         f" but never used" for group, resource, verb in unused]
+            problems += [f"{who}: denied {d}" for d in sorted(set(denied))]
+            # and what it used is granted (a use outside the grants would be someone else's permission)
+            problems += [f"{who}: used {g} that its roles do not grant" for g in sorted(uses - set(grants))]
+        assert not problems, "\n".join(problems)
+    finally:
+        cluster.kubectl("delete", "-f", "-", "--ignore-not-found", "--wait=false", input=text, check=False)
