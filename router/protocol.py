@@ -45,16 +45,23 @@ def load_json(raw: bytes) -> Any:
 
 
 def _depth_exceeds(doc: Any, limit: int) -> bool:
-    stack = [(doc, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if isinstance(node, dict):
-            node = node.values()
-        elif not isinstance(node, list):
-            continue
+    """Whether containers nest deeper than ``limit``, level by level; a level's scalars are typed in C
+    (set(map(type, ...))), so a prompt of 100,000 token ids costs a set, not a Python loop."""
+    level, depth = [doc], 0
+    while level:
+        level = [node for node in level if type(node) in (dict, list)]
+        if not level:
+            return False
+        depth += 1
         if depth > limit:
             return True
-        stack.extend((child, depth + 1) for child in node if isinstance(child, (dict, list)))
+        nxt = []
+        for node in level:
+            children = node.values() if type(node) is dict else node
+            kinds = set(map(type, children))
+            if dict in kinds or list in kinds:
+                nxt.extend(children)
+        level = nxt
     return False
 
 
