@@ -186,6 +186,12 @@ def _nested(depth: int) -> bytes:
         b', "extra": ' + b"[" * depth + b"]" * depth + b"}"
 
 
+def _sized(size: int) -> bytes:
+    """A valid request of exactly ``size`` bytes (a long stop string, then JSON whitespace)."""
+    body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 2, "stop": "x" * (size - 200)}).encode()
+    return body + b" " * (size - len(body))
+
+
 @pytest.mark.parametrize("body,status", [
     (b"[" * 30000 + b"]" * 30000, 400),                    # deep nesting within the size limit
     (_nested(200), 400), (_nested(990), 400), (_nested(5000), 400),
@@ -197,12 +203,12 @@ def _nested(depth: int) -> bytes:
     (b'{"model": "tiny", "prompt": "\\ud800 lone surrogate", "max_tokens": 2}', 400),
     (b'{"model": "tiny", "prompt": "\xff\xfe not utf-8", "max_tokens": 2}', 400),
     (b'{"model": "tiny", "prompt": "hi", "max_tokens": 2, "seed": 1' + b"0" * 30 + b"}", 400),
-    (json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 2, "stop": "x" * (LIMIT - 100)}).encode(), 200),
+    (_sized(LIMIT), 200), (_sized(LIMIT + 1), 413),
     (json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 2, "stop": "x" * LIMIT}).encode(), 413),
     (b" " * (LIMIT * 4), 413),
 ], ids=["deep-array", "nested-200", "nested-990", "nested-5000", "nan", "infinity", "float-overflow",
-        "int-5000-digits", "token-id-huge", "lone-surrogate", "invalid-utf8", "seed-huge", "at-the-limit",
-        "over-the-limit", "far-over-the-limit"])
+        "int-5000-digits", "token-id-huge", "lone-surrogate", "invalid-utf8", "seed-huge", "exactly-the-limit",
+        "one-byte-over", "over-the-limit", "far-over-the-limit"])
 def test_pathological_bodies(served, rss_start, body, status):
     got, text = post(served.url, "/v1/completions", body)
     check(got, text, body[:200])
