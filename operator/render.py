@@ -167,9 +167,10 @@ def _pod_security() -> dict[str, Any]:
             "seccompProfile": {"type": "RuntimeDefault"}}
 
 
-def _container_security() -> dict[str, Any]:
+def _container_security(add: tuple[str, ...] = ()) -> dict[str, Any]:
+    caps: dict[str, Any] = {"drop": ["ALL"], **({"add": list(add)} if add else {})}
     return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
-            "capabilities": {"drop": ["ALL"]}}
+            "capabilities": caps}
 
 
 SCRATCH_VOLUME = "tmp"
@@ -245,7 +246,8 @@ def worker_deployment(dd: DisaggDeployment, uid: str, role: str, gang: gangs.Gan
                   {"name": "kv-events", "containerPort": KV_EVENTS_PORT}],
         "resources": _resources(role_spec),
         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}, scratch_mount, *model_mounts],
-        "securityContext": _container_security(),
+        # spec.kvTransfer.ipcLock: RDMA memory registration beyond the runtime's locked-memory limit
+        "securityContext": _container_security(("IPC_LOCK",) if dd.spec.kv_transfer.ipc_lock else ()),
         # timeouts above the kubelet's 1 s default: a busy engine's /health can take seconds, and a
         # liveness probe that times out under load restarts the pod and drops every request on it
         "startupProbe": {**http, "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 180},

@@ -263,3 +263,15 @@ def test_network_policy_follows_the_operators_options(monkeypatch):
         render.network_policy(_dd(), "uid")
     monkeypatch.setenv(render.NETWORK_POLICY_ENV, "false")
     assert "NetworkPolicy" not in kinds()
+
+
+def test_ipc_lock_is_the_one_capability_rdma_workers_may_get():
+    """spec.kvTransfer.ipcLock adds IPC_LOCK to prefill and decode containers only, all else still dropped."""
+    on = {m["metadata"]["name"]: m for m in render.children(_dd(kvTransfer={"ipcLock": True}), "uid")[0]
+          if m["kind"] == "Deployment"}
+    off = {m["metadata"]["name"]: m for m in render.children(_dd(), "uid")[0] if m["kind"] == "Deployment"}
+    for name in on:
+        caps = on[name]["spec"]["template"]["spec"]["containers"][0]["securityContext"]["capabilities"]
+        assert caps == ({"drop": ["ALL"], "add": ["IPC_LOCK"]} if name != "demo-router" else {"drop": ["ALL"]})
+        assert off[name]["spec"]["template"]["spec"]["containers"][0]["securityContext"]["capabilities"] == \
+            {"drop": ["ALL"]}

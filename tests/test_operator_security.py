@@ -75,6 +75,23 @@ def test_pod_security_admission_admits_every_pod_the_operator_renders(api_client
         assert p.spec.containers[0].security_context.read_only_root_filesystem is True, p.metadata.name
 
 
+def test_ipc_lock_for_rdma_needs_a_privileged_namespace(api_client, namespace, operator):
+    """spec.kvTransfer.ipcLock adds a capability the baseline level does not allow: its workers are refused
+    there (what the field's description says), its router still admitted."""
+    apps = client.AppsV1Api(api_client)
+    _enforce(api_client, namespace, "baseline")
+    DD(api_client, namespace, dd_manifest("rdma", kvTransfer={"ipcLock": True}))
+
+    def refused_roles() -> set[str]:
+        return {rs.metadata.labels.get(LABEL_ROLE) for rs in apps.list_namespaced_replica_set(namespace).items
+                for c in rs.status.conditions or []
+                if c.type == "ReplicaFailure" and "violates PodSecurity" in c.message and "IPC_LOCK" in c.message}
+    wait_for(lambda: refused_roles() >= {"prefill", "decode"}, 90, "worker pods refused for IPC_LOCK at baseline")
+    assert "router" not in refused_roles()
+    wait_for(lambda: client.CoreV1Api(api_client).list_namespaced_pod(
+        namespace, label_selector=f"{LABEL_DEPLOYMENT}=rdma,{LABEL_ROLE}=router").items, 60, "the router pod admitted")
+
+
 def _policy(api_client, namespace: str, name: str):
     try:
         return client.NetworkingV1Api(api_client).read_namespaced_network_policy(name, namespace)

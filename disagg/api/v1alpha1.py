@@ -171,6 +171,12 @@ class KVTransferSpec(_Model):
         description="NIXL backends, in order of preference.")
     buffer_device: str = Field("cuda", json_schema_extra={"enum": ["cuda", "cpu"]},
                                description="Where KV blocks are staged for transfer: GPU memory or host memory.")
+    ipc_lock: bool = Field(False, description="Give worker containers the IPC_LOCK capability (all others stay "
+                                              "dropped): NIXL over RDMA (UCX on InfiniBand or RoCE) pins memory, "
+                                              "and on nodes whose container runtime keeps the default locked-memory "
+                                              "limit registration fails without it. Pod Security Admission's "
+                                              "baseline and restricted levels refuse it: the namespace must "
+                                              "enforce privileged.")
 
 
 class ResourceRequirements(_Model):
