@@ -41,7 +41,7 @@ def placement() -> dict[str, Any]:
 
 def chart_values(control_plane_image: str) -> list[str]:
     """`helm install` values: the operator pod from the locally built image, never pulled, on the real
-    node; the planner sidecar off (no Prometheus URL in this cluster's chart values)."""
+    node; the planner off (no Prometheus endpoint in this cluster's chart values)."""
     repository, _, tag = control_plane_image.rpartition(":")
     p = placement()
     label_key, label_value = next(iter(p["nodeSelector"].items()))

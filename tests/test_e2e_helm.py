@@ -126,7 +126,8 @@ def operator(provider, kube, release, tmp_path_factory):
     if provider.operator_in_process:
         from disagg.e2e.operator_fixture import running_operator, token_kubeconfig
 
-        (account,) = suite.release_objects(kube, RELEASE, RELEASE_NS)["ServiceAccount"]
+        # the operator's (the planner's is <account>-planner)
+        account, _ = suite.release_objects(kube, RELEASE, RELEASE_NS)["ServiceAccount"]
         kubeconfig = token_kubeconfig(provider.kubeconfig, kube, RELEASE_NS, account,
                                       tmp_path_factory.mktemp("e2e-operator") / "kubeconfig")
         kopf_log = logging.getLogger("kopf")
@@ -136,8 +137,8 @@ def operator(provider, kube, release, tmp_path_factory):
         op.prometheus = operator_prometheus(provider, tmp_path_factory.mktemp("e2e-prometheus"))
         op.stack.callback(op.prometheus.stop)
     else:
-        (name,) = suite.release_objects(kube, RELEASE, RELEASE_NS)["Deployment"]
-        suite.wait_deployment_available(kube, RELEASE_NS, name)
+        for name in suite.release_objects(kube, RELEASE, RELEASE_NS)["Deployment"]:   # operator, planner
+            suite.wait_deployment_available(kube, RELEASE_NS, name)
     yield op
     op.stop()
 
@@ -230,7 +231,7 @@ def test_operator_pod_reaches_available_with_secure_defaults(provider, kube, rel
         objs = suite.release_objects(kube, release_name, namespace)
         assert objs == manifest_objects(provider, release_name, namespace)
         name, planner = objs["Deployment"]
-        assert planner == name.replace("-operator", "-planner")
+        assert planner == name.removesuffix("-operator") + "-planner"
         assert objs["ServiceMonitor"] == [name] and objs["Service"] == [f"{name}-metrics", f"{planner}-metrics"]
         # the planner: its own pod, ServiceAccount and security defaults
         planner_spec = suite.wait_deployment_available(kube, namespace, planner).spec.template.spec
@@ -270,7 +271,7 @@ def handler_failures(provider, kube, operator) -> list[str]:
     container (kind). A reconcile that fails on a 403 under the chart's role shows up here."""
     if provider.operator_in_process:
         return list(operator.failures)
-    (name,) = suite.release_objects(kube, RELEASE, RELEASE_NS)["Deployment"]
+    name, _ = suite.release_objects(kube, RELEASE, RELEASE_NS)["Deployment"]   # the operator's; the planner's
     logs = provider.kubectl("logs", f"deployment/{name}", "-c", "operator", "-n", RELEASE_NS).stdout
     return [line for line in logs.splitlines() if HANDLER_FAILED.search(line)]
 
