@@ -67,7 +67,11 @@ def norm(rules: list[dict]) -> list[dict]:
 
 
 def test_helm_lint_is_clean(helm):
-    for args in ([], ["--set", "operator.enabled=false"], ["--set", "gangBackends.volcano=true"]):
+    for args in ([], ["--set", "operator.enabled=false"], ["--set", "gangBackends.volcano=true"],
+                 ["--set", "planner.enabled=false"],
+                 ["--set", "operator.watchNamespaces={a,b}", "--set", "planner.defaultPrometheus=main", "--set-json",
+                  'planner.prometheusEndpoints=[{"name": "main", "url": "https://p:9090", '
+                  '"caSecret": {"name": "ca", "key": "ca.crt"}}]']):
         out = subprocess.run([str(helm), "lint", "--strict", str(CHART), *args], capture_output=True, text=True)
         assert out.returncode == 0, out.stdout + out.stderr
         assert not re.search(r"\[(INFO|WARNING|ERROR)\]", out.stdout), out.stdout
