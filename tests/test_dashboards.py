@@ -182,7 +182,7 @@ def _chat(url: str, text: str) -> None:
 
 class PlannerFeed:
     """The planner's decision path without a cluster: observe through Prometheus, decide, record the
-    decision in the planner's metrics (served over HTTP like the sidecar's), every ``interval`` seconds."""
+    decision in the planner's metrics (served over HTTP like the planner pod's), every ``interval`` seconds."""
 
     def __init__(self, interval: float = 3.0):
         from prometheus_client import start_http_server
