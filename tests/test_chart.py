@@ -573,3 +573,19 @@ def test_admission_refuses_a_prometheus_name_not_in_the_allowlist(helm, cluster,
         assert "spec.planner.prometheus instead" in out.stderr, out.stderr
     finally:
         cluster.kubectl("delete", "-f", "-", "--ignore-not-found", input=text, check=False)
+
+
+def test_own_service_accounts_need_both_names_and_the_planners_only_with_the_planner(helm):
+    objs = render(helm, "--set", "serviceAccount.create=false", "--set", "serviceAccount.name=op",
+                  "--set", "serviceAccount.plannerName=pl")
+    assert "ServiceAccount" not in kinds(objs)
+    subjects = {b["roleRef"]["name"]: b["subjects"][0]["name"] for b in objs if b["kind"] == "ClusterRoleBinding"}
+    assert subjects == {"disagg-operator-cluster": "op", "disagg-operator": "op", "disagg-planner": "pl"}
+    assert one(objs, "Deployment", "planner")["spec"]["template"]["spec"]["serviceAccountName"] == "pl"
+    out = subprocess.run([str(helm), "template", "x", str(CHART), "--set", "serviceAccount.create=false",
+                          "--set", "serviceAccount.name=op"], capture_output=True, text=True)
+    assert out.returncode != 0 and "serviceAccount.plannerName is required" in out.stderr
+    off = render(helm, "--set", "serviceAccount.create=false", "--set", "serviceAccount.name=op",
+                 "--set", "planner.enabled=false")
+    assert not [o for o in off if o["kind"] in ("Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding")
+                and o["metadata"]["name"].endswith("-planner")]
