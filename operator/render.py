@@ -124,6 +124,7 @@ def worker_args(dd: DisaggDeployment, role: str) -> list[str]:
         "--nixl-backends", ",".join(spec.kv_transfer.backends),
         "--nixl-side-channel-port", str(NIXL_PORT),
         "--kv-events-port", str(KV_EVENTS_PORT),
+        "--kv-replay-port", str(contract.KV_REPLAY_PORT),
         "--kv-offload-cpu-gib", str(spec.kv_cache.offload.cpu_gib),
         "--kv-offload-disk-gib", str(spec.kv_cache.offload.disk_gib),
         "--block-size", str(contract.block_size(spec.engine.args)),
@@ -243,7 +244,8 @@ def worker_deployment(dd: DisaggDeployment, uid: str, role: str, gang: gangs.Gan
         "env": env,
         "ports": [{"name": "http", "containerPort": HTTP_PORT},
                   {"name": "nixl", "containerPort": NIXL_PORT},
-                  {"name": "kv-events", "containerPort": KV_EVENTS_PORT}],
+                  {"name": "kv-events", "containerPort": KV_EVENTS_PORT},
+                  {"name": "kv-replay", "containerPort": contract.KV_REPLAY_PORT}],
         "resources": _resources(role_spec),
         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}, scratch_mount, *model_mounts],
         # spec.kvTransfer.ipcLock: RDMA memory registration beyond the runtime's locked-memory limit
@@ -407,7 +409,9 @@ def services(dd: DisaggDeployment, uid: str) -> list[dict[str, Any]]:
             "spec": {"clusterIP": "None", "selector": selector(dd.metadata.name, role),
                      "ports": [{"name": "http", "port": HTTP_PORT, "targetPort": "http"},
                                {"name": "nixl", "port": NIXL_PORT, "targetPort": "nixl"},
-                               {"name": "kv-events", "port": KV_EVENTS_PORT, "targetPort": "kv-events"}]},
+                               {"name": "kv-events", "port": KV_EVENTS_PORT, "targetPort": "kv-events"},
+                               {"name": "kv-replay", "port": contract.KV_REPLAY_PORT,
+                                "targetPort": "kv-replay"}]},
         })
     return out
 
@@ -425,15 +429,15 @@ def network_policy(dd: DisaggDeployment, uid: str) -> dict[str, Any]:
     """Ingress to the deployment's prefill and decode pods, which serve vLLM's API, the NIXL side channel
     and the KV events without authentication: from its own workers on every port (NIXL's side channel,
     and the ports UCX's TCP transport picks for the KV itself, which are not fixed), from its own routers
-    to vLLM's HTTP port and the KV events, from Prometheus (prometheus_peers) to vLLM's HTTP port, which
-    serves /metrics. Nothing else, including other deployments in the namespace. Router pods are not
+    to vLLM's HTTP port, the KV events and their replay socket, from Prometheus (prometheus_peers) to
+    vLLM's HTTP port, which serves /metrics. Nothing else, including other deployments in the namespace. Router pods are not
     selected: their port stays as open as it is without this policy. Egress is not restricted (model
     downloads). Only enforced by a CNI that implements NetworkPolicy."""
     name = dd.metadata.name
     ingress: list[dict[str, Any]] = [
         {"from": [{"podSelector": _workers_of(name)}]},
         {"from": [{"podSelector": {"matchLabels": selector(name, ROLE_ROUTER)}}],
-         "ports": _tcp(HTTP_PORT, KV_EVENTS_PORT)},
+         "ports": _tcp(HTTP_PORT, KV_EVENTS_PORT, contract.KV_REPLAY_PORT)},
     ]
     peers = prometheus_peers()
     if peers:  # an empty `from` would admit every source: no peers, no rule

@@ -12,6 +12,9 @@ class WorkerEndpoint(BaseModel):
     model_config = ConfigDict(extra="forbid")
     url: str = Field(pattern=r"^https?://", description="vLLM's base URL, e.g. http://10.0.0.5:8000")
     kv_events: str | None = Field(None, description="ZMQ endpoint of its KV events, e.g. tcp://10.0.0.5:5557")
+    kv_replay: str | None = Field(None, description="ZMQ endpoint of its KV events' replay socket, e.g. "
+                                                    "tcp://10.0.0.5:5558: missed batches are asked for there "
+                                                    "(without it, a gap drops the worker's index entries).")
 
 
 class RouterConfig(BaseModel):

@@ -1,6 +1,7 @@
 """Worker discovery in Kubernetes: the EndpointSlices of the deployment's prefill and decode Services.
 
-Ready endpoints become workers (``http`` port -> base URL, ``kv-events`` port -> ZMQ endpoint);
+Ready endpoints become workers (``http`` port -> base URL, ``kv-events`` and ``kv-replay`` ports -> ZMQ
+endpoints);
 endpoints that leave (scale-down, a failed pod, a terminating one) leave the pool and the index.
 Polls with the Kubernetes client (slices are few and small; a watch would add little here).
 """
@@ -31,7 +32,8 @@ def endpoints_from_slices(slices: list) -> list[WorkerEndpoint]:
                 host = f"[{ip}]" if ":" in ip else ip
                 url = f"http://{host}:{ports['http']}"
                 events = f"tcp://{host}:{ports['kv-events']}" if "kv-events" in ports else None
-                out[url] = WorkerEndpoint(url=url, kv_events=events)
+                replay = f"tcp://{host}:{ports['kv-replay']}" if "kv-replay" in ports else None
+                out[url] = WorkerEndpoint(url=url, kv_events=events, kv_replay=replay)
     return [out[k] for k in sorted(out)]
 
 

@@ -130,5 +130,9 @@ class PrefixIndex:
             live ^= low
         return overlap
 
+    def keys(self, worker: str) -> set[int]:
+        """The block keys indexed for ``worker``."""
+        return set(self._keys.get(worker, {}).values())
+
     def blocks(self, worker: str | None = None) -> int:
         return len(self._holders) if worker is None else len(self._keys.get(worker, ()))

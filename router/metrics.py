@@ -44,6 +44,13 @@ class RouterMetrics:
         self.indexed_blocks = Gauge(m.ROUTER_INDEXED_BLOCKS, "Blocks in the prefix index.", ["role"],
                                     registry=r)
         self.kv_event_batches = Counter(m.ROUTER_KV_EVENT_BATCHES, "KV event batches applied.", registry=r)
+        self.kv_index_resyncs = Counter(m.ROUTER_KV_INDEX_RESYNCS, "Times a worker's prefix-index entries were "
+                                        "repaired after KV event batches went missing, by why and how: replayed "
+                                        "(exact again) or dropped (rebuilt from what remained).",
+                                        ["reason", "outcome"], registry=r)
+        self.kv_event_batches_missed = Counter(m.ROUTER_KV_EVENT_BATCHES_MISSED, "KV event batches the router "
+                                               "did not receive on the live socket (then replayed, or lost).",
+                                               registry=r)
         self.in_flight = Gauge(m.ROUTER_IN_FLIGHT, "Requests admitted and not yet answered in full.", registry=r)
         self.queued = Gauge(m.ROUTER_QUEUE_DEPTH, "Requests waiting for admission.", registry=r)
         self.rejected = Counter(m.ROUTER_REJECTED, "Requests refused with a 429, by reason.", ["reason"],
@@ -55,3 +62,7 @@ class RouterMetrics:
                               registry=r)
         self.timeouts = Counter(m.ROUTER_TIMEOUTS, "Worker calls cut by a timeout, by which one.", ["kind"],
                                 registry=r)
+
+    def kv_resynced(self, reason: str, outcome: str, missed: int) -> None:
+        self.kv_index_resyncs.labels(reason, outcome).inc()
+        self.kv_event_batches_missed.inc(missed)

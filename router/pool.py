@@ -19,6 +19,7 @@ class Worker:
     role: str
     url: str
     kv_events: str | None = None
+    kv_replay: str | None = None
     active: int = 0
     healthy: bool = True
 
@@ -43,7 +44,8 @@ class Pool:
         added = []
         for name, e in wanted.items():
             if name not in current:
-                current[name] = Worker(name=name, role=role, url=name, kv_events=e.kv_events)
+                current[name] = Worker(name=name, role=role, url=name, kv_events=e.kv_events,
+                                       kv_replay=e.kv_replay)
                 added.append(current[name])
         return added, removed
 

@@ -104,7 +104,8 @@ class Router:
         self._zmq = zmq.asyncio.Context()
         for role, idx in self.index.items():
             self._subscribers[role] = Subscriber(self._zmq, idx, self.config.kv_events_topic,
-                                                 self.metrics.kv_event_batches.inc, self.config.block_size)
+                                                 self.metrics.kv_event_batches.inc, self.config.block_size,
+                                                 self.metrics.kv_resynced)
             self.metrics.indexed_blocks.labels(role).set_function(idx.blocks)
         for w in self.pool.all():
             self._watch(w)
@@ -140,7 +141,7 @@ class Router:
     def _watch(self, w: Worker) -> None:
         self.metrics.active.labels(w.role, w.name).set_function(lambda: w.active)
         if w.kv_events and w.role in self._subscribers:   # subscribers exist once started
-            self._subscribers[w.role].watch(w.name, w.kv_events)
+            self._subscribers[w.role].watch(w.name, w.kv_events, w.kv_replay)
 
     async def _probe(self, w: Worker, timeout: float = 2) -> None:
         try:

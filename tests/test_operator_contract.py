@@ -22,7 +22,7 @@ from disagg.workers.command import build, kv_events_config
 
 # The worker settings a pod depends on, each of which the operator must set (not leave to a default).
 WORKER_SETTINGS = {"role", "model", "served_model_name", "port", "nixl_port", "kv_events_port",
-                   "kv_buffer_device", "nixl_backends", "block_size", "drain_seconds"}
+                   "kv_replay_port", "kv_buffer_device", "nixl_backends", "block_size", "drain_seconds"}
 ROUTER_SETTINGS = {"model", "tokenizer", "port", "block_size", "kv_events_topic", "spec"}
 
 
@@ -122,8 +122,10 @@ def test_router_and_workers_agree_on_everything_a_pod_depends_on(spec):
         events = json.loads(_last(argv, "--kv-events-config"))
         assert events["endpoint"] == f"tcp://*:{_port(c, 'kv-events')}" == kv_events_config(settings)["endpoint"]
         assert events["topic"] == router.kv_events_topic
+        assert events["replay_endpoint"] == f"tcp://*:{_port(c, 'kv-replay')}" == \
+            kv_events_config(settings)["replay_endpoint"]
         svc_ports = {p["name"]: p for p in services[f"demo-{role}"]["spec"]["ports"]}
-        for name in ("http", "nixl", "kv-events"):
+        for name in ("http", "nixl", "kv-events", "kv-replay"):
             assert svc_ports[name]["port"] == _port(c, name) and svc_ports[name]["targetPort"] == name
         # one drain budget: vLLM's shutdown timeout, the supervisor's and the kubelet's grace period
         assert int(_last(argv, "--shutdown-timeout")) == settings.drain_seconds == contract.DRAIN_SECONDS

@@ -148,7 +148,7 @@ def test_network_policy_admits_only_the_deployments_own_pods(api_client, namespa
         return allowed
     assert ports_for(labels("prefill")) is None and ports_for(labels("decode")) is None, \
         "workers reach each other on every port (UCX picks its TCP ports)"
-    assert ports_for(labels("router")) == {render.HTTP_PORT, render.KV_EVENTS_PORT}
+    assert ports_for(labels("router")) == {render.HTTP_PORT, render.KV_EVENTS_PORT, contract.KV_REPLAY_PORT}
     assert ports_for(labels("router", "other")) == set() and ports_for(labels("decode", "other")) == set()
     assert ports_for({"app": "anything"}) == set()
     (prometheus,) = [r for r in spec.ingress if any(p.namespace_selector is not None for p in r._from)]

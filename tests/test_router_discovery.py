@@ -19,7 +19,8 @@ def _slice(name: str, service: str, endpoints: list[tuple[str, bool]]) -> dict:
                                                   "endpointslice.kubernetes.io/managed-by": "disagg-tests"}},
             "addressType": "IPv4",
             "ports": [{"name": "http", "port": 8000, "protocol": "TCP"},
-                      {"name": "kv-events", "port": 5557, "protocol": "TCP"}],
+                      {"name": "kv-events", "port": 5557, "protocol": "TCP"},
+                      {"name": "kv-replay", "port": 5558, "protocol": "TCP"}],
             "endpoints": [{"addresses": [ip], "conditions": {"ready": ready}} for ip, ready in endpoints]}
 
 
@@ -34,8 +35,9 @@ def test_ready_endpoints_become_workers_and_leave_with_their_slice(api_client, n
     disc = EndpointSliceDiscovery(api_client, namespace, {ROLE_PREFILL: "x-prefill", ROLE_DECODE: "x-decode"})
 
     decode = disc.list(ROLE_DECODE)
-    assert [(e.url, e.kv_events) for e in decode] == [("http://192.0.2.2:8000", "tcp://192.0.2.2:5557"),
-                                                      ("http://192.0.2.4:8000", "tcp://192.0.2.4:5557")]
+    assert [(e.url, e.kv_events, e.kv_replay) for e in decode] == [
+        ("http://192.0.2.2:8000", "tcp://192.0.2.2:5557", "tcp://192.0.2.2:5558"),
+        ("http://192.0.2.4:8000", "tcp://192.0.2.4:5557", "tcp://192.0.2.4:5558")]
     # The addresses are in TEST-NET-1 (192.0.2.0/24, documentation only; the API server refuses
     # loopback ones): the router is not started, so nothing is ever sent to them.
     router = Router(RouterConfig(model="m", tokenizer="unused", block_size=16), tokenizer=None, metrics=RouterMetrics())

@@ -119,3 +119,130 @@ def test_round_robin_and_least_loaded():
     assert ll.choose(cands, Request(blocks=1, overlap={"c": 1})).worker == "b"
     with pytest.raises(LookupError):
         ll.choose([], Request(blocks=1))
+
+
+# ---- the event sequence: gaps, restarts, late joins (router/events.py Stream), with synthetic batches
+
+def _stored(hashes, parent, tokens, block_size=16):
+    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens,
+            "block_size": block_size, "lora_id": None, "medium": "GPU", "lora_name": None}
+
+
+def _removed(hashes):
+    return {"type": "BlockRemoved", "block_hashes": hashes, "medium": "GPU"}
+
+
+def _engine(tag: int, n: int) -> list[tuple[int, bytes]]:
+    """An engine's first n batches: batch i stores a two-block prompt of its own, and every third
+    batch also evicts the prompt stored two batches earlier (so a lost batch can hide a removal)."""
+    out = []
+    for i in range(n):
+        toks = [tag * 100_000 + i * 32 + j for j in range(32)]
+        events = [_stored([tag * 10**6 + i * 10, tag * 10**6 + i * 10 + 1], None, toks)]
+        if i % 3 == 2:
+            events.append(_removed([tag * 10**6 + (i - 2) * 10, tag * 10**6 + (i - 2) * 10 + 1]))
+        out.append((i, msgspec.msgpack.encode([float(tag * 1000 + i), events, 0])))
+    return out
+
+
+def _truth(batches) -> set[int]:
+    idx = PrefixIndex()
+    for _, payload in batches:
+        apply(idx, "w", payload)
+    return idx.keys("w")
+
+
+def _feed(stream, batches, replay_buffer=None) -> list[tuple[str, str]]:
+    """Each batch as the Subscriber hands it over from the live socket, with ``replay_buffer`` (the
+    worker's buffered batches; None: no replay endpoint) answering replays; returns the resyncs."""
+    import asyncio
+
+    async def fetch(start):
+        return [b for b in replay_buffer if b[0] >= start]
+
+    async def run():
+        out = []
+        for seq, payload in batches:
+            resync = await stream.receive(seq, payload, None if replay_buffer is None else fetch)
+            if resync is not None:
+                out.append(resync[:2])
+        return out
+
+    return asyncio.run(run())
+
+
+def _stream():
+    from disagg.router.events import Stream
+    idx = PrefixIndex()
+    return idx, Stream(idx, "w")
+
+
+def test_in_order_batches_need_no_resync():
+    idx, stream = _stream()
+    batches = _engine(1, 9)
+    assert _feed(stream, batches, replay_buffer=batches) == []
+    assert idx.keys("w") == _truth(batches) and stream.next == 9
+
+
+def test_a_gap_is_replayed_and_the_index_is_exact_again():
+    idx, stream = _stream()
+    batches = _engine(1, 12)
+    lost = {4, 5, 6}                                  # batch 5 evicts batch 3's blocks: only the replay says so
+    assert _truth(batches[:4]) - _truth(batches)
+    arrived = [b for b in batches if b[0] not in lost]
+    # SUB may still deliver batches the replay already applied: they are skipped, not re-applied
+    arrived.insert(5, batches[7])
+    assert _feed(stream, arrived, replay_buffer=batches) == [("gap", "replayed")]
+    assert idx.keys("w") == _truth(batches) and stream.next == 12
+
+
+def test_a_gap_the_replay_cannot_cover_drops_the_workers_entries():
+    idx, stream = _stream()
+    batches = _engine(1, 12)
+    arrived = [b for b in batches if b[0] not in {3, 4, 5}]
+    # the buffer kept only batches 6.. (vLLM's buffer_steps): the anchor (batch 2) is gone, so what
+    # the index holds cannot be proven current; it is dropped and rebuilt from what remains
+    assert _feed(stream, arrived, replay_buffer=batches[6:]) == [("gap", "dropped")]
+    assert idx.keys("w") == _truth(batches[6:]) <= _truth(batches)
+    # without a replay endpoint: the same, rebuilt from the batch that showed the gap
+    idx, stream = _stream()
+    assert _feed(stream, arrived, replay_buffer=None) == [("gap", "dropped")]
+    assert idx.keys("w") == _truth(batches[6:])
+    # what it holds is a subset of the truth: batch 3's blocks (evicted by the lost batch 5) are not claimed
+    assert not idx.keys("w") - _truth(batches)
+
+
+def test_a_restarted_engine_replaces_the_old_ones_entries():
+    idx, stream = _stream()
+    old, new = _engine(1, 8), _engine(2, 5)
+    # the new engine's numbering starts over; the router saw its batches from seq 2 on
+    assert _feed(stream, old + new[2:], replay_buffer=new) == [("restart", "replayed")]
+    assert idx.keys("w") == _truth(new)
+    # a new engine that had published more than the old one by the time the router saw it looks
+    # like a gap; the replay's anchor shows another engine's batch, so all of it is taken instead
+    idx, stream = _stream()
+    old, new = _engine(1, 3), _engine(2, 8)
+    assert _feed(stream, old + new[6:], replay_buffer=new) == [("restart", "replayed")]
+    assert idx.keys("w") == _truth(new)
+    assert not idx.keys("w") & _truth(old)
+
+
+def test_a_late_joiner_catches_up_from_the_replay():
+    import asyncio
+
+    idx, stream = _stream()
+    batches = _engine(1, 7)
+    assert _feed(stream, batches[4:], replay_buffer=batches) == [("join", "replayed")]
+    assert idx.keys("w") == _truth(batches)
+    # the Subscriber asks at once when it has the replay endpoint; SUB's copies are then duplicates
+    idx, stream = _stream()
+
+    async def fetch(start):
+        return batches[start:5]
+
+    assert asyncio.run(stream.join(fetch)) == ("join", "replayed", 5)
+    assert _feed(stream, batches[3:], replay_buffer=batches) == []
+    assert idx.keys("w") == _truth(batches)
+    idx, stream = _stream()                          # no replay: only what it saw
+    assert _feed(stream, batches[4:], replay_buffer=None) == [("join", "dropped")]
+    assert idx.keys("w") == _truth(batches[4:])

@@ -21,7 +21,8 @@ def _flag(argv: list[str], name: str) -> str:
 @pytest.mark.parametrize("role,kv_role", [("prefill", "kv_producer"), ("decode", "kv_consumer")])
 def test_role_sets_nixl_connector_side_channel_and_kv_events(role, kv_role):
     s = WorkerSettings(role=role, model="/m", served_model_name="tiny", port=8100, advertise_host="10.1.2.3",
-                       nixl_port=5611, kv_events_port=5571, kv_buffer_device="cpu", cpu=True, cpu_cores="1")
+                       nixl_port=5611, kv_events_port=5571, kv_replay_port=5572, kv_buffer_device="cpu", cpu=True,
+                       cpu_cores="1")
     cmd = build(s, python="/env/bin/python")
     assert cmd.argv[:4] == ["/env/bin/python", "-P", "-m", "vllm.entrypoints.openai.api_server"]
     kv = json.loads(_flag(cmd.argv, "--kv-transfer-config"))
@@ -29,6 +30,7 @@ def test_role_sets_nixl_connector_side_channel_and_kv_events(role, kv_role):
     assert kv["kv_buffer_device"] == "cpu"
     events = json.loads(_flag(cmd.argv, "--kv-events-config"))
     assert events["enable_kv_cache_events"] and events["endpoint"] == "tcp://*:5571"
+    assert events["replay_endpoint"] == "tcp://*:5572"      # where the router asks for batches it missed
     assert cmd.env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "10.1.2.3"
     assert cmd.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5611"
     assert cmd.env["VLLM_CPU_OMP_THREADS_BIND"] == "1"

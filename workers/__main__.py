@@ -40,6 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--nixl-backends", help="comma-separated, in order of preference")
     p.add_argument("--nixl-side-channel-port", type=int)
     p.add_argument("--kv-events-port", type=int)
+    p.add_argument("--kv-replay-port", type=int, help="where vLLM resends KV event batches a router missed")
     p.add_argument("--kv-offload-cpu-gib", type=float)
     p.add_argument("--kv-offload-disk-gib", type=float)
     p.add_argument("--block-size", type=int, help="KV block size (the router hashes the same)")
@@ -66,6 +67,7 @@ def settings_from(args: argparse.Namespace, engine_args: list[str]) -> WorkerSet
         served_model_name=args.served_model_name, port=args.port, kv_buffer_device=args.kv_buffer_device,
         nixl_backends=args.nixl_backends.split(",") if args.nixl_backends else None,
         nixl_port=args.nixl_side_channel_port, kv_events_port=args.kv_events_port,
+        kv_replay_port=args.kv_replay_port,
         offload_cpu_gib=args.kv_offload_cpu_gib,
         offload_disk_gib=args.kv_offload_disk_gib, block_size=args.block_size, max_model_len=args.max_model_len,
         drain_seconds=args.drain_seconds,

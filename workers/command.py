@@ -44,9 +44,11 @@ def kv_transfer_config(s: WorkerSettings) -> dict:
 
 
 def kv_events_config(s: WorkerSettings) -> dict:
-    """vLLM publishes BlockStored/BlockRemoved batches on a ZMQ PUB socket the router subscribes to."""
+    """vLLM publishes BlockStored/BlockRemoved batches on a ZMQ PUB socket the router subscribes to,
+    and resends the ones a router missed from its replay socket (its last 10,000 batches)."""
     return {"enable_kv_cache_events": True, "publisher": "zmq",
-            "endpoint": f"tcp://*:{s.kv_events_port}", "topic": KV_EVENTS_TOPIC}
+            "endpoint": f"tcp://*:{s.kv_events_port}", "replay_endpoint": f"tcp://*:{s.kv_replay_port}",
+            "topic": KV_EVENTS_TOPIC}
 
 
 def allowed_cores() -> str:

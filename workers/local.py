@@ -143,7 +143,7 @@ def cpu_settings(role: str, model: str, cores: str, **kw) -> WorkerSettings:
     """Small CPU settings for the tiny model: fresh ports, float32, eager, small KV cache."""
     defaults = dict(role=role, model=model, served_model_name="tiny", host="127.0.0.1", port=free_port(),
                     advertise_host="127.0.0.1", nixl_port=free_port(), kv_events_port=free_port(),
-                    kv_buffer_device="cpu", cpu=True, cpu_cores=cores, max_model_len=1024,
+                    kv_replay_port=free_port(), kv_buffer_device="cpu", cpu=True, cpu_cores=cores, max_model_len=1024,
                     kv_cache_bytes=64 * 2**20, block_size=32, drain_seconds=5,
                     engine_args=["--max-num-seqs", "64"])
     defaults.update(kw)
@@ -200,9 +200,11 @@ def pd_processes(model: str, port: int, python: str, log_dir: Path) -> list[Loca
               "max_model_len": prefill_s.max_model_len, "port": port, "host": "127.0.0.1",
               "spec": {"disaggregation": "always"},
               "prefill": [{"url": f"http://127.0.0.1:{prefill_s.port}",
-                           "kv_events": f"tcp://127.0.0.1:{prefill_s.kv_events_port}"}],
+                           "kv_events": f"tcp://127.0.0.1:{prefill_s.kv_events_port}",
+                           "kv_replay": f"tcp://127.0.0.1:{prefill_s.kv_replay_port}"}],
               "decode": [{"url": f"http://127.0.0.1:{decode_s.port}",
-                          "kv_events": f"tcp://127.0.0.1:{decode_s.kv_events_port}"}]}
+                          "kv_events": f"tcp://127.0.0.1:{decode_s.kv_events_port}",
+                          "kv_replay": f"tcp://127.0.0.1:{decode_s.kv_replay_port}"}]}
     (log_dir / "router.json").write_text(_json.dumps(config))
     return [worker("prefill", prefill_s, python, log_dir), worker("decode", decode_s, python, log_dir),
             router(log_dir / "router.json", port, log_dir)]

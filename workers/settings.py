@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from disagg.api.contract import DRAIN_SECONDS
+from disagg.api.contract import DRAIN_SECONDS, KV_REPLAY_PORT
 from disagg.api.names import DISK_OFFLOAD_PATH, ROLE_DECODE, ROLE_PREFILL
 
 Role = Literal["prefill", "decode"]
@@ -36,6 +36,8 @@ class WorkerSettings(BaseModel):
                                                          "the NIXL side channel and the KV event endpoint.")
     nixl_port: int = Field(5600, ge=1, le=65535, description="NIXL side-channel port (distinct per instance).")
     kv_events_port: int = Field(5557, ge=1, le=65535, description="ZMQ PUB port of vLLM's KV events.")
+    kv_replay_port: int = Field(KV_REPLAY_PORT, ge=1, le=65535,
+                                description="ZMQ port where vLLM resends KV event batches a router missed.")
     kv_transfer: bool = Field(True, description="NIXL KV transfer on; off for an aggregated server "
                                                 "(disaggregation: never, or a reference in tests).")
     kv_buffer_device: Literal["cuda", "cpu"] = Field("cuda", description="Where KV is staged for NIXL transfer.")

@@ -33,6 +33,9 @@ DRAIN_MARGIN_SECONDS = 30
 
 # The ZMQ topic workers publish their KV events on and routers subscribe to.
 KV_EVENTS_TOPIC = "kv-events"
+# Where a worker's vLLM answers requests to resend KV event batches a router missed (its KV events'
+# replay_endpoint; container and Service port "kv-replay"): a router heals its prefix index from it.
+KV_REPLAY_PORT = 5558
 # HTTP paths the pods' probes use: vLLM's health (its engine is alive and serving), the router's
 # readiness (it can serve: a healthy decode worker) and its liveness (the process answers).
 WORKER_HEALTH_PATH = "/health"
