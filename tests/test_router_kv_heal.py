@@ -171,3 +171,32 @@ def test_without_a_replay_a_gap_drops_the_workers_entries_and_they_rebuild(vllm,
     assert not held & seen, "entries from before the gap survived it"
     assert _resyncs(metrics, m.RESYNC_GAP, m.RESYNC_DROPPED) == 1
     assert _resyncs(metrics, m.RESYNC_GAP, m.RESYNC_REPLAYED) == 0
+
+
+def test_a_restarted_worker_replaces_its_entries(vllm, subscribe):
+    """The worker dies (SIGKILL: its cache is gone) and comes back on the same address; its
+    numbering starts over, which the router sees as a restart: the old engine's entries go, the
+    new engine's history comes from its replay socket."""
+    proc, _ = vllm
+    loop, start = subscribe
+    sub, index, metrics = start(replay=True)
+    old = _prompt(30)
+    _send(proc.url, old)
+    wait_for(lambda: loop.call(index.keys, proc.url) >= set(block_keys(old, BLOCK)), 60, "the old engine's blocks")
+
+    proc.kill()
+    proc.start().wait_ready()
+    # SUB reconnects in the background; the replay covers whatever it missed once a batch arrives
+    sent: set[int] = set()
+    for seed in range(40, 50):
+        prompt = _prompt(seed)
+        _send(proc.url, prompt)
+        sent |= set(block_keys(prompt, BLOCK))
+        try:
+            wait_for(lambda: loop.call(index.keys, proc.url) >= set(block_keys(prompt, BLOCK)), 10,
+                     "a new engine's batch in the index")
+            break
+        except AssertionError:
+            continue
+    assert loop.call(index.keys, proc.url) == sent, "the index is exactly what the new engine stored"
+    assert _resyncs(metrics, m.RESYNC_RESTART, m.RESYNC_REPLAYED) == 1
