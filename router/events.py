@@ -265,8 +265,11 @@ class Subscriber:
         self._index.cleared(worker)
 
     async def close(self) -> None:
+        tasks = list(self._tasks.values())
         for worker in list(self._tasks):
             self.unwatch(worker)
+        # until each task has closed its sockets, terminating the ZMQ context would block forever
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def discard(self, worker: str, n: int) -> None:
         """Fault injection for tests: the next ``n`` batches from ``worker`` are dropped as if the

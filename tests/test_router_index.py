@@ -246,3 +246,29 @@ def test_a_late_joiner_catches_up_from_the_replay():
     idx, stream = _stream()                          # no replay: only what it saw
     assert _feed(stream, batches[4:], replay_buffer=None) == [("join", "dropped")]
     assert idx.keys("w") == _truth(batches[4:])
+
+
+def test_closing_the_subscribers_lets_the_zmq_context_end():
+    """Router.close ends the ZMQ context after closing the subscribers: every socket (a SUB, a replay
+    request waiting for an answer) must be closed by then, or zmq_ctx_term blocks for ever."""
+    import asyncio
+    import threading
+
+    import zmq.asyncio
+
+    from disagg.router.events import Subscriber
+
+    async def run():
+        ctx = zmq.asyncio.Context()
+        sub = Subscriber(ctx, PrefixIndex(), "kv-events")
+        # nothing listens on port 9 (discard) of loopback: the join replay waits for an answer
+        sub.watch("w", "tcp://127.0.0.1:9", "tcp://127.0.0.1:9")
+        await asyncio.sleep(0)          # the task starts and opens its sockets
+        await sub.close()
+        ctx.term()
+
+    done = threading.Event()
+    thread = threading.Thread(target=lambda: (asyncio.run(run()), done.set()), daemon=True)
+    thread.start()
+    thread.join(timeout=30)
+    assert done.is_set(), "the ZMQ context did not terminate after Subscriber.close()"
