@@ -6,7 +6,9 @@ from __future__ import annotations
 import time
 
 from kubernetes import client
+from prometheus_client import REGISTRY
 
+from disagg.api import metrics as m
 from disagg.e2e.localcluster import nodepools
 from disagg.e2e.operator_fixture import running_operator
 from disagg.e2e.testing import DD, dd_manifest, wait_for
@@ -27,6 +29,18 @@ def _children(api_client, namespace):
                                    ("serving.disagg.dev", "v1alpha1", "disaggdeployments")):
         for obj in custom.list_namespaced_custom_object(group, version, namespace, plural)["items"]:
             out[(plural, obj["metadata"]["name"])] = obj["metadata"]["resourceVersion"]
+    return out
+
+
+def _operator_counts() -> dict[str, float]:
+    """The in-process operator's reconciles by result and child writes by kind (its own counters)."""
+    out: dict[str, float] = {}
+    for family in REGISTRY.collect():
+        for sample in family.samples:
+            if sample.name == m.OPERATOR_RECONCILES:
+                out[f"reconcile/{sample.labels['result']}"] = sample.value
+            elif sample.name == m.OPERATOR_CHILD_WRITES:
+                out[f"write/{sample.labels['kind']}"] = sample.value
     return out
 
 
@@ -52,15 +66,29 @@ def test_killed_mid_reconcile_converges_and_a_second_reconcile_writes_nothing(
         # the status can be Ready while kopf is still finishing the create handler (a loaded machine):
         # its own bookkeeping on the object comes last, so wait for it before taking the snapshot
         wait_for(lambda: _handled(dd.get()), 60, "kopf's record that the creation was handled")
-        before = _children(api_client, namespace)
-        rs = client.AppsV1Api(api_client).list_namespaced_replica_set(namespace).items
-        assert len(rs) == 3, "one ReplicaSet per Deployment: no duplicate rollout"
-        assert sorted(k for k in before if k[0] == "Deployment") == [
-            ("Deployment", "crash-decode"), ("Deployment", "crash-prefill"), ("Deployment", "crash-router")]
-    # a fresh operator resumes every deployment and reconciles it again: nothing may be written
-    with running_operator(operator_kubeconfig):
-        time.sleep(8)
-        assert _children(api_client, namespace) == before
+    # snapshot once this operator has stopped, so nothing it still had in flight is blamed on the next one
+    before = _children(api_client, namespace)
+    rs = client.AppsV1Api(api_client).list_namespaced_replica_set(namespace).items
+    assert len(rs) == 3, "one ReplicaSet per Deployment: no duplicate rollout"
+    assert sorted(k for k in before if k[0] == "Deployment") == [
+        ("Deployment", "crash-decode"), ("Deployment", "crash-prefill"), ("Deployment", "crash-router")]
+    # a fresh operator (scoped to this namespace, so its counters are this deployment's) resumes it and
+    # reconciles it again: the reconcile is counted unchanged and writes no child. The DisaggDeployment's own
+    # resourceVersion is left out: the status loop of a fresh operator may rewrite status (seen once in a full
+    # run: the object's resourceVersion moved while every child's stayed).
+    counts = _operator_counts()
+
+    def resumed() -> bool:
+        return any(v > counts.get(k, 0) for k, v in _operator_counts().items() if k.startswith("reconcile/"))
+
+    with running_operator(operator_kubeconfig, namespaces=(namespace,)):
+        wait_for(resumed, 60, "the resumed operator's reconcile")
+    after = _operator_counts()
+    changed = {k: after[k] - counts.get(k, 0) for k in after if after[k] != counts.get(k, 0)}
+    assert set(changed) == {"reconcile/unchanged"}, changed
+    now = _children(api_client, namespace)
+    assert {k: v for k, v in now.items() if k[0] != "disaggdeployments"} == {
+        k: v for k, v in before.items() if k[0] != "disaggdeployments"}
 
 
 def test_losing_a_node_of_the_gang_degrades_then_recovers(api_client, namespace, operator_kubeconfig):
