@@ -121,7 +121,11 @@ class Serve:
         assert rc == 0, "".join(self.out)
         # serve waited for its children; theirs (vLLM's engine processes) may take a moment longer
         wait_for(lambda: not any(_alive(p) for p in children), 30, "every process serve --local started to exit")
-        assert all(_bindable(p) for p in ports), [p for p in ports if not _bindable(p)]
+        # a closed socket can hold its port for a moment after its process is gone (the kernel finishing its
+        # close handshake, FIN_WAIT/LAST_ACK, which SO_REUSEADDR does not cover): wait for it, a leaked listener
+        # stays
+        wait_for(lambda: all(_bindable(p) for p in ports), 30,
+                 f"every port it listened on ({sorted(ports)}) to be free")
 
     def kill(self):
         if self.proc.poll() is None:
