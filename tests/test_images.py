@@ -21,7 +21,7 @@ import pytest
 
 from disagg.e2e.images import TARGETS, ensure_images
 from disagg.e2e.images.base import ensure_base
-from disagg.e2e.images.build import REPO, base_image_name, inputs_hash, snapshot_context
+from disagg.e2e.images.build import REPO, base_image_name, inputs_hash, snapshot_context, stale_images
 from disagg.workers.envpath import BUILD_SCRIPT
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(3600)]
@@ -72,6 +72,8 @@ def test_images_land_in_the_node_store_tagged_by_their_inputs(images, node, ctr)
         pinned = [name for name in digests if re.fullmatch(re.escape(ref) + r"-[0-9a-f]{16}", name)
                   and digests[name] == digests[ref]]
         assert pinned, (ref, digests)
+        # the images of earlier inputs are gone, and with them the layers only they held
+        assert [name for name in digests if name.startswith(f"{ref}-")] == pinned, digests
 
 
 def test_same_inputs_build_nothing(images, node, ctr):
@@ -80,6 +82,13 @@ def test_same_inputs_build_nothing(images, node, ctr):
     assert again == images
     assert not [line for line in lines if "building" in line or "buildkitd" in line], lines
     assert sum("up to date" in line for line in lines) == len(TARGETS), lines
+
+
+def test_stale_images_are_the_other_inputs_of_the_same_targets():
+    current = {"docker.io/disagg/worker-cpu:0.1.0-" + "a" * 16}
+    names = [*current, "docker.io/disagg/worker-cpu:0.1.0", "docker.io/disagg/worker-cpu:0.0.9-" + "b" * 16,
+             "docker.io/disagg/control-plane:0.1.0-" + "c" * 16, "docker.io/library/worker-cpu:1-" + "d" * 16]
+    assert stale_images(names, ("worker-cpu",), current) == ["docker.io/disagg/worker-cpu:0.0.9-" + "b" * 16]
 
 
 def test_inputs_hash_follows_the_context_and_the_base(tmp_path):
