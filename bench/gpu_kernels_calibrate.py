@@ -52,13 +52,8 @@ Timer = Callable[[dict[str, Any]], float]
 
 def gemm_shapes(shape: pm.ModelShape, tp: int) -> list[tuple[str, int, int]]:
     """(name, k, n) of one layer's GEMMs on one TP rank (column-parallel QKV and gate+up, row-parallel O
-    and down)."""
-    hd = shape.head_dim
-    kv = max(shape.kv_heads // tp, 1)
-    return [("qkv", shape.hidden, (shape.heads // tp + 2 * kv) * hd),
-            ("o", shape.heads // tp * hd, shape.hidden),
-            ("gate_up", shape.hidden, 2 * shape.intermediate // tp),
-            ("down", shape.intermediate // tp, shape.hidden)]
+    and down): the performance model's own list."""
+    return shape.layer_gemms(tp)
 
 
 def plan(shape: pm.ModelShape, tp: int, prefill_tokens=PREFILL_TOKENS, decode_batches=DECODE_BATCHES,

@@ -11,8 +11,12 @@ load, queueing and batching, is :mod:`.serving`, shared by the same three). Sour
 3. online correction: scale factors learnt from observed versus predicted latency
    (:class:`OnlineCorrection`).
 
-A :class:`Calibration` (kernel timings from ``bench/gpu_kernels_calibrate.py`` on a real
-GPU) replaces the data-sheet efficiencies of the analytic default for that GPU.
+A :class:`Calibration` (kernel timings measured on a real GPU) replaces the data-sheet efficiencies of
+the analytic default for that GPU, and its GEMM and all-reduce timings give :meth:`PerfModel.gemm_time`
+and :meth:`PerfModel.allreduce_time`. One ships for the H100 (``data/calibration/``, from Vidur's public
+H100 profiling, see :mod:`.measured`): ``PerfModel.analytic(..., measured=True)`` plans with it (a file of
+one's own, ``bench/gpu_kernels_calibrate.py`` writes one, takes precedence); GPUs without measurements,
+and the default path for now, keep the data sheet.
 Tensor-parallel all-reduces (:meth:`PerfModel.tp_comm_time`) are in every step of a TP > 1 replica
 (``tp_comm=False`` leaves them out, for comparisons only).
 
@@ -26,7 +30,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field, replace
-from functools import cache
+from functools import cache, cached_property
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -82,6 +86,15 @@ class ModelShape:
     def matmul_flops_per_token(self) -> float:
         """2 FLOPs per weight per token, less the embedding lookup (no FLOPs)."""
         return 2.0 * max(self.params - self.vocab * self.hidden, self.params / 2)
+
+    def layer_gemms(self, tp: int = 1) -> list[tuple[str, int, int]]:
+        """``(op, k, n)`` of one layer's GEMMs on one TP rank: column-parallel QKV and gate+up,
+        row-parallel output projection and down (``m`` is the number of tokens)."""
+        hd, kv = self.head_dim, max(self.kv_heads // tp, 1)
+        return [("qkv", self.hidden, (self.heads // tp + 2 * kv) * hd),
+                ("o", self.heads // tp * hd, self.hidden),
+                ("gate_up", self.hidden, 2 * self.intermediate // tp),
+                ("down", self.intermediate // tp, self.hidden)]
 
     def attention_flops(self, new_tokens: float, cached_tokens: float = 0.0) -> float:
         """QK^T and AV for ``new_tokens`` attending causally to ``cached + earlier new`` tokens."""
@@ -292,6 +305,57 @@ class Calibration:
     gemm: tuple[dict[str, Any], ...]
     attention: tuple[dict[str, Any], ...]
     source: dict[str, Any] = field(default_factory=dict, compare=False)
+    allreduce: tuple[dict[str, Any], ...] = ()   # {workers, bytes, seconds}: one all-reduce across the group
+
+    # -- per-kernel fits (what PerfModel.gemm_time and allreduce_time use) ----------------------------
+    @cached_property
+    def gemm_coef(self) -> tuple[float, float, float] | None:
+        """``(seconds, seconds per FLOP, seconds per byte)`` of ``t = a + flops*b + bytes*c``, fitted to every
+        GEMM point by least squares on the relative error (small kernels count as much as large ones).
+        A sum, not the roofline's max: near the ridge both the tensor cores and HBM bound a kernel, and
+        the intercept is the few microseconds no kernel goes under. None without GEMM points."""
+        pts = [(2.0 * g["m"] * g["k"] * g["n"], (g["k"] * g["n"] + g["m"] * (g["k"] + g["n"])) * self.dtype_bytes,
+                float(g["seconds"])) for g in self.gemm if float(g["seconds"]) > 0]
+        if len(pts) < 3:
+            return None
+        a, b, c = _lstsq_nonneg([[1.0 / t, f / t, n / t] for f, n, t in pts], [1.0] * len(pts))
+        return a, b, c
+
+    def gemm_seconds(self, m: float, k: float, n: float, hw: GPUSpec) -> float | None:
+        """One ``m x k`` by ``k x n`` GEMM, never faster than ``hw``'s peak FLOP/s and HBM bandwidth."""
+        coef = self.gemm_coef
+        if coef is None or m <= 0:
+            return None if coef is None else 0.0
+        a, b, c = coef
+        flops, nbytes = 2.0 * m * k * n, (k * n + m * (k + n)) * self.dtype_bytes
+        return a + flops * max(b, 1.0 / hw.flops) + nbytes * max(c, 1.0 / hw.hbm_bandwidth)
+
+    @cached_property
+    def allreduce_coef(self) -> dict[int, tuple[float, float, float]]:
+        """Per group size: ``(floor, a, c)`` of ``t = max(floor, a + bytes*c)``: a small all-reduce costs a
+        fixed latency (NCCL's, tens of microseconds, whatever the size), a large one a start-up plus its
+        bytes over the links. The floor is the median time of the smallest tenth of the messages; ``a`` and
+        ``c`` are fitted (least squares on the relative error) to the points at least 1.5x slower."""
+        out: dict[int, tuple[float, float, float]] = {}
+        for w in sorted({int(p["workers"]) for p in self.allreduce}):
+            pts = sorted((float(p["bytes"]), float(p["seconds"])) for p in self.allreduce
+                         if int(p["workers"]) == w and float(p["seconds"]) > 0)
+            if len(pts) < 3:
+                continue
+            small = sorted(t for _, t in pts[:max(len(pts) // 10, 1)])
+            floor = small[len(small) // 2]
+            big = [(x, t) for x, t in pts if t >= 1.5 * floor] or pts[-max(len(pts) // 4, 1):]
+            a, c = _lstsq_nonneg([[1.0 / t, x / t] for x, t in big], [1.0] * len(big))
+            out[w] = (floor, a, c)
+        return out
+
+    def allreduce_seconds(self, workers: int, nbytes: float) -> float | None:
+        """One all-reduce of ``nbytes`` across ``workers`` GPUs; None if no group of that size was measured."""
+        coef = self.allreduce_coef.get(int(workers))
+        if coef is None:
+            return None
+        floor, a, c = coef
+        return max(floor, a + nbytes * c) if nbytes > 0 else 0.0
 
     def _points(self, phase: str) -> list[tuple[float, float, float]]:
         """(flops, bytes, seconds) of each kernel timed for ``phase``."""
@@ -332,7 +396,8 @@ class Calibration:
 
     def to_dict(self) -> dict[str, Any]:
         return {**self.source, "gpu": self.gpu, "device": self.device, "measuredAt": self.measured_at,
-                "dtypeBytes": self.dtype_bytes, "gemm": list(self.gemm), "attention": list(self.attention)}
+                "dtypeBytes": self.dtype_bytes, "gemm": list(self.gemm), "attention": list(self.attention),
+                **({"allreduce": list(self.allreduce)} if self.allreduce else {})}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Calibration:
@@ -341,12 +406,23 @@ class Calibration:
             raise ValueError(f"calibration file lacks {', '.join(missing)} (which GPU, and when)")
         return cls(str(d["gpu"]), str(d.get("device", "")), str(d["measuredAt"]), int(d.get("dtypeBytes", 2)),
                    tuple(dict(g) for g in d.get("gemm", ())), tuple(dict(a) for a in d.get("attention", ())),
-                   {k: v for k, v in d.items() if k not in ("gemm", "attention")})
+                   {k: v for k, v in d.items() if k not in ("gemm", "attention", "allreduce")},
+                   tuple(dict(a) for a in d.get("allreduce", ())))
 
     @classmethod
     def load(cls, path: str | Path) -> Calibration:
         text = Path(path).read_text()
         return cls.from_dict(json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text))
+
+
+CALIBRATIONS = DATA / "calibration"   # <GPU name>.json: measured kernel timings shipped for that GPU
+
+
+@cache
+def shipped_calibration(gpu_name: str) -> Calibration | None:
+    """The calibration shipped for this GPU (``data/calibration/<name>.json``), None if there is none."""
+    path = CALIBRATIONS / f"{gpu_name}.json"
+    return Calibration.load(path) if path.exists() else None
 
 
 # ---------------------------------------------------------------- the model
@@ -368,23 +444,54 @@ class PerfModel:
     prefill_scale: float = 1.0
     decode_scale: float = 1.0
     tp_comm: bool = True
+    calibration: Calibration | None = field(default=None, compare=False)
 
     @classmethod
     def analytic(cls, model_name: str, gpu_name: str, tp: int = 1, link: str = "infiniband-ndr",
-                 profile: Profile | None = None, calibration: Calibration | None = None) -> PerfModel:
+                 profile: Profile | None = None, calibration: Calibration | None = None,
+                 measured: bool = False) -> PerfModel:
+        """From the data files; ``calibration`` (else, with ``measured``, the one shipped for this GPU,
+        if any: :func:`shipped_calibration`) replaces the data sheet's efficiencies."""
         hw = gpu(gpu_name)
+        if calibration is None and measured:
+            calibration = shipped_calibration(hw.name)
         eff = calibration.efficiency(hw) if calibration is not None else default_efficiency()
-        return cls(model(model_name), hw, tp, interconnect(link), eff, profile)
+        return cls(model(model_name), hw, tp, interconnect(link), eff, profile, calibration=calibration)
+
+    # -- kernels ----------------------------------------------------------
+    def gemm_time(self, m: float, k: float, n: float) -> float:
+        """One GEMM of ``m`` tokens through a ``k x n`` weight (one TP rank's shard): the calibration's fit
+        where there is one, else the roofline at the data sheet's efficiencies."""
+        if m <= 0:
+            return 0.0
+        if self.calibration is not None:
+            t = self.calibration.gemm_seconds(m, k, n, self.hw)
+            if t is not None:
+                return t
+        b = self.shape.dtype_bytes
+        return max(2.0 * m * k * n / (self.hw.flops * self.eff.prefill_mfu),
+                   (k * n + m * (k + n)) * b / (self.hw.hbm_bandwidth * self.eff.decode_mbu))
+
+    def allreduce_time(self, nbytes: float, workers: int | None = None) -> float:
+        """One all-reduce of ``nbytes`` across ``workers`` GPUs (the TP group): measured where the
+        calibration has that group size, else a ring over the GPU's NVLink (2(w-1)/w of the bytes each
+        way at 80% of its bandwidth) plus the data file's fixed latency."""
+        w = workers or self.tp
+        if w <= 1 or nbytes <= 0:
+            return 0.0
+        if self.calibration is not None:
+            t = self.calibration.allreduce_seconds(w, nbytes)
+            if t is not None:
+                return t
+        return self.eff.tp_allreduce_latency_seconds + 2.0 * (w - 1) / w * nbytes / (self.hw.nvlink_bandwidth * 0.8)
 
     # -- tensor parallelism ------------------------------------------------
     def tp_comm_time(self, tokens: float) -> float:
-        """Two all-reduces per layer of ``tokens`` x hidden 16-bit activations across the TP group (ring over
-        the GPU's NVLink: 2(tp-1)/tp of the bytes each way, plus a fixed latency). 0 at TP 1 or with
-        ``tp_comm`` off."""
+        """Two all-reduces per layer of ``tokens`` x hidden 16-bit activations across the TP group
+        (:meth:`allreduce_time`). 0 at TP 1 or with ``tp_comm`` off."""
         if not self.tp_comm or self.tp <= 1 or tokens <= 0:
             return 0.0
-        ring = 2.0 * (self.tp - 1) / self.tp * tokens * self.shape.hidden * 2 / (self.hw.nvlink_bandwidth * 0.8)
-        return 2 * self.shape.layers * (self.eff.tp_allreduce_latency_seconds + ring)
+        return 2 * self.shape.layers * self.allreduce_time(tokens * self.shape.hidden * 2)
 
     def corrected(self, prefill_scale: float = 1.0, decode_scale: float = 1.0) -> PerfModel:
         return replace(self, prefill_scale=prefill_scale, decode_scale=decode_scale)
