@@ -1,9 +1,10 @@
 """A layout as a DisaggDeployment, checked against the API before anyone applies it.
 
 :func:`validate` runs the pydantic models (the single source of truth, whose cross-field validators
-mirror the CRD's CEL rules) and then the structural OpenAPI schema generated from them for ``crds/``
-(types, required fields, enums, bounds, patterns, unknown fields), so what it accepts the API server
-accepts.
+mirror the CRD's CEL rules) and then ``jsonschema`` against the CRD's own ``openAPIV3Schema`` (what
+``crds/`` and the chart ship; tests hold them equal): types, required fields, enums, bounds, patterns,
+unknown fields, which pydantic's lax mode lets through ("3" for an integer, an enum it only documents).
+The CEL rules themselves are checked by the API server (tests create every frontier point on a real one).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import re
 from functools import cache
 from typing import Any
 
+import jsonschema
 import yaml
 
 from disagg.api import crd
@@ -107,78 +109,47 @@ class SchemaError(ValueError):
 
 
 def validate(doc: dict[str, Any]) -> api.DisaggDeployment:
-    """Refuse what the API server would: the pydantic models (with the CEL rules' mirrors), then the
-    generated structural schema. Returns the parsed object."""
+    """Refuse what the API server would: the pydantic models (with the CEL rules' mirrors), then the CRD's
+    schema. Returns the parsed object; a refusal names each offending field."""
     obj = api.DisaggDeployment.model_validate(doc)
-    errors: list[str] = []
-    _check(doc, _schema(), "", errors)
+    errors = sorted(_validator().iter_errors(doc), key=lambda e: list(e.absolute_path))
     if errors:
-        raise SchemaError("; ".join(errors))
+        raise SchemaError("; ".join(f"{_where(e)}: {e.message}" for e in errors))
     return obj
 
 
+def _where(error: jsonschema.ValidationError) -> str:
+    path = ".".join(str(p) for p in error.absolute_path) or "<root>"
+    if error.validator == "additionalProperties":   # the unknown field is in the message, name it in the path
+        extra = set(error.instance) - set(error.schema.get("properties", {}))
+        path += "." + ",".join(sorted(extra)) if path != "<root>" else ",".join(sorted(extra))
+    return path
+
+
 @cache
-def _schema_cached() -> dict[str, Any]:
-    return crd.openapi_schema()
+def _validator() -> jsonschema.Draft4Validator:
+    """A validator for the CRD's openAPIV3Schema. OpenAPI v3.0 is JSON Schema draft 4 (boolean
+    exclusiveMinimum) plus Kubernetes' extensions, which jsonschema does not know: int-or-string becomes
+    an ``anyOf``, and objects with declared fields refuse others (the API server's strict field validation,
+    what ``kubectl apply`` asks for) unless marked ``x-kubernetes-preserve-unknown-fields``."""
+    schema = crd.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    return jsonschema.Draft4Validator(_kubernetes_dialect(copy.deepcopy(schema)))
 
 
-def _schema() -> dict[str, Any]:
-    """The generated CRD schema (computed once; a copy, so no caller can alter the cached one)."""
-    return copy.deepcopy(_schema_cached())
-
-
-_TYPES = {"object": dict, "array": list, "string": str, "boolean": bool}
-
-
-def _check(value: Any, schema: dict[str, Any], path: str, errors: list[str]) -> None:
-    where = path or "<root>"
-    if schema.get("x-kubernetes-int-or-string"):
-        if isinstance(value, bool) or not isinstance(value, (int, str)):
-            errors.append(f"{where}: must be an integer or a string")
-        return
-    t = schema.get("type")
-    if t == "integer":
-        if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):
-            errors.append(f"{where}: must be an integer")
-            return
-    elif t == "number":
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            errors.append(f"{where}: must be a number")
-            return
-    elif t in _TYPES and not isinstance(value, _TYPES[t]):
-        errors.append(f"{where}: must be of type {t}")
-        return
-    if "enum" in schema and value not in schema["enum"]:
-        errors.append(f"{where}: {value!r} is not one of {schema['enum']}")
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        lo, hi = schema.get("minimum"), schema.get("maximum")
-        if lo is not None and (value < lo or (schema.get("exclusiveMinimum") is True and value == lo)):
-            errors.append(f"{where}: {value} is below its minimum {lo}")
-        if hi is not None and (value > hi or (schema.get("exclusiveMaximum") is True and value == hi)):
-            errors.append(f"{where}: {value} is above its maximum {hi}")
-    if isinstance(value, str):
-        if len(value) > schema.get("maxLength", math.inf) or len(value) < schema.get("minLength", 0):
-            errors.append(f"{where}: length {len(value)} is out of bounds")
-        if "pattern" in schema and not re.search(schema["pattern"], value):
-            errors.append(f"{where}: {value!r} does not match {schema['pattern']}")
-    if isinstance(value, list):
-        if len(value) > schema.get("maxItems", math.inf) or len(value) < schema.get("minItems", 0):
-            errors.append(f"{where}: {len(value)} items is out of bounds")
-        for n, item in enumerate(value):
-            _check(item, schema.get("items", {}), f"{path}[{n}]", errors)
-    if isinstance(value, dict):
-        if len(value) > schema.get("maxProperties", math.inf):
-            errors.append(f"{where}: too many entries")
-        for req in schema.get("required", ()):
-            if req not in value:
-                errors.append(f"{path + '.' if path else ''}{req}: required")
-        props = schema.get("properties")
-        for key, item in value.items():
-            sub = f"{path}.{key}" if path else key
-            if props is not None:
-                if key not in props:
-                    errors.append(f"{sub}: unknown field")
-                else:
-                    _check(item, props[key], sub, errors)
-            elif isinstance(schema.get("additionalProperties"), dict):
-                _check(item, schema["additionalProperties"], sub, errors)
+def _kubernetes_dialect(node: Any) -> Any:
+    if isinstance(node, list):
+        return [_kubernetes_dialect(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    node = {k: (_kubernetes_dialect(v) if k in ("items", "additionalProperties", "anyOf", "allOf",
+                                                 "oneOf", "not") else v) for k, v in node.items()}
+    if "properties" in node:
+        node["properties"] = {k: _kubernetes_dialect(v) for k, v in node["properties"].items()}
+    if node.get("x-kubernetes-int-or-string"):
+        node.pop("anyOf", None)
+        node["anyOf"] = [{"type": "integer"}, {"type": "string"}]
+    if node.get("nullable") and "type" in node:
+        node["type"] = [node["type"], "null"]
+    if node.get("type") == "object" and "properties" in node and not node.get("x-kubernetes-preserve-unknown-fields"):
+        node.setdefault("additionalProperties", False)
+    return node
