@@ -13,13 +13,14 @@ import kopf
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
+from disagg.api.contract import KV_REVISION_GENERATION_LABEL, KV_REVISION_LABEL
 from disagg.api.names import (GROUP, LABEL_DEPLOYMENT, LABEL_GANG, LABEL_MANAGED_BY, LABEL_ROLE, MANAGED_BY,
                                ROLE_DECODE, ROLE_PREFILL)
 from disagg.api.v1alpha1 import GPU_RESOURCE, KIND, PLURAL, VERSION, DisaggDeployment
 
 from . import capacity, children, render
 from . import gang as gangs
-from . import metrics
+from . import metrics, revisions
 from . import status as statuses
 from .fleet import PAGE, Fleet
 
@@ -52,6 +53,8 @@ def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     memo.fleet = Fleet(memo.clients)
     memo.triggers = {}
     memo.applied = {}  # (namespace, name) -> (last applied generation, error applying the next one)
+    # (namespace, name) -> (KV revision generation, rollout hold) of its last apply (revisions.py)
+    memo.revisions = {}
     memo.drift_seen = {}  # (kind, namespace, child) -> its generation (uid once deleted) last restored
     metrics.serve()
 
@@ -80,7 +83,8 @@ def _parse(body: kopf.Body) -> DisaggDeployment:
 @kopf.on.resume(GROUP, VERSION, PLURAL)
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
-def reconcile(body: kopf.Body, uid: str, name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
+def reconcile(body: kopf.Body, uid: str, name: str, namespace: str, memo: kopf.Memo,
+              pods_by_deployment: kopf.Index, deployments_by_deployment: kopf.Index, **_: Any) -> None:
     try:
         dd = _parse(body)
     except ValidationError as e:
@@ -89,7 +93,9 @@ def reconcile(body: kopf.Body, uid: str, name: str, namespace: str, memo: kopf.M
         kopf.warn(body, reason="InvalidSpec", message=str(e).splitlines()[0])
         raise kopf.PermanentError(f"invalid spec: {e}") from e
     clients: children.Clients = memo.clients
-    manifests, gang = render.children(dd, uid)
+    key = (namespace, name)
+    manifests, gang = _render(dd, uid, list(pods_by_deployment.get(key, [])),
+                              list(deployments_by_deployment.get(key, [])), memo)
     generation = body["metadata"].get("generation", 0)
     try:
         written = children.apply(clients, manifests, uid)
@@ -127,6 +133,37 @@ def reconcile(body: kopf.Body, uid: str, name: str, namespace: str, memo: kopf.M
     _wake(memo, namespace, name)
 
 
+def _render(dd: DisaggDeployment, uid: str, pods: list[statuses.PodView],
+            deps: list[tuple[str, statuses.DeploymentView]], memo: kopf.Memo) -> tuple[list[dict[str, Any]], gangs.Gang]:
+    """render.children with the KV revision's generation and rollout hold (:mod:`.revisions`) read from
+    what runs; the hold is remembered so the status loop re-applies when it should be lifted."""
+    generation = render.revision_generation(dd, revisions.live([v for _, v in deps]))
+    hold = revisions.hold(pods, render.kv_revision(dd))
+    memo.revisions[(dd.metadata.namespace, dd.metadata.name)] = (generation, hold)
+    return render.children(dd, uid, generation, hold)
+
+
+def _lift_hold(memo: kopf.Memo, namespace: str, name: str, pods: list[statuses.PodView]) -> bool:
+    """Lift a KV revision rollout's hold once the new revision has a ready pair (or no older revision
+    has one left to protect); True when it re-applied the children."""
+    key = (namespace, name)
+    generation, held = memo.revisions.get(key, (None, False))
+    if not held:
+        return False
+    obj = memo.clients.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+    try:
+        dd = _parse(obj)
+    except ValidationError:
+        return False
+    if revisions.hold(pods, render.kv_revision(dd)):
+        return False
+    memo.revisions[key] = (generation, False)
+    manifests, _ = render.children(dd, obj["metadata"]["uid"], generation, False)
+    for kind in children.apply(memo.clients, manifests, obj["metadata"]["uid"]):
+        metrics.child_writes.labels(kind).inc()
+    return True
+
+
 def _wake(memo: kopf.Memo, namespace: str, name: str) -> None:
     event = memo.triggers.get((namespace, name))
     if event is not None:
@@ -149,7 +186,8 @@ def pods_by_deployment(namespace: str, name: str, labels: kopf.Labels, spec: kop
                             waiting_message=message,
                             terminating=bool(meta.get("deletionTimestamp")),
                             template_hash=labels.get("pod-template-hash"),
-                            created=meta.get("creationTimestamp", ""), gang=labels.get(LABEL_GANG))
+                            created=meta.get("creationTimestamp", ""), gang=labels.get(LABEL_GANG),
+                            revision=labels.get(KV_REVISION_LABEL))
     return {(namespace, labels[LABEL_DEPLOYMENT]): view}
 
 
@@ -160,6 +198,10 @@ def deployments_by_deployment(namespace: str, labels: kopf.Labels, spec: kopf.Sp
                                    ready=status.get("readyReplicas", 0),
                                    observed_generation=status.get("observedGeneration", 0),
                                    generation=meta.get("generation", 0))
+    template = ((spec.get("template") or {}).get("metadata") or {}).get("labels") or {}
+    view.revision = template.get(KV_REVISION_LABEL)
+    if str(template.get(KV_REVISION_GENERATION_LABEL, "")).isdigit():
+        view.revision_generation = int(template[KV_REVISION_GENERATION_LABEL])
     return {(namespace, labels[LABEL_DEPLOYMENT]): (labels.get(LABEL_ROLE, ""), view)}
 
 
@@ -199,7 +241,8 @@ async def _revert_drift(memo: kopf.Memo, kind: str, namespace: str, name: str, l
         return
     memo.drift_seen[(kind, namespace, name)] = generation
     try:
-        restored = await asyncio.to_thread(_restore, memo.clients, namespace, dd_name)
+        restored = await asyncio.to_thread(_restore, memo.clients, namespace, dd_name,
+                                           memo.revisions.get((namespace, dd_name), (None, False)))
     except ApiException as e:
         log.warning("restoring %s %s/%s after a change by %s failed: %s", kind, namespace, name, manager, e.reason)
         return
@@ -214,7 +257,8 @@ async def _revert_drift(memo: kopf.Memo, kind: str, namespace: str, name: str, l
                            f"DisaggDeployment renders (change the DisaggDeployment instead)")
 
 
-def _restore(clients: children.Clients, namespace: str, dd_name: str) -> dict[str, Any] | None:
+def _restore(clients: children.Clients, namespace: str, dd_name: str,
+             revision: tuple[int | None, bool] = (None, False)) -> dict[str, Any] | None:
     """Re-apply a deployment's children; returns its body for the event, None if it is gone, being
     deleted, or invalid, or when nothing needed restoring (a policy the operator itself deleted)."""
     try:
@@ -229,7 +273,7 @@ def _restore(clients: children.Clients, namespace: str, dd_name: str) -> dict[st
         dd = _parse(obj)
     except ValidationError:
         return None
-    manifests, _ = render.children(dd, obj["metadata"]["uid"])
+    manifests, _ = render.children(dd, obj["metadata"]["uid"], *revision)
     written = children.apply(clients, manifests, obj["metadata"]["uid"])
     for kind in written:
         metrics.child_writes.labels(kind).inc()
@@ -249,6 +293,9 @@ async def status_loop(name: str, namespace: str, body: kopf.Body, memo: kopf.Mem
             pods = list(pods_by_deployment.get(key, []))
             deps = list(deployments_by_deployment.get(key, []))
             try:
+                if await asyncio.to_thread(_lift_hold, memo, namespace, name, pods):
+                    kopf.info(body, reason="RolloutHoldLifted",
+                              message="the new KV revision has a ready prefill and decode: the old pods may go")
                 applied = memo.applied.get(key)
                 settled, events = await asyncio.to_thread(refresh, memo.clients, namespace, name, pods, deps, applied,
                                                            memo.fleet)

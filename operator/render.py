@@ -221,12 +221,41 @@ def _gang_min(dd: DisaggDeployment, role: str) -> int:
     return gang.min_prefill if role == ROLE_PREFILL else gang.min_decode
 
 
-def worker_deployment(dd: DisaggDeployment, uid: str, role: str, gang: gangs.Gang) -> dict[str, Any]:
+def kv_revision(dd: DisaggDeployment) -> str:
+    """The deployment's KV revision (:func:`disagg.api.contract.kv_revision`): one for both roles."""
+    spec = dd.spec
+    return contract.kv_revision(
+        model=spec.model.source, model_revision=spec.model.revision, tokenizer=spec.model.tokenizer,
+        image=spec.engine.image, engine_args=spec.engine.args,
+        kv_transfer={"connector": spec.kv_transfer.connector, "backends": list(spec.kv_transfer.backends),
+                     "buffer_device": spec.kv_transfer.buffer_device},
+        roles={role: (getattr(spec, role).tensor_parallel_size, getattr(spec, role).extra_args)
+               for role in (ROLE_PREFILL, ROLE_DECODE)})
+
+
+def revision_generation(dd: DisaggDeployment, live: tuple[str | None, int | None]) -> int:
+    """The generation stamped on the pods of the deployment's KV revision: the live workers' (``live``:
+    (revision, generation) from the running Deployment's pod template) while the revision is unchanged,
+    else this generation, so scaling or an unrelated change never rolls pods, and a new revision always
+    orders after the old."""
+    revision, generation = live
+    if revision == kv_revision(dd) and generation is not None:
+        return generation
+    return int((dd.metadata.model_extra or {}).get("generation") or 0)
+
+
+def worker_deployment(dd: DisaggDeployment, uid: str, role: str, gang: gangs.Gang,
+                      generation: int | None = None, hold: bool = False) -> dict[str, Any]:
     role_spec: RoleSpec = getattr(dd.spec, role)
     name = names(dd.metadata.name)[role]
     pod_fields = gang.pod_fields.get(role, {"labels": {}, "annotations": {}, "spec": {}})
-    labels = {**selector(dd.metadata.name, role), LABEL_MANAGED_BY: MANAGED_BY, **pod_fields["labels"]}
-    env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+    revision = kv_revision(dd)
+    if generation is None:
+        generation = revision_generation(dd, (None, None))
+    labels = {**selector(dd.metadata.name, role), LABEL_MANAGED_BY: MANAGED_BY, **pod_fields["labels"],
+              contract.KV_REVISION_LABEL: revision, contract.KV_REVISION_GENERATION_LABEL: str(generation)}
+    env = [{"name": contract.KV_REVISION_ENV, "value": revision},
+           {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
            {"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "value": "$(POD_IP)"},
            *({"name": e.name, "value": e.value} for e in dd.spec.engine.env)]
@@ -299,6 +328,11 @@ def worker_deployment(dd: DisaggDeployment, uid: str, role: str, gang: gangs.Gan
             # minimum change) can be placed while the old pods keep serving.
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {
                 "maxSurge": max(1, _gang_min(dd, role)), "maxUnavailable": 0}},
+            # a rollout to a new KV revision holds every old pod until the new revision has a ready
+            # pair (contract.ROLLOUT_HOLD_SECONDS, operator/revisions.py)
+            "minReadySeconds": contract.ROLLOUT_HOLD_SECONDS if hold else 0,
+            # the API requires the progress deadline above minReadySeconds (600: Kubernetes' default)
+            "progressDeadlineSeconds": 600 + (contract.ROLLOUT_HOLD_SECONDS if hold else 0),
             "template": {"metadata": template_meta, "spec": pod_spec},
         },
     }
@@ -450,13 +484,15 @@ def network_policy(dd: DisaggDeployment, uid: str) -> dict[str, Any]:
 
 
 def router_rbac(dd: DisaggDeployment, uid: str) -> list[dict[str, Any]]:
-    """The router discovers workers from the role Services' EndpointSlices."""
+    """The router discovers workers from the role Services' EndpointSlices, and each worker's KV revision
+    from its pod's labels (listed by the deployment's label, in its namespace)."""
     name = names(dd.metadata.name)[ROLE_ROUTER]
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(dd, uid, name, ROLE_ROUTER)},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _meta(dd, uid, name, ROLE_ROUTER),
          "rules": [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
-                    "verbs": ["get", "list", "watch"]}]},
+                    "verbs": ["get", "list", "watch"]},
+                   {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}]},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
          "metadata": _meta(dd, uid, name, ROLE_ROUTER),
          "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
@@ -469,8 +505,11 @@ def endpoint(dd: DisaggDeployment) -> str:
     return f"http://{names(dd.metadata.name)['service']}.{dd.metadata.namespace}.svc:80/v1"
 
 
-def children(dd: DisaggDeployment, uid: str) -> tuple[list[dict[str, Any]], gangs.Gang]:
-    """Every child manifest, gang objects first (pods reference them), each stamped with its content hash."""
+def children(dd: DisaggDeployment, uid: str, generation: int | None = None,
+             hold: bool = False) -> tuple[list[dict[str, Any]], gangs.Gang]:
+    """Every child manifest, gang objects first (pods reference them), each stamped with its content hash.
+    ``generation`` orders the workers' KV revision (:func:`revision_generation`; default: this one);
+    ``hold``: a rollout to a new KV revision waits for its first ready pair (:mod:`.revisions`)."""
     gang = gangs.render(dd.metadata.name, dd.spec)
     out: list[dict[str, Any]] = []
     for obj in gang.objects:
@@ -480,8 +519,8 @@ def children(dd: DisaggDeployment, uid: str) -> tuple[list[dict[str, Any]], gang
     out += services(dd, uid)
     if network_policy_enabled():
         out.append(network_policy(dd, uid))
-    out += [worker_deployment(dd, uid, ROLE_PREFILL, gang), worker_deployment(dd, uid, ROLE_DECODE, gang),
-            router_deployment(dd, uid)]
+    out += [worker_deployment(dd, uid, ROLE_PREFILL, gang, generation, hold),
+            worker_deployment(dd, uid, ROLE_DECODE, gang, generation, hold), router_deployment(dd, uid)]
     for obj in out:
         digest = hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
         obj["metadata"].setdefault("annotations", {})[HASH_ANNOTATION] = digest

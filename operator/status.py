@@ -35,6 +35,7 @@ class PodView:
     template_hash: str | None = None
     created: str = ""
     gang: str | None = None
+    revision: str | None = None   # its KV revision (contract.KV_REVISION_LABEL)
 
 
 @dataclass
@@ -45,6 +46,9 @@ class DeploymentView:
     current_hash: str | None = None  # pod-template-hash of the newest ReplicaSet, when known
     observed_generation: int = 0
     generation: int = 0
+    # the KV revision its pod template carries, and that revision's ordering generation
+    revision: str | None = None
+    revision_generation: int | None = None
 
 
 @dataclass

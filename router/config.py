@@ -15,6 +15,11 @@ class WorkerEndpoint(BaseModel):
     kv_replay: str | None = Field(None, description="ZMQ endpoint of its KV events' replay socket, e.g. "
                                                     "tcp://10.0.0.5:5558: missed batches are asked for there "
                                                     "(without it, a gap drops the worker's index entries).")
+    revision: str | None = Field(None, description="Its KV revision (disagg.api.contract.kv_revision): prefill "
+                                                   "and decode are paired only within one revision. Unset "
+                                                   "counts as one revision of its own.")
+    revision_generation: int | None = Field(None, description="Orders revisions: new requests go to the revision "
+                                                              "of the highest generation that has both roles.")
 
 
 class RouterConfig(BaseModel):

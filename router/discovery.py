@@ -3,6 +3,9 @@
 Ready endpoints become workers (``http`` port -> base URL, ``kv-events`` and ``kv-replay`` ports -> ZMQ
 endpoints);
 endpoints that leave (scale-down, a failed pod, a terminating one) leave the pool and the index.
+Each endpoint's pod (its ``targetRef``) gives the worker's KV revision and that revision's generation,
+from the labels the operator renders (``disagg.api.contract.KV_REVISION_LABEL``): the router pairs
+prefill and decode of one revision only (:mod:`.pairing`).
 Polls with the Kubernetes client (slices are few and small; a watch would add little here).
 """
 
@@ -11,14 +14,30 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from disagg.api.contract import KV_REVISION_GENERATION_LABEL, KV_REVISION_LABEL
+
 from .config import WorkerEndpoint
 
 log = logging.getLogger("disagg.router.discovery")
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 
 
-def endpoints_from_slices(slices: list) -> list[WorkerEndpoint]:
-    """WorkerEndpoints of the ready, not terminating endpoints in ``slices`` (V1EndpointSlice objects)."""
+def revisions_from_pods(pods: list) -> dict[str, tuple[str, int | None]]:
+    """Pod name -> (KV revision, its generation) of the pods (V1Pod objects) that carry one."""
+    out = {}
+    for p in pods:
+        labels = p.metadata.labels or {}
+        if KV_REVISION_LABEL in labels:
+            gen = labels.get(KV_REVISION_GENERATION_LABEL, "")
+            out[p.metadata.name] = (labels[KV_REVISION_LABEL], int(gen) if gen.isdigit() else None)
+    return out
+
+
+def endpoints_from_slices(slices: list, revisions: dict[str, tuple[str, int | None]] | None = None
+                          ) -> list[WorkerEndpoint]:
+    """WorkerEndpoints of the ready, not terminating endpoints in ``slices`` (V1EndpointSlice objects);
+    ``revisions`` (:func:`revisions_from_pods`) gives each its pod's KV revision."""
+    revisions = revisions or {}
     out: dict[str, WorkerEndpoint] = {}
     for s in slices:
         ports = {p.name: p.port for p in (s.ports or [])}
@@ -33,7 +52,11 @@ def endpoints_from_slices(slices: list) -> list[WorkerEndpoint]:
                 url = f"http://{host}:{ports['http']}"
                 events = f"tcp://{host}:{ports['kv-events']}" if "kv-events" in ports else None
                 replay = f"tcp://{host}:{ports['kv-replay']}" if "kv-replay" in ports else None
-                out[url] = WorkerEndpoint(url=url, kv_events=events, kv_replay=replay)
+                ref = ep.target_ref
+                revision, generation = revisions.get(ref.name, (None, None)) if ref is not None \
+                    and ref.kind == "Pod" else (None, None)
+                out[url] = WorkerEndpoint(url=url, kv_events=events, kv_replay=replay, revision=revision,
+                                          revision_generation=generation)
     return [out[k] for k in sorted(out)]
 
 
@@ -42,19 +65,31 @@ class EndpointSliceDiscovery:
         from kubernetes import client
 
         self._api = client.DiscoveryV1Api(api_client)
+        self._core = client.CoreV1Api(api_client)
         self.namespace, self.services, self.interval_s = namespace, services, interval_s
 
-    def list(self, role: str) -> list[WorkerEndpoint]:
+    def list(self, role: str, revisions: dict[str, tuple[str, int | None]] | None = None) -> list[WorkerEndpoint]:
         slices = self._api.list_namespaced_endpoint_slice(
             self.namespace, label_selector=f"{SERVICE_NAME_LABEL}={self.services[role]}").items
-        return endpoints_from_slices(slices)
+        return endpoints_from_slices(slices, self.revisions() if revisions is None else revisions)
+
+    def revisions(self) -> dict[str, tuple[str, int | None]]:
+        """The namespace's worker pods' KV revisions (one list, of the pods that carry the label)."""
+        return revisions_from_pods(self._core.list_namespaced_pod(self.namespace,
+                                                                  label_selector=KV_REVISION_LABEL).items)
 
     async def run(self, update) -> None:
         """Calls ``update(role, endpoints)`` now and after every poll, until cancelled."""
         while True:
+            try:
+                revisions = await asyncio.to_thread(self.revisions)
+            except Exception as e:  # keep the workers; without revisions they cannot be paired safely
+                log.warning("listing worker pods failed: %s", e)
+                await asyncio.sleep(self.interval_s)
+                continue
             for role in self.services:
                 try:
-                    update(role, await asyncio.to_thread(self.list, role))
+                    update(role, await asyncio.to_thread(self.list, role, revisions))
                 except Exception as e:  # the API server being away keeps the last known workers
                     log.warning("listing EndpointSlices of %s failed: %s", self.services[role], e)
             await asyncio.sleep(self.interval_s)

@@ -28,6 +28,9 @@ class RouterMetrics:
         self.requests = Counter(m.ROUTER_REQUESTS, "Requests by outcome and path.", ["outcome", "path"],
                                 registry=r)
         self.fallbacks = Counter(m.ROUTER_FALLBACKS, "Fallbacks taken, by reason.", ["reason"], registry=r)
+        self.pairing_refusals = Counter(m.ROUTER_PAIRING_REFUSALS, "Requests whose decode was not paired with a "
+                                        "healthy prefill because it was of another KV revision, by reason.",
+                                        ["reason"], registry=r)
         self.decisions = Counter(m.ROUTER_ROUTING_DECISIONS, "Routing decisions.", ["policy", "role", "worker"],
                                  registry=r)
         self.load_bounded = Counter(m.ROUTER_LOAD_BOUNDED, "Decisions where the worker holding the most of the "

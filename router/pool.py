@@ -22,6 +22,8 @@ class Worker:
     kv_replay: str | None = None
     active: int = 0
     healthy: bool = True
+    revision: str | None = None            # KV revision: paired with the other role's of the same only
+    revision_generation: int | None = None  # orders revisions (the newest complete one takes new requests)
 
 
 @dataclass
@@ -47,6 +49,8 @@ class Pool:
                 current[name] = Worker(name=name, role=role, url=name, kv_events=e.kv_events,
                                        kv_replay=e.kv_replay)
                 added.append(current[name])
+            # a revision learned late (its pod listed after its endpoint) is taken as it comes
+            current[name].revision, current[name].revision_generation = e.revision, e.revision_generation
         return added, removed
 
     def healthy(self, role: str, exclude: set[str] = frozenset()) -> list[Worker]:

@@ -20,7 +20,7 @@ from disagg.api import metrics as m
 from disagg.api.names import ROLE_DECODE, ROLE_PREFILL
 from disagg.api.v1alpha1 import Disaggregation
 
-from . import policies
+from . import pairing, policies
 from .admission import Admission
 from .config import RouterConfig
 from .errors import BadRequest, NoWorkers, NotFound, RouterError, UpstreamFailed, UpstreamRejected, UpstreamTimeout
@@ -57,6 +57,7 @@ class Route:
     decode: str
     prefill: str | None = None
     fallback: str | None = None
+    revision: str | None = None     # the workers' KV revision (prefill and decode share it: pairing.py)
 
     def headers(self) -> dict[str, str]:
         h = {"x-disagg-path": self.path, "x-disagg-decode": self.decode}
@@ -64,6 +65,8 @@ class Route:
             h["x-disagg-prefill"] = self.prefill
         if self.fallback:
             h["x-disagg-fallback"] = self.fallback
+        if self.revision:
+            h["x-disagg-revision"] = self.revision
         return h
 
 
@@ -184,8 +187,11 @@ class Router:
             await asyncio.sleep(self.config.health_interval_s)
 
     # ---------------------------------------------------------------- routing
-    def _pick(self, role: str, keys: list[int], exclude: set[str] = frozenset()) -> tuple[Worker, int]:
-        workers = self.pool.healthy(role, exclude)
+    def _pick(self, role: str, keys: list[int], exclude: set[str] = frozenset(),
+              workers: list[Worker] | None = None) -> tuple[Worker, int]:
+        """A worker of ``role`` (of ``workers`` when given, else any healthy one not in ``exclude``)."""
+        if workers is None:
+            workers = self.pool.healthy(role, exclude)
         if not workers:
             raise NoWorkers(f"no healthy {role} workers are available")
         t0 = time.perf_counter()
@@ -201,17 +207,21 @@ class Router:
     def plan(self, token_ids: list[int], exclude: set[str] = frozenset()) -> Plan:
         keys = block_keys(token_ids, self.config.block_size)
         bs = self.config.block_size
-        decode, decode_overlap = self._pick(ROLE_DECODE, keys, exclude)
+        # prefill and decode of one KV revision only, the newest complete one (pairing.py)
+        pair = pairing.choose(self.pool, exclude)
+        decode, decode_overlap = self._pick(ROLE_DECODE, keys, exclude, pair.decodes)
         mode = self.config.spec.disaggregation
-        prefills = self.pool.healthy(ROLE_PREFILL)
+        prefills = pair.prefills
         remote = bool(prefills) and mode != Disaggregation.NEVER
+        if pair.refused and mode != Disaggregation.NEVER:
+            self.metrics.pairing_refusals.labels(m.PAIRING_OTHER_REVISION).inc()
         if remote and mode == Disaggregation.CONDITIONAL:
             uncached = len(token_ids) - decode_overlap * bs
             saturated = min(w.active for w in prefills) >= self.config.max_prefill_active
             remote = uncached >= self.config.spec.local_prefill_threshold_tokens and not saturated
         if not remote:
             return Plan(decode, None, len(token_ids), min(decode_overlap * bs, len(token_ids)))
-        prefill, overlap = self._pick(ROLE_PREFILL, keys)
+        prefill, overlap = self._pick(ROLE_PREFILL, keys, workers=prefills)
         return Plan(decode, prefill, len(token_ids), min(overlap * bs, len(token_ids)))
 
     # ---------------------------------------------------------------- requests
@@ -254,7 +264,8 @@ class Router:
             except NoWorkers:
                 self.metrics.requests.labels(m.OUTCOME_NO_WORKERS, "none").inc()
                 raise
-        route = Route(m.PATH_LOCAL_PREFILL, plan.decode.name, plan.prefill.name if plan.prefill else None)
+        route = Route(m.PATH_LOCAL_PREFILL, plan.decode.name, plan.prefill.name if plan.prefill else None,
+                      revision=plan.decode.revision)
         kv_params = await self._prefill(endpoint, plan, body, route)
         self.metrics.prompt_tokens.inc(plan.prompt_tokens)
         self.metrics.cached_prompt_tokens.inc(plan.cached_tokens)
@@ -364,7 +375,7 @@ class Router:
             self.metrics.requests.labels(m.OUTCOME_UPSTREAM_ERROR, route.path).inc()
             raise UpstreamFailed(f"the decode worker failed: {err}")
         self.metrics.fallbacks.labels(m.FALLBACK_DECODE_RETRY).inc()
-        route.decode = nxt.name
+        route.decode, route.revision = nxt.name, nxt.revision
         return nxt
 
     def _without_remote_kv(self, body: dict, route: Route) -> dict:

@@ -150,6 +150,20 @@ def cpu_settings(role: str, model: str, cores: str, **kw) -> WorkerSettings:
     return WorkerSettings(**defaults)
 
 
+def kv_revision(prefill: WorkerSettings, decode: WorkerSettings, python: str) -> str:
+    """The KV revision of a local prefill/decode pair (disagg.api.contract.kv_revision): the worker
+    environment's interpreter stands for the image."""
+    from disagg.api.contract import kv_revision as revision
+
+    shared = prefill.engine_args if prefill.engine_args == decode.engine_args else []
+    roles = {s.role: (1, [*(a for a in s.engine_args if a not in shared),
+                          *(["--dtype=float32"] if s.cpu else []), f"--block-size={s.block_size}"])
+             for s in (prefill, decode)}
+    return revision(model=prefill.model, model_revision=None, tokenizer=None, image=f"local:{python}",
+                    kv_transfer={"buffer_device": prefill.kv_buffer_device, "backends": prefill.nixl_backends},
+                    roles=roles, engine_args=shared)
+
+
 def router(config_path: Path, port: int, log_dir: Path) -> LocalProcess:
     return LocalProcess("router", [sys.executable, "-P", "-m", "disagg.router", "--config", str(config_path)],
                         {}, f"http://127.0.0.1:{port}", log_dir)
@@ -196,15 +210,16 @@ def pd_processes(model: str, port: int, python: str, log_dir: Path) -> list[Loca
     import json as _json
 
     prefill_s, decode_s = cpu_settings("prefill", model, "0"), cpu_settings("decode", model, "1")
+    revision = kv_revision(prefill_s, decode_s, python)
     config = {"model": "tiny", "tokenizer": model, "block_size": prefill_s.block_size,
               "max_model_len": prefill_s.max_model_len, "port": port, "host": "127.0.0.1",
               "spec": {"disaggregation": "always"},
               "prefill": [{"url": f"http://127.0.0.1:{prefill_s.port}",
                            "kv_events": f"tcp://127.0.0.1:{prefill_s.kv_events_port}",
-                           "kv_replay": f"tcp://127.0.0.1:{prefill_s.kv_replay_port}"}],
+                           "kv_replay": f"tcp://127.0.0.1:{prefill_s.kv_replay_port}", "revision": revision}],
               "decode": [{"url": f"http://127.0.0.1:{decode_s.port}",
                           "kv_events": f"tcp://127.0.0.1:{decode_s.kv_events_port}",
-                          "kv_replay": f"tcp://127.0.0.1:{decode_s.kv_replay_port}"}]}
+                          "kv_replay": f"tcp://127.0.0.1:{decode_s.kv_replay_port}", "revision": revision}]}
     (log_dir / "router.json").write_text(_json.dumps(config))
     return [worker("prefill", prefill_s, python, log_dir), worker("decode", decode_s, python, log_dir),
             router(log_dir / "router.json", port, log_dir)]

@@ -125,3 +125,69 @@ def max_model_len(engine_args: Sequence[str]) -> int | None:
     if tokens < 1:
         raise ValueError(f"{MAX_MODEL_LEN_FLAG} must be positive, not {value!r}")
     return tokens
+
+
+# ---------------------------------------------------------------- KV revision
+# A prefill's KV can be pulled by a decode only when both computed and laid it out the same way. The
+# KV revision is a hash of exactly what decides that, computed here for every caller (the operator
+# renders it onto the worker pods, `disagg serve --local` hands it to its router), so that the router
+# pairs prefill and decode of one revision only. What counts:
+#   * the weights: model source, revision, tokenizer (token ids must be the same ids);
+#   * the engine build: the worker image (another vLLM may lay KV out differently);
+#   * the transfer: connector, backends, buffer device (how a decode reads the prefill's memory);
+#   * each role's tensor parallel size (heads per rank; both roles' sizes, so that a change of either
+#     moves both roles to a new revision together);
+#   * the engine arguments in KV_LAYOUT_FLAGS, in spec.engine.args and in each role's extraArgs.
+# What does not count: everything else, notably the context length, batch and memory limits
+# (--max-model-len, --max-num-seqs, --gpu-memory-utilization, ...), prefix caching, logging, and the
+# replica counts: changing those keeps the revision, and the router keeps pairing across the change.
+# An engine argument not in the list does not split pairing even if it should: add it here.
+KV_LAYOUT_FLAGS = (
+    "--dtype", "--kv-cache-dtype", "--quantization", "-q", "--block-size", "--tensor-parallel-size", "-tp",
+    "--pipeline-parallel-size", "-pp", "--hf-overrides", "--rope-scaling", "--rope-theta", "--tokenizer",
+    "--tokenizer-revision", "--revision", "--code-revision", "--attention-backend", "--calculate-kv-scales",
+    "--kv-sharing-fast-prefill", "--model-impl", "--hf-config-path", "--override-attention-dtype",
+)
+# The label (and worker env) carrying a worker's revision, and the label ordering revisions: the
+# DisaggDeployment's metadata.generation when the operator first rendered that revision (kept while the
+# revision stays the same, so scaling never re-rolls pods). The router sends new requests to the revision
+# with the highest generation that has both roles ready.
+KV_REVISION_LABEL = "serving.disagg.dev/kv-revision"
+KV_REVISION_GENERATION_LABEL = "serving.disagg.dev/kv-revision-generation"
+KV_REVISION_ENV = "DISAGG_KV_REVISION"
+# During a rollout that changes the revision, the operator sets the worker Deployments' minReadySeconds
+# to this while the new revision has no ready pair: new pods serve traffic once ready (the router sees
+# them) but do not count as available, so the Deployment controller keeps every old pod (maxUnavailable
+# is 0) until the operator lifts it, once a prefill and a decode of the new revision are ready.
+ROLLOUT_HOLD_SECONDS = 86400
+
+
+def kv_layout_args(args: Sequence[str]) -> list[str]:
+    """The arguments of ``args`` that count for the KV revision (each counted flag with its value, in
+    order; both spellings, ``--flag value`` and ``--flag=value``, normalised to ``--flag=value``)."""
+    counted = {f for f in KV_LAYOUT_FLAGS} | {"--" + f[2:].replace("-", "_") for f in KV_LAYOUT_FLAGS
+                                              if f.startswith("--")}
+    out = []
+    for i, arg in enumerate(args):
+        name, eq, value = arg.partition("=")
+        if name not in counted:
+            continue
+        name = "--" + name[2:].replace("_", "-") if name.startswith("--") else name
+        if not eq and i + 1 < len(args) and not args[i + 1].startswith("-"):
+            value = args[i + 1]
+        out.append(f"{name}={value}")
+    return out
+
+
+def kv_revision(*, model: str, model_revision: str | None, tokenizer: str | None, image: str,
+                kv_transfer: dict, roles: dict[str, tuple[int, Sequence[str]]],
+                engine_args: Sequence[str]) -> str:
+    """The KV revision (16 hex digits) of workers built from these parts; ``roles`` maps each role to
+    (tensor parallel size, its extra args). Same parts, same revision, in any process."""
+    import hashlib
+    import json
+
+    parts = {"model": model, "model_revision": model_revision, "tokenizer": tokenizer, "image": image,
+             "kv_transfer": kv_transfer, "engine_args": kv_layout_args(engine_args),
+             "roles": {role: [tp, kv_layout_args(extra)] for role, (tp, extra) in sorted(roles.items())}}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]

@@ -33,6 +33,7 @@ ROUTER_REJECTED = "disagg_router_rejected_requests_total"           # counter; l
 ROUTER_TIMEOUTS = "disagg_router_upstream_timeouts_total"           # counter; labels: kind (worker calls cut)
 ROUTER_AUTH_FAILURES = "disagg_router_auth_failures_total"          # counter; labels: reason (401s: never in ROUTER_REQUESTS, whose rate the planner reads as load)
 ROUTER_API_KEYS = "disagg_router_api_keys"                          # gauge: API keys loaded (spec.router.auth)
+ROUTER_PAIRING_REFUSALS = "disagg_router_pairing_refusals_total"  # counter; labels: reason (a request not paired with a prefill of another KV revision)
 
 # request paths (label values of ROUTER_REQUESTS{path=...})
 PATH_REMOTE_PREFILL = "remote_prefill"
@@ -66,6 +67,8 @@ FALLBACK_PREFILL_ERROR = "prefill_error"
 FALLBACK_PREFILL_TIMEOUT = "prefill_timeout"
 FALLBACK_DECODE_RETRY = "decode_retry"
 FALLBACK_KV_TRANSFER = "kv_transfer_failed"    # decode could not pull the prefilled KV: it prefills itself
+# why the router refused to pair a request's decode with a healthy prefill (ROUTER_PAIRING_REFUSALS{reason=...})
+PAIRING_OTHER_REVISION = "other_revision"        # healthy prefills, none of the decode's KV revision: decode-only
 
 # ---- vLLM's own metrics, as the router, tests and planner read them from workers' /metrics
 VLLM_NIXL_BYTES_TRANSFERRED = "vllm:nixl_bytes_transferred"        # histogram (bytes per transfer)

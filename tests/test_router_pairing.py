@@ -1,0 +1,127 @@
+"""Revision-safe pairing (router/pairing.py): prefill and decode of one KV revision only, new requests
+on the newest revision with both roles, refusals counted (no HTTP, no vLLM)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from prometheus_client import generate_latest
+
+from disagg.api import metrics as m
+from disagg.api.names import ROLE_DECODE, ROLE_PREFILL
+from disagg.router.config import RouterConfig
+from disagg.router.errors import NoWorkers
+from disagg.router.metrics import RouterMetrics
+from disagg.router.service import Route, Router
+from disagg.workers.local import metric_sum, parse_metrics
+
+PROMPT = list(range(100))
+# (url, revision, generation)
+OLD = [("http://p-old:8000", "aaaa", 1), ("http://d-old:8000", "aaaa", 1)]
+NEW = [("http://p-new:8000", "bbbb", 4), ("http://d-new:8000", "bbbb", 4)]
+
+
+def _router(prefill, decode, mode: str = "always") -> Router:
+    def eps(ws):
+        return [{"url": u, "revision": rev, "revision_generation": gen} for u, rev, gen in ws]
+    cfg = RouterConfig(model="tiny", tokenizer="unused", block_size=16, spec={"disaggregation": mode},
+                       prefill=eps(prefill), decode=eps(decode))
+    return Router(cfg, tokenizer=None, metrics=RouterMetrics())
+
+
+def _refusals(r: Router) -> float:
+    return metric_sum(parse_metrics(generate_latest(r.metrics.registry).decode()), m.ROUTER_PAIRING_REFUSALS)
+
+
+def _set_health(r: Router, healthy: dict[str, bool]) -> None:
+    for w in r.pool.all():
+        w.healthy = healthy[w.name]
+
+
+def test_mixed_revisions_are_never_paired():
+    """Every combination of healthy workers over three revisions: a plan with a prefill always has it
+    of the decode's revision, and the route names that revision."""
+    prefill = [("http://p-a:8000", "aaaa", 1), ("http://p-b:8000", "bbbb", 2), ("http://p-c:8000", "cccc", 3)]
+    decode = [("http://d-a:8000", "aaaa", 1), ("http://d-b:8000", "bbbb", 2), ("http://d-c:8000", "cccc", 3)]
+    r = _router(prefill, decode)
+    names = [u for u, _, _ in prefill + decode]
+    plans = 0
+    for states in itertools.product([True, False], repeat=len(names)):
+        _set_health(r, dict(zip(names, states)))
+        try:
+            plan = r.plan(PROMPT)
+        except NoWorkers:
+            assert not any(states[3:]), "a healthy decode exists"
+            continue
+        plans += 1
+        if plan.prefill is not None:
+            assert plan.prefill.revision == plan.decode.revision, (states, plan)
+        else:   # decode-only only when no healthy prefill shares a revision with a healthy decode
+            healthy = {(w.role, w.revision) for w in r.pool.all() if w.healthy}
+            assert not any((ROLE_PREFILL, rev) in healthy for role, rev in healthy if role == ROLE_DECODE)
+    assert plans == 7 * 8    # the 7 non-empty decode sets times the 8 prefill sets
+
+
+def test_the_newest_complete_revision_takes_new_requests():
+    r = _router([OLD[0], NEW[0]], [OLD[1], NEW[1]])
+    for _ in range(20):
+        plan = r.plan(PROMPT)
+        assert (plan.prefill.name, plan.decode.name) == ("http://p-new:8000", "http://d-new:8000")
+    # the new revision loses its prefill: the old complete pair serves, not the new decode alone
+    r.pool.workers[ROLE_PREFILL]["http://p-new:8000"].healthy = False
+    plan = r.plan(PROMPT)
+    assert (plan.prefill.name, plan.decode.name) == ("http://p-old:8000", "http://d-old:8000")
+    assert _refusals(r) == 0       # a pair was found: nothing refused
+    # generation, not the hash, orders revisions: a newer revision whose hash sorts first still wins
+    r = _router([("http://p-z:8000", "ffff", 1), ("http://p-y:8000", "0000", 2)],
+                [("http://d-z:8000", "ffff", 1), ("http://d-y:8000", "0000", 2)])
+    assert r.plan(PROMPT).decode.name == "http://d-y:8000"
+
+
+def test_no_same_revision_prefill_runs_decode_only_and_is_counted():
+    # mid-rollout: the old revision kept only its decode, the new one only its prefill
+    r = _router([NEW[0]], [OLD[1]])
+    plan = r.plan(PROMPT)
+    assert plan.prefill is None and plan.decode.name == "http://d-old:8000"
+    r.plan(PROMPT)
+    assert _refusals(r) == 2
+    # no prefill at all is no refusal (nothing was passed over), nor is disaggregation: never
+    r = _router([], [OLD[1]])
+    assert r.plan(PROMPT).prefill is None and _refusals(r) == 0
+    r = _router([NEW[0]], [OLD[1]], mode="never")
+    assert r.plan(PROMPT).prefill is None and _refusals(r) == 0
+
+
+def test_decode_only_goes_to_the_newest_revision_with_a_decode():
+    r = _router([("http://p-x:8000", "xxxx", 9)], [OLD[1], NEW[1]])
+    assert r.plan(PROMPT).decode.name == "http://d-new:8000"
+
+
+def test_workers_without_a_revision_pair_as_before():
+    """A static configuration that names no revision: one revision of its own, paired as always."""
+    r = _router([("http://p:8000", None, None)], [("http://d:8000", None, None)])
+    plan = r.plan(PROMPT)
+    assert plan.prefill is not None and plan.decode.revision is None
+    assert "x-disagg-revision" not in Route("remote_prefill", plan.decode.name, plan.prefill.name).headers()
+
+
+def test_conditional_mode_reads_saturation_of_the_paired_revision_only():
+    r = _router([OLD[0], NEW[0]], [OLD[1], NEW[1]], mode="conditional")
+    r.config.spec.local_prefill_threshold_tokens = 1
+    r.pool.workers[ROLE_PREFILL]["http://p-old:8000"].active = 10**6   # the other revision's prefill is busy
+    assert r.plan(PROMPT).prefill.name == "http://p-new:8000"
+
+
+def test_route_headers_carry_the_revision():
+    r = _router([NEW[0]], [NEW[1]])
+    plan = r.plan(PROMPT)
+    route = Route("remote_prefill", plan.decode.name, plan.prefill.name, revision=plan.decode.revision)
+    assert route.headers()["x-disagg-revision"] == "bbbb"
+
+
+def test_no_decode_is_still_no_workers():
+    r = _router([OLD[0]], [OLD[1]])
+    r.pool.workers[ROLE_DECODE]["http://d-old:8000"].healthy = False
+    with pytest.raises(NoWorkers, match="no healthy decode workers"):
+        r.plan(PROMPT)
