@@ -53,8 +53,12 @@ def endpoints_from_slices(slices: list, revisions: dict[str, tuple[str, int | No
                 events = f"tcp://{host}:{ports['kv-events']}" if "kv-events" in ports else None
                 replay = f"tcp://{host}:{ports['kv-replay']}" if "kv-replay" in ports else None
                 ref = ep.target_ref
-                revision, generation = revisions.get(ref.name, (None, None)) if ref is not None \
-                    and ref.kind == "Pod" else (None, None)
+                pod = ref.name if ref is not None and ref.kind == "Pod" else None
+                if revisions and pod not in revisions:
+                    # its pod was created after the pod list of this poll: without its revision it could
+                    # be paired with anything; it joins at the next poll
+                    continue
+                revision, generation = revisions.get(pod, (None, None))
                 out[url] = WorkerEndpoint(url=url, kv_events=events, kv_replay=replay, revision=revision,
                                           revision_generation=generation)
     return [out[k] for k in sorted(out)]

@@ -125,3 +125,22 @@ def test_no_decode_is_still_no_workers():
     r.pool.workers[ROLE_DECODE]["http://d-old:8000"].healthy = False
     with pytest.raises(NoWorkers, match="no healthy decode workers"):
         r.plan(PROMPT)
+
+
+def test_discovery_takes_revisions_from_the_endpoints_pods():
+    """An endpoint gets its pod's revision; one whose pod is not among the listed pods (created after
+    the list) waits for the next poll rather than joining without a revision."""
+    from types import SimpleNamespace as O   # the attributes discovery reads of V1EndpointSlice and V1Pod
+
+    from disagg.api import contract
+    from disagg.router.discovery import endpoints_from_slices, revisions_from_pods
+
+    def ep(ip, pod):
+        return O(addresses=[ip], conditions=O(ready=True, terminating=False), target_ref=O(kind="Pod", name=pod))
+    slices = [O(endpoints=[ep("192.0.2.1", "a"), ep("192.0.2.2", "b")], ports=[O(name="http", port=8000)])]
+    pods = [O(metadata=O(name="a", labels={contract.KV_REVISION_LABEL: "aaaa",
+                                           contract.KV_REVISION_GENERATION_LABEL: "7"}))]
+    eps = endpoints_from_slices(slices, revisions_from_pods(pods))
+    assert [(e.url, e.revision, e.revision_generation) for e in eps] == [("http://192.0.2.1:8000", "aaaa", 7)]
+    # workers no operator labelled (no pod carries a revision): all of them, without one
+    assert [e.revision for e in endpoints_from_slices(slices, {})] == [None, None]
