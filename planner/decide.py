@@ -67,6 +67,11 @@ class Observation:
     prefill_running: float | None = None    # requests being prefilled
     decode_running: float | None = None     # requests decoding
     decode_kv_usage: float | None = None    # 0..1, mean over decode replicas
+    # means over the interval (the simulator fills them; the Dynamo-style baseline reads them, as
+    # Dynamo's planner reads average TTFT, ITL and request duration; decide() reads percentiles)
+    ttft_mean: float | None = None
+    itl_mean: float | None = None
+    request_seconds_mean: float | None = None
     missing: tuple[str, ...] = ()
     error: str | None = None
     error_reason: str = PROMETHEUS_UNREACHABLE

@@ -31,7 +31,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from .decide import Decision, Load, Memory, Observation, RoleModels, Target, decide, size_decode, size_prefill
+from .decide import (HISTORY, Decision, Load, Memory, Observation, RoleModels, Target, decide, size_decode,
+                     size_prefill)
 from . import serving
 from .perfmodel import PerfModel
 from .traces import BLOCK_TOKENS, Trace
@@ -160,6 +161,74 @@ class ReactivePolicy:
 
 # ---------------------------------------------------------------- the simulation
 
+class DynamoPolicy:
+    """A throughput-based planner modelled on NVIDIA Dynamo's SLA planner (its published design,
+    ``docs/design_docs/planner_design.md``), for comparison. Every interval:
+
+    * corrections: prefill = mean TTFT / the profile's TTFT of one prompt of the mean length; decode = mean
+      ITL / the profile's ITL at the observed concurrency per decode replica (requests x mean request
+      duration / interval / replicas) and context (ISL + OSL / 2);
+    * load: the next interval's request count, mean ISL and mean OSL from a predictor;
+    * prefill = ceil(requests x ISL / interval x min(1, prefill correction) / the profile's prefill
+      throughput per GPU at that ISL (ISL / TTFT of one prompt) / GPUs per replica);
+    * decode = ceil(requests x OSL / interval / the best decode throughput per GPU whose ITL meets
+      target / decode correction at that context (KV cache permitting) / GPUs per replica);
+    * at least one replica each; set directly (no cooldown, no hysteresis), scaled to the GPU budget.
+
+    Its "profile" is the same performance model the planner starts from (the data sheet), so neither is
+    told when the hardware is slower or faster than that. Means, not percentiles: that is Dynamo's design.
+    """
+
+    name = "dynamo"
+
+    def __init__(self, config: SimConfig, predictor: str | None = None, season_intervals: int = 0):
+        self.prefill_model, self.decode_model = config.planning_models()
+        self.predictor = predictor or config.predictor
+        self.season = season_intervals
+        self.history: dict[str, list[float]] = {"rate": [], "isl": [], "osl": []}
+        self.p_correction = self.d_correction = 1.0
+
+    def _next(self, key: str) -> float:
+        from .predictors import get as get_predictor
+
+        params = {"season": self.season} if self.predictor == "holt-winters" else {}
+        return get_predictor(self.predictor, **params).predict(self.history[key][-HISTORY:])
+
+    def _decode_throughput_per_gpu(self, itl: float, isl: float, osl: float) -> float:
+        """Tokens/s per GPU at the largest concurrency whose ITL meets ``itl`` and whose KV cache fits."""
+        dm, ctx = self.decode_model, isl + osl / 2.0
+        batch = max(min(dm.max_concurrency_for_itl(itl, ctx), dm.max_concurrency(isl + osl)), 1)
+        return batch / dm.itl(batch, ctx) / dm.tp
+
+    def plan(self, obs: Observation, target: Target, now: float) -> tuple[int, int]:
+        if (obs.error or not obs.request_rate or obs.input_tokens_mean is None
+                or obs.output_tokens_mean is None):
+            return target.prefill, target.decode   # no traffic or no metrics: Dynamo skips the adjustment
+        isl, osl = obs.input_tokens_mean, obs.output_tokens_mean
+        if obs.ttft_mean is not None and obs.itl_mean is not None and obs.request_seconds_mean is not None:
+            self.p_correction = obs.ttft_mean / max(self.prefill_model.ttft(isl), 1e-9)
+            concurrency = obs.request_rate * obs.request_seconds_mean / max(target.decode, 1)
+            self.d_correction = obs.itl_mean / max(self.decode_model.itl(max(concurrency, 1.0), isl + osl / 2.0),
+                                                   1e-9)
+        self.history["rate"].append(obs.request_rate)
+        self.history["isl"].append(isl)
+        self.history["osl"].append(osl)
+        rate, isl_n, osl_n = self._next("rate"), max(self._next("isl"), 1.0), max(self._next("osl"), 1.0)
+        pm = self.prefill_model
+        p_tput = isl_n / max(pm.ttft(isl_n), 1e-9) / pm.tp           # prompt tokens/s per GPU
+        p = math.ceil(rate * isl_n * min(1.0, self.p_correction) / p_tput / pm.tp - 1e-9)
+        itl = target.itl_target / self.d_correction if self.d_correction > 0 else target.itl_target
+        d_tput = self._decode_throughput_per_gpu(itl, isl_n, osl_n)
+        d = math.ceil(rate * osl_n / d_tput / self.decode_model.tp - 1e-9)
+        p = min(max(p, target.floor_prefill), target.prefill_max)
+        d = min(max(d, target.floor_decode), target.decode_max)
+        if target.gpu_budget is not None and target.gpus(p, d) > target.gpu_budget:
+            scale = target.gpu_budget / target.gpus(p, d)
+            p = max(target.floor_prefill, round(p * scale))
+            d = max(target.floor_decode, (target.gpu_budget - p * target.prefill_tp) // target.decode_tp)
+        return p, d
+
+
 class _Req:
     __slots__ = ("r", "cached", "admit", "first", "finish", "remaining", "ctx", "reserve")
 
@@ -236,6 +305,12 @@ class SimResult:
         return {"policy": self.policy, "trace": self.trace, "requests": self.arrived, "finished": self.finished,
                 "slo_attainment": round(self.attainment, 4), "goodput_rps": round(self.goodput, 4),
                 "gpu_hours": round(self.gpu_hours, 3),
+                "goodput_per_gpu_hour": round(self.met / self.gpu_hours, 2) if self.gpu_seconds else 0.0,
+                # share of arrived requests inside each target on its own
+                "ttft_attainment": round(sum(v <= self.config.ttft_target for v in self.ttft) / self.arrived, 4)
+                if self.arrived else 1.0,
+                "itl_attainment": round(sum(v <= self.config.itl_target for v in self.itl) / self.arrived, 4)
+                if self.arrived else 1.0,
                 "ttft_p_s": _round(_pct(self.ttft, self.config.percentile)),
                 "itl_p_s": _round(_pct(self.itl, self.config.percentile)),
                 "max_prefill": max((i.prefill for i in self.intervals), default=0),
@@ -268,6 +343,10 @@ def _pct(values: list[float], p: float) -> float | None:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
 def _round(v: float | None) -> float | None:
     return None if v is None else round(v, 4)
 
@@ -294,6 +373,7 @@ class Simulation:
         self._acc_itl: list[float] = []
         self._acc_met = 0
         self._acc_done = 0
+        self._acc_seconds = 0.0
         self._acc_prompt = 0
         self._acc_cached = 0
         self.ttft: list[float] = []
@@ -443,6 +523,7 @@ class Simulation:
         self._acc_itl.append(itl)
         self.finished += 1
         self._acc_done += 1
+        self._acc_seconds += now - a.r.t
         if a.first - a.r.t <= self.cfg.ttft_target and itl <= self.cfg.itl_target:
             self.met += 1
             self._acc_met += 1
@@ -464,7 +545,9 @@ class Simulation:
             prefill_queue=float(len(self.prefill_queue)),
             prefill_running=float(sum(r.running for r in self.replicas["prefill"] if r.end is None)),
             decode_queue=float(len(self.decode_queue)),
-            decode_running=float(sum(len(r.active) for r in self.replicas["decode"] if r.end is None)))
+            decode_running=float(sum(len(r.active) for r in self.replicas["decode"] if r.end is None)),
+            ttft_mean=_mean(self._acc_ttft), itl_mean=_mean(self._acc_itl),
+            request_seconds_mean=self._acc_seconds / self._acc_done if self._acc_done else None)
 
     def _plan(self, now: float) -> None:
         obs = self._observe(now)
@@ -482,6 +565,7 @@ class Simulation:
             reason=decisions[-1].reason if decisions else ""))
         self._acc_arrivals, self._acc_ttft, self._acc_itl = [], [], []
         self._acc_met = self._acc_done = self._acc_prompt = self._acc_cached = 0
+        self._acc_seconds = 0.0
 
     def run(self) -> SimResult:
         cfg = self.cfg
@@ -540,10 +624,12 @@ def make_policy(name: str, config: SimConfig, trace: Trace, season_intervals: in
         return static_peak(config, trace)
     if name == "reactive":
         return ReactivePolicy(stabilization=config.cooldown)
-    raise ValueError(f"unknown policy {name!r}; known: planner, static-peak, reactive")
+    if name == "dynamo":
+        return DynamoPolicy(config, season_intervals=season_intervals)
+    raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
 
 
-POLICIES = ("planner", "static-peak", "reactive")
+POLICIES = ("planner", "static-peak", "reactive", "dynamo")
 
 
 def plot_results(results: list[SimResult], path: str | Path) -> Path:

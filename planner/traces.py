@@ -7,7 +7,9 @@ The Mooncake trace format (``timestamp`` in ms, ``input_length``, ``output_lengt
 ``hash_ids``: one id per 512-token block) is read as it is, prefix blocks included.
 
 Synthetic shapes: Poisson (constant rate), step, diurnal (sinusoidal rate), bursty
-(on/off). All are seeded and deterministic.
+(on/off), flash crowds; token mixes: lognormal (:class:`Mix`) or Pareto with a spike of very short
+prompts (:class:`ParetoMix`); tenants of different mixes merged into one trace (:func:`merge`).
+All are seeded and deterministic.
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ class Mix:
         return Request(t, n_in, n_out, group, tuple(blocks))
 
 
-def from_rate(name: str, rate: Callable[[float], float], duration: float, peak: float, mix: Mix = Mix(),
+def from_rate(name: str, rate: Callable[[float], float], duration: float, peak: float, mix: Mix | ParetoMix = Mix(),
               seed: int = 0) -> Trace:
     """Non-homogeneous Poisson arrivals with ``rate(t)`` <= ``peak`` (thinning)."""
     rng = random.Random(seed)
@@ -98,7 +100,7 @@ def from_rate(name: str, rate: Callable[[float], float], duration: float, peak: 
     return Trace(name, tuple(out))
 
 
-def poisson(rate: float, duration: float, mix: Mix = Mix(), seed: int = 0) -> Trace:
+def poisson(rate: float, duration: float, mix: Mix | ParetoMix = Mix(), seed: int = 0) -> Trace:
     return from_rate("poisson", lambda t: rate, duration, rate, mix, seed)
 
 
@@ -119,6 +121,67 @@ def bursty(on_rate: float, off_rate: float, on_seconds: float, off_seconds: floa
     cycle = on_seconds + off_seconds
     return from_rate("bursty", lambda t: on_rate if (t % cycle) >= off_seconds else off_rate, duration,
                      max(on_rate, off_rate), mix, seed)
+
+
+@dataclass(frozen=True)
+class ParetoMix:
+    """Heavy-tailed prompts: a Pareto body (``alpha``, minimum ``minimum`` tokens, cut at ``cap``) and a
+    spike of very short prompts (``short_share`` of requests, 1 to ``short_max`` tokens: health checks,
+    one-word follow-ups); lognormal outputs. No shared prefixes."""
+
+    alpha: float = 1.4
+    minimum: float = 3000
+    cap: int = 100_000
+    short_share: float = 0.2
+    short_max: int = 32
+    output_mean: float = 150
+    sigma: float = 0.6
+
+    def sample(self, rng: random.Random, t: float, seq: int) -> Request:
+        if rng.random() < self.short_share:
+            n_in = rng.randint(1, self.short_max)
+        else:
+            n_in = min(int(self.minimum * rng.paretovariate(self.alpha)), self.cap)
+        mu = math.log(self.output_mean) - self.sigma ** 2 / 2
+        n_out = max(1, int(rng.lognormvariate(mu, self.sigma)))
+        return Request(t, n_in, n_out, "", tuple(f"r{seq}-{i}" for i in range(math.ceil(n_in / BLOCK_TOKENS))))
+
+
+def merge(name: str, *parts: Trace) -> Trace:
+    """One trace of several (tenants sharing a deployment): arrivals interleaved in time, the parts'
+    prefix blocks kept apart."""
+    reqs = [Request(r.t, r.input_tokens, r.output_tokens, r.prefix_group and f"{i}.{r.prefix_group}",
+                    tuple(f"{i}.{b}" for b in r.blocks))
+            for i, part in enumerate(parts) for r in part.requests]
+    reqs.sort(key=lambda r: r.t)
+    return Trace(name, tuple(reqs))
+
+
+def flash_crowd(base: float, surge: float, duration: float, crowds: int = 1, rise: float = 10.0,
+                hold: float = 180.0, decay: float = 240.0, mix: Mix | ParetoMix = Mix(), seed: int = 0) -> Trace:
+    """Flat ``base`` requests/s with ``crowds`` flash crowds at seeded times: the rate climbs to ``surge``
+    x base within ``rise`` s, holds ``hold`` s, then decays exponentially (time constant ``decay`` / 3).
+    One crowd per equal slice of the trace, never in its first tenth (the planner starts sized for it)."""
+    rng = random.Random(seed * 7919 + 17)
+    width = duration / max(crowds, 1)
+    starts = [i * width + rng.uniform(0.1 * width if i == 0 else 0.0, 0.6 * width) for i in range(crowds)]
+
+    def rate(t: float) -> float:
+        r = base
+        for s in starts:
+            u = t - s
+            if u < 0:
+                continue
+            if u < rise:
+                k = u / rise
+            elif u < rise + hold:
+                k = 1.0
+            else:
+                k = math.exp(-(u - rise - hold) * 3.0 / decay)
+            r = max(r, base + (surge - 1.0) * base * k)
+        return r
+
+    return from_rate("flash", rate, duration, base * surge, mix, seed)
 
 
 # ---------------------------------------------------------------- files

@@ -36,6 +36,30 @@ def test_synthetic_shapes_have_their_shape():
     assert traces.poisson(5, 60, seed=3) == traces.poisson(5, 60, seed=3)  # deterministic
 
 
+def test_heavy_tailed_tenant_and_flash_crowd_traces():
+    pareto = traces.poisson(20, 600, traces.ParetoMix(alpha=1.4, minimum=3000, cap=100_000, short_share=0.2,
+                                                      short_max=32), seed=4)
+    lengths = sorted(r.input_tokens for r in pareto.requests)
+    short = sum(1 for n in lengths if n <= 32) / len(lengths)
+    assert short == pytest.approx(0.2, abs=0.04)           # the spike of very short prompts
+    body = [n for n in lengths if n > 32]
+    assert min(body) >= 3000 and max(body) <= 100_000
+    # Pareto tail: P(X > 10 x minimum) = 10^-alpha ~ 4%, far above what a lognormal of that median gives
+    assert sum(1 for n in body if n > 30_000) / len(body) == pytest.approx(10 ** -1.4, abs=0.02)
+    chat = traces.poisson(4, 300, traces.Mix(prefix_groups=2), seed=1)
+    rag = traces.poisson(2, 300, traces.Mix(input_mean=16000, prefix_groups=2), seed=2)
+    both = traces.merge("tenants", chat, rag)
+    assert len(both.requests) == len(chat.requests) + len(rag.requests)
+    assert [r.t for r in both.requests] == sorted(r.t for r in both.requests)
+    groups = {r.prefix_group for r in both.requests if r.prefix_group}
+    assert {g.split(".")[0] for g in groups} == {"0", "1"}    # the tenants' prefixes stay apart
+    flash = traces.flash_crowd(4.0, 5.0, 1200, crowds=1, seed=3)
+    per_minute = [_rate(flash, m * 60, (m + 1) * 60) for m in range(20)]
+    assert max(per_minute) > 3.5 * 4.0 and min(per_minute) < 1.5 * 4.0
+    assert per_minute.index(max(per_minute)) >= 2          # not in the first tenth
+    assert flash == traces.flash_crowd(4.0, 5.0, 1200, crowds=1, seed=3)
+
+
 def test_prefix_groups_share_leading_blocks():
     t = traces.poisson(20, 60, traces.Mix(prefix_groups=2, prefix_share=1.0, prefix_tokens=1024), seed=2)
     by_group = {}
@@ -165,9 +189,42 @@ def test_cli_simulate(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     summaries = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    assert [s["policy"] for s in summaries] == ["planner", "static-peak", "reactive"]
+    assert [s["policy"] for s in summaries] == ["planner", "static-peak", "reactive", "dynamo"]
     assert all(s["requests"] == s["finished"] > 0 for s in summaries)
     assert (tmp_path / "bursty-all.png").stat().st_size > 10_000
     bad = subprocess.run([exe, "simulate", "--trace", "nonsense.csv", "--out", str(tmp_path)],
                          capture_output=True, text=True)
     assert bad.returncode != 0 and "nonsense.csv" in bad.stderr
+
+
+def test_dynamo_style_policy_sizes_from_throughput_per_gpu():
+    """Dynamo's SLA planner's arithmetic, by hand: prefill = rate x ISL / (ISL / TTFT of one prompt);
+    decode = rate x OSL / (the best tokens/s per GPU whose ITL meets the target); corrections from means."""
+    cfg = replace(SMALL, predictor="last-value")
+    policy = sm.DynamoPolicy(cfg)
+    pm, dm = cfg.planning_models()
+    target = cfg.target(1, 1)
+    obs = decide_module.Observation(time=30, request_rate=20.0, input_tokens_mean=4000, output_tokens_mean=200)
+    p, d = policy.plan(obs, target, 30.0)
+    assert p == math.ceil(20.0 * 4000 / (4000 / pm.ttft(4000)))
+    batch = min(dm.max_concurrency_for_itl(cfg.itl_target, 4100), dm.max_concurrency(4200))
+    assert d == math.ceil(20.0 * 200 / (batch / dm.itl(batch, 4100)))
+    # ITL 3x what the profile predicts: the ITL it sizes for is a third, so decode grows; a TTFT above the
+    # profile's (queueing) never grows prefill (min(1, correction)), one below it shrinks prefill
+    slow = replace(obs, ttft_mean=10 * pm.ttft(4000), itl_mean=3 * dm.itl(20.0 * 2.0 / d, 4100),
+                   request_seconds_mean=2.0)
+    p2, d2 = sm.DynamoPolicy(cfg).plan(slow, cfg.target(p, d), 60.0)
+    assert p2 == p and d2 > d
+    fast = replace(slow, ttft_mean=0.5 * pm.ttft(4000))
+    assert sm.DynamoPolicy(cfg).plan(fast, cfg.target(p, d), 60.0)[0] < p
+    assert policy.plan(decide_module.Observation.unavailable(90, "down"), cfg.target(3, 4), 90.0) == (3, 4)
+
+
+def test_dynamo_style_policy_follows_a_step_in_the_simulator():
+    trace = traces.step([4, 16], 150, traces.Mix(input_mean=3000, output_mean=200), seed=5)
+    r = sm.simulate(trace, "dynamo", SMALL)
+    assert r.finished == r.arrived > 0
+    early = [i for i in r.intervals if i.t <= 150]
+    late = [i for i in r.intervals if 150 + SMALL.startup + 2 * SMALL.interval <= i.t <= 300]
+    assert late and max(i.prefill + i.decode for i in late) > max(i.prefill + i.decode for i in early)
+    assert r.summary()["goodput_per_gpu_hour"] == pytest.approx(r.met / r.gpu_hours, rel=0.01)

@@ -1,0 +1,40 @@
+"""bench/planner_compare.py --quick (5-minute traces, one seed): every workload runs under every policy and
+the figures it reports are consistent with each other. The full run (20-minute and 2-hour horizons, three
+seeds) is the benchmark; its figures are in planner/README.md, not asserted here."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+WORKLOADS = {"mooncake", "step", "diurnal", "bursty", "step-slow", "step-fast", "heavy-lognormal", "heavy-pareto",
+             "tenants", "flash"}
+POLICIES = {"planner", "static-peak", "reactive", "dynamo"}
+
+
+def test_planner_bench_quick_runs_every_workload_and_policy(tmp_path):
+    run = subprocess.run([sys.executable, str(REPO / "bench" / "planner_compare.py"), "--quick", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr
+    doc = json.loads((tmp_path / "results.json").read_text())
+    rows = doc["rows"]
+    assert {(r["workload"], r["policy"]) for r in rows} == {(w, p) for w in WORKLOADS for p in POLICIES}
+    for r in rows:
+        assert r["requests"] > 0 and r["gpu_hours"] > 0, r
+        # both targets met implies each target met
+        assert r["slo_attainment"] <= min(r["ttft_attainment"], r["itl_attainment"]) + 1e-9, r
+        assert r["goodput_per_gpu_hour"] == pytest.approx(
+            r["slo_attainment"] * r["requests"] / r["gpu_hours"], rel=0.02, abs=1.0), r
+    for w in WORKLOADS:  # static-peak never changes size: its GPU-hours are its size for the whole run
+        st = next(r for r in rows if r["workload"] == w and r["policy"] == "static-peak")
+        assert st["gpu_hours"] >= (st["max_prefill"] + st["max_decode"]) * 300 / 3600 * 0.99, st
+    assert {e["workload"] for e in doc["table"]} == WORKLOADS
+    assert all(doc["goal"][p]["rows"] == len(WORKLOADS) for p in POLICIES)
+    table = (tmp_path / "table.md").read_text()
+    assert table.startswith("| workload |") and all(f"| {w} |" in table for w in WORKLOADS)
+    assert "Dynamo-style" in run.stdout
