@@ -382,6 +382,7 @@ def router_deployment(dd: DisaggDeployment, uid: str) -> dict[str, Any]:
                  "--connect-timeout-seconds", str(r.connect_timeout_seconds),
                  "--first-token-timeout-seconds", str(r.first_token_timeout_seconds),
                  "--idle-timeout-seconds", str(r.idle_timeout_seconds),
+                 "--max-migrations", str(r.max_migrations),
                  "--request-timeout-seconds", str(r.request_timeout_seconds),
                  "--max-body-bytes", str(r.max_body_bytes), "--body-timeout-seconds", str(r.body_timeout_seconds),
                  *(["--api-keys-file", ROUTER_API_KEYS_FILE] if r.auth else []),

@@ -27,7 +27,7 @@ from .config import RouterConfig
 # flag -> type; each is spec.router's field of the same name in camelCase
 _LIMITS = (("max-in-flight", int), ("max-queued", int), ("queue-timeout-seconds", float),
            ("connect-timeout-seconds", float), ("first-token-timeout-seconds", float),
-           ("idle-timeout-seconds", float), ("request-timeout-seconds", float),
+           ("idle-timeout-seconds", float), ("request-timeout-seconds", float), ("max-migrations", int),
            ("max-body-bytes", int), ("body-timeout-seconds", float))
 
 

@@ -63,6 +63,10 @@ class RouterMetrics:
                                      registry=r)
         self.api_keys = Gauge(m.ROUTER_API_KEYS, "API keys the router accepts (spec.router.auth), as last read.",
                               registry=r)
+        self.migrations = Counter(m.ROUTER_MIGRATIONS, "Decode streams that failed after they began, by what "
+                                  "became of them: continued on another worker (migrated), ended by the router "
+                                  "after their last token (not_needed), or not continued (exhausted, failed, "
+                                  "unsupported).", ["outcome"], registry=r)
         self.timeouts = Counter(m.ROUTER_TIMEOUTS, "Worker calls cut by a timeout, by which one.", ["kind"],
                                 registry=r)
 

@@ -21,7 +21,8 @@ import aiohttp
 
 from disagg.api import metrics as m
 
-from .errors import UpstreamFailed, UpstreamTimeout, sse
+from .errors import RouterError, UpstreamFailed, UpstreamTimeout, sse
+from .migration import TokenLog
 
 _USAGE_ONLY = re.compile(rb'"choices":\s*\[\]')
 _DATA = b"data: "
@@ -37,6 +38,13 @@ class StreamEnd:
     idle_timeout: bool = False
     last_activity: float = 0.0
     resp: aiohttp.ClientResponse | None = None
+    last_token_at: float | None = None     # when the client got this stream's last token event
+    # a failed stream: why, and what the client gets if the router does not continue it elsewhere
+    error: str | None = None
+    failure: bytes = b""
+
+    def fail(self, err: RouterError) -> None:
+        self.error, self.failure = err.message, sse(err)
 
 
 class Watchdog:
@@ -99,17 +107,23 @@ async def relay(resp: aiohttp.ClientResponse, worker: str, end: StreamEnd, *, st
                 client_wants_usage: bool, observe_ttft: Callable[[float], None],
                 observe_itl: Callable[[float], None], first_token_timeout_s: float | None,
                 idle_timeout_s: float | None, head: bytes = b"",
-                head_error: BaseException | None = None) -> AsyncIterator[bytes]:
+                head_error: BaseException | None = None, tokens: TokenLog | None = None,
+                last: float | None = None) -> AsyncIterator[bytes]:
     """Yields the client's bytes: every ``data:`` event but the usage-only one (unless the client asked
-    for usage), then ``[DONE]``; or an OpenAI-style error event when the worker fails, stalls longer
-    than ``idle_timeout_s`` between chunks, or ends without ``[DONE]``. ``end`` says how it went.
+    for usage), then ``[DONE]``. When the worker fails (an error event, a broken connection), stalls longer
+    than ``idle_timeout_s`` between chunks, or ends without ``[DONE]``, it stops and ``end`` holds the
+    error and the bytes that would end the client's stream (``end.failure``): the caller continues the
+    stream elsewhere (:mod:`.migration`) or sends them. ``end`` says how it went.
+    ``tokens`` (streams that may be migrated) records each chunk's token ids, and rewrites a
+    continuation's chunks; ``last``, for a continuation, is when the client got its last token (the
+    continuation's first chunk is then an inter-token gap, not a first token).
     The stalls are detected by a :class:`Watchdog` watching ``end`` (its ``last_activity``, from the
     request's start until the first token). The caller opened the response with the first-token timeout
     as its read timeout, for the response headers; from here on the watchdog alone times the stream.
     ``head`` and ``head_error`` are what :func:`first_token` read and the error that stopped it."""
     content = resp.content
     pending = b""
-    last = None
+    started = False                       # this stream's first token event went out
     if resp.connection is not None:
         resp.connection.protocol.read_timeout = None      # no timer re-armed per socket read
     try:
@@ -122,7 +136,7 @@ async def relay(resp: aiohttp.ClientResponse, worker: str, end: StreamEnd, *, st
             else:
                 data = await content.readany()
             if not data:
-                yield sse(UpstreamFailed(f"the decode worker {worker} ended the stream early"))
+                end.fail(UpstreamFailed(f"the decode worker {worker} ended the stream early"))
                 return
             if b"\r" in data:             # SSE allows CRLF; vLLM sends LF. One form to split on.
                 data = data.replace(b"\r\n", b"\n")
@@ -141,32 +155,46 @@ async def relay(resp: aiohttp.ClientResponse, worker: str, end: StreamEnd, *, st
                     out.append(_DONE + b"\n\n")
                     done = True
                     break
-                if _USAGE_ONLY.search(event):
+                if b'"choices"' not in event:   # an error event: the worker failed mid-stream
+                    end.error = f"the decode worker {worker} failed mid-stream: " \
+                                f"{event[6:206].decode(errors='replace')}"
+                    end.failure = event + b"\n\n" + _DONE + b"\n\n"
+                    break
+                usage_only = _USAGE_ONLY.search(event) is not None
+                if tokens is not None and (tokens.reshaping or not usage_only):
+                    event = tokens.scan(event)
+                if usage_only:
                     usage = json.loads(event[6:]).get("usage") or {}
                     end.output_tokens = usage.get("completion_tokens", end.output_tokens)
                     if client_wants_usage:
                         out.append(event + b"\n\n")
                     continue
-                if last is None:
+                if not started:
+                    started = True
                     end.first_token_at = now
-                    observe_ttft(now - start)
+                    if last is None:
+                        observe_ttft(now - start)
+                    else:
+                        observe_itl(now - last)
                 else:
                     observe_itl(now - last)
-                last = now
+                last = end.last_token_at = now
                 out.append(event + b"\n\n")
-            if last is not None:
+            if started:
                 end.last_activity = now
             if out:
                 yield out[0] if len(out) == 1 else b"".join(out)
             if done:
                 end.outcome = m.OUTCOME_SUCCESS
                 return
+            if end.failure:
+                return
     except aiohttp.ServerTimeoutError:       # the watchdog's, or the connection's read timeout
         end.idle_timeout = True
-        if last is None:
+        if not started:
             msg = f"sent no token within the first-token timeout ({first_token_timeout_s:g} s)"
         else:
             msg = f"stalled mid-stream longer than the idle timeout ({idle_timeout_s:g} s)"
-        yield sse(UpstreamTimeout(f"the decode worker {worker} {msg}"))
+        end.fail(UpstreamTimeout(f"the decode worker {worker} {msg}"))
     except (aiohttp.ClientError, TimeoutError) as e:
-        yield sse(UpstreamFailed(f"the decode worker {worker} failed mid-stream: {e}"))
+        end.fail(UpstreamFailed(f"the decode worker {worker} failed mid-stream: {e}"))

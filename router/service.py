@@ -20,10 +20,11 @@ from disagg.api import metrics as m
 from disagg.api.names import ROLE_DECODE, ROLE_PREFILL
 from disagg.api.v1alpha1 import Disaggregation
 
-from . import pairing, policies
+from . import migration, pairing, policies
 from .admission import Admission
 from .config import RouterConfig
-from .errors import BadRequest, NoWorkers, NotFound, RouterError, UpstreamFailed, UpstreamRejected, UpstreamTimeout
+from .errors import (BadRequest, NoWorkers, NotFound, RouterError, UpstreamFailed, UpstreamRejected, UpstreamTimeout,
+                     sse)
 from .events import Subscriber
 from .index import PrefixIndex, block_keys
 from .pool import Pool, Worker
@@ -416,7 +417,13 @@ class Router:
         """Opens the decode stream (another worker if one fails before output), then relays events."""
         opts = body.get("stream_options") or {}
         client_wants_usage = bool(opts.get("include_usage"))
-        body = dict(body, stream_options={**opts, "include_usage": True})
+        tokens, unsupported = None, None
+        if self.config.spec.max_migrations:
+            unsupported = migration.unsupported(endpoint, body)
+            if unsupported is None:     # ids from the worker, for a continuation elsewhere (migration.py)
+                tokens = migration.TokenLog(endpoint, body, ids)
+        body = dict(body, stream_options={**opts, "include_usage": True},
+                    **({"return_token_ids": True} if tokens else {}))
         tried: list[str] = []
         w = plan.decode
         while True:
@@ -438,37 +445,121 @@ class Router:
             except BaseException:
                 self._account(w, -1)
                 raise
-        return self._relay(resp, w, route.path, start, client_wants_usage, head, head_error)
+        return self._relay(resp, w, route.path, start, client_wants_usage, head, head_error, tokens, unsupported)
 
     async def _relay(self, resp, w: Worker, path: str, start: float, client_wants_usage: bool,
-                     head: bytes = b"", head_error: BaseException | None = None):
-        """The stream relay (:mod:`.relay`) and the request's accounting once it ends, however it ends."""
-        end = StreamEnd(last_activity=start, resp=resp)
+                     head: bytes = b"", head_error: BaseException | None = None,
+                     tokens: migration.TokenLog | None = None, unsupported: str | None = None):
+        """The stream relay (:mod:`.relay`) and the request's accounting once it ends, however it ends.
+        A stream that fails is continued on another decode worker (:mod:`.migration`), up to
+        spec.router.maxMigrations times; the client sees one stream."""
         spec = self.config.spec
-        self.watchdog.streams.add(end)
+        outcome, migrations, last, output_tokens = m.OUTCOME_UPSTREAM_ERROR, 0, None, 0
+        tried: list[str] = []
         try:
-            async for data in relay(resp, w.name, end, start=start, client_wants_usage=client_wants_usage,
-                                    observe_ttft=self.metrics.ttft.labels(path).observe,
-                                    observe_itl=self.metrics.itl.observe,
-                                    first_token_timeout_s=spec.first_token_timeout_seconds,
-                                    idle_timeout_s=spec.idle_timeout_seconds, head=head, head_error=head_error):
-                yield data
+            while True:
+                end = StreamEnd(last_activity=start if last is None else time.monotonic(), resp=resp)
+                self.watchdog.streams.add(end)
+                try:
+                    async for data in relay(resp, w.name, end, start=start, client_wants_usage=client_wants_usage,
+                                            observe_ttft=self.metrics.ttft.labels(path).observe,
+                                            observe_itl=self.metrics.itl.observe,
+                                            first_token_timeout_s=spec.first_token_timeout_seconds,
+                                            idle_timeout_s=spec.idle_timeout_seconds, head=head,
+                                            head_error=head_error, tokens=tokens, last=last):
+                        yield data
+                finally:
+                    self.watchdog.streams.discard(end)
+                    if end.outcome == m.OUTCOME_SUCCESS:
+                        resp.release()       # read to the end: the connection goes back to the pool
+                    else:
+                        resp.close()         # cut or broken: never reuse a connection with a stalled stream on it
+                    self._account(w, -1)
+                    if end.idle_timeout:
+                        self.metrics.timeouts.labels(
+                            m.TIMEOUT_IDLE if end.first_token_at is not None else m.TIMEOUT_FIRST_TOKEN).inc()
+                if end.outcome == m.OUTCOME_SUCCESS:
+                    outcome, output_tokens = m.OUTCOME_SUCCESS, end.output_tokens
+                    break
+                last = end.last_token_at or last
+                outcome = m.OUTCOME_TIMEOUT if end.idle_timeout else m.OUTCOME_UPSTREAM_ERROR
+                refused = self._migration_refused(tokens, unsupported, migrations)
+                if refused is None and (tokens.finished or tokens.remaining() == 0):
+                    # it failed after its last token: the router ends the stream as the worker would have
+                    self.metrics.migrations.labels(m.MIGRATION_NOT_NEEDED).inc()
+                    yield tokens.closing(client_wants_usage)
+                    outcome, output_tokens = m.OUTCOME_SUCCESS, len(tokens.generated())
+                    break
+                if refused is not None:
+                    if refused != m.MIGRATION_DISABLED:
+                        self.metrics.migrations.labels(refused).inc()
+                    yield end.failure
+                    break
+                log.warning("%s; continuing on another decode worker (%d tokens generated)",
+                            end.error, len(tokens.generated()))
+                tried.append(w.name)
+                try:
+                    resp, w, head, head_error = await self._continue(tokens, tried)
+                except (_Upstream, RouterError) as e:
+                    self.metrics.migrations.labels(m.MIGRATION_FAILED).inc()
+                    yield sse(UpstreamFailed(f"{end.error}; no decode worker could continue the stream: {e}"))
+                    break
+                migrations += 1
+                self.metrics.migrations.labels(m.MIGRATION_MIGRATED).inc()
+                tokens.start_continuation()
         finally:
-            self.watchdog.streams.discard(end)
-            if end.outcome == m.OUTCOME_SUCCESS:
-                resp.release()       # read to the end: the connection goes back to the pool
-            else:
-                resp.close()         # cut or broken: never reuse a connection with a stalled stream on it
-            self._account(w, -1)
-            outcome = end.outcome
-            if end.idle_timeout:
-                outcome = m.OUTCOME_TIMEOUT
-                self.metrics.timeouts.labels(
-                    m.TIMEOUT_IDLE if end.first_token_at is not None else m.TIMEOUT_FIRST_TOKEN).inc()
             self.metrics.requests.labels(outcome, path).inc()
             if outcome == m.OUTCOME_SUCCESS:
                 self.metrics.e2e.labels(path).observe(time.monotonic() - start)
-                self.metrics.output_tokens.observe(end.output_tokens)
+                self.metrics.output_tokens.observe(output_tokens)
+
+    def _migration_refused(self, tokens: migration.TokenLog | None, unsupported: str | None,
+                           migrations: int) -> str | None:
+        """Why a failed stream is not continued elsewhere (a ROUTER_MIGRATIONS outcome), or None."""
+        if unsupported is not None:
+            return m.MIGRATION_UNSUPPORTED
+        if tokens is None:
+            return m.MIGRATION_DISABLED
+        if not tokens.has_ids:           # a worker that sends no token ids (not vLLM, or ids hidden)
+            return m.MIGRATION_UNSUPPORTED
+        if migrations >= self.config.spec.max_migrations:
+            return m.MIGRATION_EXHAUSTED
+        return None
+
+    async def _continue(self, tokens: migration.TokenLog, tried: list[str]):
+        """Opens the continuation of a failed stream: planned as a new request whose prompt is the prompt's
+        ids plus the generated ones (another decode worker first; the same one when there is no other,
+        since a stall or an error event does not mean it is gone). Returns (response, worker, head,
+        head_error) as the first open does."""
+        ids = tokens.prompt + tokens.generated()
+        body = tokens.continuation()
+        err: Exception = NoWorkers("no healthy decode workers are available")
+        for exclude in (set(tried), set()):
+            try:
+                plan = self.plan(ids, exclude)
+            except NoWorkers as e:
+                err = e
+                continue
+            w = plan.decode
+            kv = await self._prefill(migration.COMPLETIONS, plan, body, Route(m.PATH_LOCAL_PREFILL, w.name))
+            self._account(w, +1)
+            try:
+                resp = await self._open_stream(w, migration.COMPLETIONS, dict(body, kv_transfer_params=kv)
+                                               if kv else body)
+                try:
+                    head, head_error = await first_token(resp, w.name)
+                except BaseException:
+                    resp.close()
+                    raise
+                return resp, w, head, head_error
+            except (_Upstream, EndedBeforeOutput, UpstreamRejected) as e:
+                self._account(w, -1)
+                tried.append(w.name)
+                err = e
+            except BaseException:
+                self._account(w, -1)
+                raise
+        raise _Upstream(str(err))
 
 
 def raw_text(req: CompletionRequest | ChatCompletionRequest) -> str | list:

@@ -2,11 +2,16 @@
 
 Why not vLLM there: the load test measures the router holding 1,000 concurrent streams; the CPU
 vLLM on this machine's two cores would make it a test of vLLM's batch size and speed instead.
-It speaks the same wire format as vLLM (SSE `data:` events, a usage-only chunk, `[DONE]`).
-Run: python sse_upstream.py PORT TOKENS DELAY_S
+It speaks the same wire format as vLLM (SSE `data:` events, a usage-only chunk, `[DONE]`), token ids
+included when asked (`return_token_ids`, vLLM's: the prompt's in the first chunk, each chunk's new ones).
+Run: python sse_upstream.py PORT TOKENS DELAY_S [CUT_AFTER [first|all]]
+CUT_AFTER > 0: a stream is cut (connection closed, no [DONE]) after that many tokens, as a worker dying
+mid-stream; `first` (default) cuts only requests whose prompt is text (a router's continuation of a cut
+stream sends token ids, and is served in full), `all` cuts every stream.
 """
 
 import asyncio
+import itertools
 import json
 import sys
 import time
@@ -15,14 +20,22 @@ from aiohttp import web
 
 TOKENS = int(sys.argv[2]) if len(sys.argv) > 2 else 8
 DELAY = float(sys.argv[3]) if len(sys.argv) > 3 else 0.01
+CUT_AFTER = int(sys.argv[4]) if len(sys.argv) > 4 else 0
+CUT_ALL = len(sys.argv) > 5 and sys.argv[5] == "all"
+TOKEN_ID = 100      # every "tok " is this id
+STREAMS = itertools.count()
 
 
-def chunk(i: int, chat: bool, text: str | None, finish: str | None = None) -> bytes:
+def chunk(i: int, chat: bool, text: str | None, finish: str | None = None, ids: bool = False,
+          prompt: list[int] | None = None, sid: str = "x") -> bytes:
     choice = ({"index": 0, "delta": {"content": text}, "finish_reason": finish} if chat
               else {"index": 0, "text": text, "finish_reason": finish})
-    body = {"id": f"x-{i}", "object": "chat.completion.chunk" if chat else "text_completion",
+    body = {"id": sid, "object": "chat.completion.chunk" if chat else "text_completion",
             "created": int(time.time()), "model": "tiny", "choices": [choice]}
-    return b"data: " + json.dumps(body).encode() + b"\n\n"
+    if ids:             # where vLLM puts them, written as compactly as vLLM writes its chunks
+        (body if chat else choice)["prompt_token_ids"] = prompt if i == 0 else None
+        choice["token_ids"] = [TOKEN_ID]
+    return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
@@ -36,11 +49,19 @@ async def generate(request: web.Request) -> web.StreamResponse:
                                   "usage": {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1}})
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)
+    ids = body.get("return_token_ids") is True
+    continuation = isinstance(body.get("prompt"), list)
+    prompt = body["prompt"] if continuation else [1, 2, 3]
+    sid = f"x-{next(STREAMS)}"         # one id per stream, as vLLM's
+    cut = CUT_AFTER if CUT_AFTER and (CUT_ALL or not continuation) else None
     for i in range(n):
+        if i == cut:
+            request.transport.close()      # dies mid-stream: no [DONE], no usage
+            return resp
         await asyncio.sleep(DELAY)
-        await resp.write(chunk(i, chat, "tok ", "length" if i == n - 1 else None))
+        await resp.write(chunk(i, chat, "tok ", "length" if i == n - 1 else None, ids, prompt, sid))
     usage = {"id": "x", "object": "text_completion", "model": "tiny", "choices": [],
-             "usage": {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1}}
+             "usage": {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": n + len(prompt)}}
     await resp.write(b"data: " + json.dumps(usage).encode() + b"\n\ndata: [DONE]\n\n")
     await resp.write_eof()
     return resp

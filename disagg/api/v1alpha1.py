@@ -323,6 +323,11 @@ class RouterSpec(_Model):
     idle_timeout_seconds: float = Field(
         60, gt=0, le=86400,
         description="A decode stream silent this long between chunks is cut with an error event.")
+    max_migrations: int = Field(
+        2, ge=0, le=16,
+        description="A decode stream that fails after tokens reached the client (its worker died, stalled past "
+                    "idleTimeoutSeconds or sent an error) is continued on another decode worker from the tokens "
+                    "generated so far, at most this many times per request; 0: the client gets an error event.")
     request_timeout_seconds: float = Field(
         1800, gt=0, le=86400,
         description="A non-streaming request to a worker is cut (504) after this long in total.")

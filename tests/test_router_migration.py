@@ -1,0 +1,131 @@
+"""Mid-stream migration against real HTTP upstreams that die mid-stream (tests/sse_upstream.py, cut after
+a few tokens) and the router as its own process: the stream is continued from the token ids generated so
+far as one client stream (one id, every token once, usage of the whole), the ids the router asked for are
+not shown to a client that did not ask for them, and a request whose continuations keep failing ends,
+after spec.router.maxMigrations, with an OpenAI error event. Each counted.
+The same with real vLLM workers (exact text at temperature 0): tests/test_router_pd_failures.py."""
+
+from __future__ import annotations
+
+import json
+import sys
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+from openai import OpenAI
+
+from disagg.api import metrics as m
+from disagg.workers.local import LocalProcess, free_port, router, scrape
+from disagg.workers.testing import tiny_model, worker_python  # noqa: F401  (fixtures)
+
+TOKENS, CUT = 20, 5
+
+
+def _routed(tiny_model: str, logs: Path, name: str, cut: str, spec: dict) -> tuple[LocalProcess, LocalProcess]:
+    up_port, port = free_port(), free_port()
+    up = LocalProcess(f"{name}-upstream", [sys.executable, str(Path(__file__).with_name("sse_upstream.py")),
+                                           str(up_port), str(TOKENS), "0.005", str(CUT), cut], {},
+                      f"http://127.0.0.1:{up_port}", logs).start()
+    (logs / f"{name}.json").write_text(json.dumps({
+        "model": "tiny", "tokenizer": tiny_model, "block_size": 16, "max_model_len": 1024, "port": port,
+        "host": "127.0.0.1", "health_interval_s": 60,
+        "spec": {"disaggregation": "never", **spec}, "decode": [{"url": up.url}]}))
+    r = router(logs / f"{name}.json", port, logs).start()
+    up.wait_ready(timeout=30)
+    r.wait_ready(timeout=60)
+    return up, r
+
+
+@pytest.fixture(scope="module")
+def dies_once(tiny_model, tmp_path_factory):
+    """One decode worker whose every stream dies after CUT tokens; continuations (token-id prompts) run
+    to the end. With one worker the continuation goes back to it: it is alive (a real dead worker is
+    the vLLM test's)."""
+    up, r = _routed(tiny_model, tmp_path_factory.mktemp("dies-once"), "dies-once", "first", {})
+    try:
+        yield r
+    finally:
+        r.stop()
+        up.stop()
+
+
+@pytest.fixture(scope="module")
+def dies_always(tiny_model, tmp_path_factory):
+    """Every stream dies after CUT tokens, continuations too; at most 2 migrations."""
+    up, r = _routed(tiny_model, tmp_path_factory.mktemp("dies-always"), "dies-always", "all", {"maxMigrations": 2})
+    try:
+        yield r
+    finally:
+        r.stop()
+        up.stop()
+
+
+def _events(url: str, endpoint: str, body: dict) -> list[dict]:
+    req = urllib.request.Request(f"{url}{endpoint}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        lines = [line.decode().rstrip("\n") for line in r if line.startswith(b"data: ")]
+    assert lines[-1] == "data: [DONE]" and lines.count("data: [DONE]") == 1
+    return [json.loads(line[6:]) for line in lines[:-1]]
+
+
+def test_a_stream_cut_mid_way_is_continued_as_one_stream(dies_once):
+    before = scrape(dies_once.url).get(f'{m.ROUTER_MIGRATIONS}{{outcome="{m.MIGRATION_MIGRATED}"}}', 0)
+    client = OpenAI(base_url=f"{dies_once.url}/v1", api_key="unused", max_retries=0)
+    chunks = list(client.completions.create(model="tiny", prompt="x", max_tokens=TOKENS, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == "tok " * TOKENS
+    assert len({c.id for c in chunks}) == 1
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (3, TOKENS)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    chat = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                               max_tokens=TOKENS, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chat if c.choices) == "tok " * TOKENS
+    assert {c.object for c in chat} == {"chat.completion.chunk"} and len({c.id for c in chat}) == 1
+    assert all(c.usage is None for c in chat)              # not asked for
+    after = scrape(dies_once.url)
+    assert after[f'{m.ROUTER_MIGRATIONS}{{outcome="{m.MIGRATION_MIGRATED}"}}'] == before + 2
+    assert after[f'{m.ROUTER_REQUESTS}{{outcome="success",path="{m.PATH_LOCAL_PREFILL}"}}'] >= 2
+
+
+def test_token_ids_reach_only_a_client_that_asked(dies_once):
+    plain = _events(dies_once.url, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": TOKENS,
+                                                        "stream": True})
+    assert not any("token_ids" in c["choices"][0] or "prompt_token_ids" in c["choices"][0] for c in plain)
+    asked = _events(dies_once.url, "/v1/chat/completions",
+                    {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": TOKENS,
+                     "stream": True, "return_token_ids": True})
+    assert sum(len(c["choices"][0].get("token_ids") or []) for c in asked) == TOKENS
+    assert [c.get("prompt_token_ids") for c in asked if c.get("prompt_token_ids")] == [[1, 2, 3]]
+
+
+def test_migrations_are_bounded_then_the_client_gets_an_error_event(dies_always):
+    before = scrape(dies_always.url)
+    client = OpenAI(base_url=f"{dies_always.url}/v1", api_key="unused", max_retries=0)
+    stream = client.completions.create(model="tiny", prompt="x", max_tokens=TOKENS, stream=True)
+    text = []
+    with pytest.raises(openai.APIError) as err:
+        for c in stream:
+            text.append(c.choices[0].text)
+    assert "".join(text) == "tok " * (3 * CUT)             # the first stream and two continuations
+    assert "decode worker" in str(err.value)
+    after = scrape(dies_always.url)
+
+    def grew(series: str) -> float:
+        return after.get(series, 0) - before.get(series, 0)
+    assert grew(f'{m.ROUTER_MIGRATIONS}{{outcome="{m.MIGRATION_MIGRATED}"}}') == 2
+    assert grew(f'{m.ROUTER_MIGRATIONS}{{outcome="{m.MIGRATION_EXHAUSTED}"}}') == 1
+    assert grew(f'{m.ROUTER_REQUESTS}{{outcome="{m.OUTCOME_UPSTREAM_ERROR}",path="{m.PATH_LOCAL_PREFILL}"}}') == 1
+
+
+def test_a_request_migration_cannot_continue_exactly_is_not_migrated(dies_once):
+    """logprobs: the continuation's would not be the original's; the client gets the error event."""
+    before = scrape(dies_once.url).get(f'{m.ROUTER_MIGRATIONS}{{outcome="{m.MIGRATION_UNSUPPORTED}"}}', 0)
+    client = OpenAI(base_url=f"{dies_once.url}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.APIError):
+        for _ in client.completions.create(model="tiny", prompt="x", max_tokens=TOKENS, stream=True, logprobs=1):
+            pass
+    after = scrape(dies_once.url)[f'{m.ROUTER_MIGRATIONS}{{outcome="{m.MIGRATION_UNSUPPORTED}"}}']
+    assert after == before + 1
