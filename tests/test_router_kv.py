@@ -5,12 +5,15 @@ request onto one worker (the skew bound)."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import json
 import os
 import random
 import signal
+import threading
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +22,7 @@ from openai import OpenAI
 
 from disagg.api import metrics as m
 from disagg.e2e.testing import wait_for
-from disagg.workers.local import cpu_settings, free_port, metric_sum, router, scrape, worker
+from disagg.workers.local import cpu_settings, free_port, metric_sum, router, scrape, stop_all, worker
 from disagg.workers.testing import tiny_model, worker_python  # noqa: F401  (fixtures)
 
 WORDS = ("alpha beta gamma delta parser token value buffer stream block cache route prefill decode "
@@ -216,6 +219,130 @@ def test_a_prompt_everyone_shares_stays_within_the_skew_bound(workers, start_rou
     bounded, overridden, retries = _shares(workers, start_router, skew=2, seed=4)
     assert max(bounded) <= 2 * (min(bounded) + 1) + 1 + retries, (bounded, retries)
     assert min(bounded) >= 1 and max(bounded) > min(bounded) and overridden >= 1, (bounded, overridden)
+
+
+class Alternating:
+    """One address in front of several router replicas, as their Service: each new TCP connection goes
+    to the next replica in turn (kube-proxy picks at random; in turn makes which replica served which
+    request known, so the test can show each prefix served through both). Bytes are relayed untouched."""
+
+    def __init__(self, ports: list[int]):
+        self.ports, self.chosen = ports, []         # chosen: the replica (index) of each connection
+        self.loop = asyncio.new_event_loop()
+        self.server = asyncio.run_coroutine_threadsafe(self._start(), self._run()).result(timeout=30)
+        self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    def _run(self) -> asyncio.AbstractEventLoop:
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        return self.loop
+
+    async def _start(self) -> asyncio.Server:
+        return await asyncio.start_server(self._accept, "127.0.0.1", 0)
+
+    @staticmethod
+    async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        finally:
+            writer.close()
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        k = len(self.chosen) % len(self.ports)
+        self.chosen.append(k)
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.ports[k])
+        await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer), return_exceptions=True)
+
+    def close(self) -> None:
+        async def stop():
+            self.server.close()
+        asyncio.run_coroutine_threadsafe(stop(), self.loop).result(timeout=30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=30)
+
+
+def _complete(url: str, prompt: list[int]) -> dict[str, str]:
+    """One completion on a fresh connection (so the alternating address picks the next replica); its
+    route headers."""
+    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0}).encode()
+    req = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        assert r.status == 200 and json.loads(r.read())["choices"][0]["text"] is not None
+        return {k.lower(): v for k, v in r.headers.items() if k.lower().startswith("x-disagg-")}
+
+
+def test_two_router_replicas_behind_one_address_route_by_prefix(workers, tiny_model, tmp_path):
+    """Two router processes, each subscribed to both workers' KV events (and their replay sockets), behind
+    one address that alternates between them: a request sharing a prefix that one worker holds goes to that
+    worker whichever replica receives it. Neither replica routed the prefixes' first requests (they went to
+    the workers directly), so each knows where a prefix lives from the events alone."""
+    rng = random.Random(11)
+    block = 32
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(10, 500) for _ in range(n)]      # ordinary ids of the tiny vocabulary
+
+    # history on both workers before the replicas start, so each replica's join replay has batches to
+    # catch up on (a join resync per worker is then what says its index is complete)
+    for p, _ in workers:
+        OpenAI(base_url=f"{p.url}/v1", api_key="unused", max_retries=0).completions.create(
+            model="tiny", prompt=tokens(2 * block), max_tokens=1)
+    replicas, ports = [], []
+    for k in range(2):
+        port = free_port()
+        cfg = {"model": "tiny", "tokenizer": tiny_model, "block_size": block, "max_model_len": MAX_MODEL_LEN,
+               "port": port, "host": "127.0.0.1", "spec": {"policy": "kv-aware", "disaggregation": "never"},
+               "decode": [{"url": p.url, "kv_events": f"tcp://127.0.0.1:{env['DISAGG_KV_EVENTS_PORT']}",
+                           "kv_replay": f"tcp://127.0.0.1:{env['DISAGG_KV_REPLAY_PORT']}"} for p, env in workers]}
+        (tmp_path / f"router-{k}.json").write_text(json.dumps(cfg))
+        replicas.append(router(tmp_path / f"router-{k}.json", port, tmp_path))
+        replicas[-1].name, replicas[-1].log_path = f"router-{k}", tmp_path / f"router-{k}.log"
+        ports.append(port)
+    front = None
+    try:
+        for r in replicas:
+            r.start()
+        for r in replicas:
+            r.wait_ready(timeout=60)
+        def joins(url: str) -> float:
+            return sum(v for k, v in scrape(url).items()
+                       if k.startswith(m.ROUTER_KV_INDEX_RESYNCS + "{") and f'reason="{m.RESYNC_JOIN}"' in k)
+
+        for r in replicas:
+            wait_for(lambda: joins(r.url) >= len(workers), 60,
+                     f"{r.name} caught up on both workers' KV events (a join resync each)")
+        indexed = f'{m.ROUTER_INDEXED_BLOCKS}{{role="decode"}}'
+        before = [scrape(r.url)[indexed] for r in replicas]
+        # one fresh 13-block prefix put in each worker's cache, straight at the worker
+        prefixes = [tokens(13 * block) for _ in workers]
+        for (p, _), prefix in zip(workers, prefixes):
+            OpenAI(base_url=f"{p.url}/v1", api_key="unused", max_retries=0).completions.create(
+                model="tiny", prompt=prefix + tokens(1), max_tokens=1)
+        for r, b in zip(replicas, before):
+            wait_for(lambda: scrape(r.url)[indexed] >= b + 13 * len(workers), 60,
+                     f"{r.name} indexed both seeded prefixes from the workers' KV events")
+        front = Alternating(ports)
+        # prefix order 0,0,1,1,0,0,1,1: the address alternates replicas per connection, so each prefix
+        # is asked through both replicas, twice each
+        order = [0, 0, 1, 1] * 2
+        routes = [_complete(front.url, prefixes[g] + tokens(5)) for g in order]
+        assert front.chosen == [0, 1] * 4
+        for i, (g, route) in enumerate(zip(order, routes)):
+            assert route["x-disagg-decode"] == workers[g][0].url, (i, g, front.chosen[i], route)
+            assert route["x-disagg-path"] == m.PATH_LOCAL_PREFILL, route
+        # each replica routed each prefix to its holder on the strength of its own index: it counts the
+        # prompt blocks it found cached on the chosen worker (13 of each request's 13)
+        decided = f'{m.ROUTER_ROUTING_DECISIONS}{{policy="kv-aware",role="decode"'
+        for r in replicas:
+            s = scrape(r.url)
+            assert [metric_sum(s, f'{decided},worker="{p.url}"}}') for p, _ in workers] == [2, 2], s
+            assert metric_sum(s, m.ROUTER_CACHED_PROMPT_TOKENS) == 4 * 13 * block, s
+    finally:
+        if front is not None:
+            front.close()
+        stop_all(replicas)
 
 
 def test_sigterm_drains_in_flight_requests(workers):
