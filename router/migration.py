@@ -7,6 +7,13 @@ its new ``token_ids``. The router asks for them on every stream it may have to m
 what the client gets, unless the client asked for them too. Ids, not text: text does not round-trip through
 the tokenizer, ids do, so at temperature 0 the continuation is the uninterrupted generation.
 
+Where the continuation starts matters for its text: vLLM detokenizes a stream incrementally with the prompt
+as context (tokenizers' DecodeStream) and holds back text that ends in an incomplete UTF-8 sequence; a
+continuation whose prompt ends inside a character would print the whole prompt as its first token's text
+(tokenizers 0.23). So it starts after the last generated token at which the text is complete, and the
+worker generates the few held-back tokens again (at temperature 0, the same ones; the client saw their ids,
+when it asked for ids, but not their text, so neither is repeated).
+
 A continuation always goes to ``/v1/completions`` with the ids as its prompt, for chat requests too (a chat
 request cannot start from token ids); its chunks are reshaped into the original stream's (its id, created,
 model and object; for chat a ``delta`` with the text), and its usage rewritten to the original prompt and
@@ -18,6 +25,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -55,8 +63,9 @@ def unsupported(endpoint: str, body: dict) -> str | None:
 class TokenLog:
     """One stream's token ids as they pass (prompt and generated), and what a continuation needs."""
 
-    def __init__(self, endpoint: str, body: dict, prompt_ids: list[int]):
-        self.endpoint, self.body = endpoint, body
+    def __init__(self, endpoint: str, body: dict, prompt_ids: list[int],
+                 decode: Callable[[list[int], bool], str] | None = None):
+        self.endpoint, self.body, self._decode = endpoint, body, decode
         self.client_wants_ids = body.get("return_token_ids") is True
         self.prompt: list[int] = prompt_ids      # the router's own; replaced by the worker's when it says
         self.head: dict | None = None            # the first chunk: the stream's id, created, model, object
@@ -65,6 +74,7 @@ class TokenLog:
         self._parts: list[bytes] = []            # each chunk's token_ids list, parsed when needed
         self._ids: list[int] | None = None
         self._base = 0                           # tokens generated before the current continuation
+        self._skip = 0                           # ids of the continuation the client already has
         limit = body.get("max_completion_tokens") or body.get("max_tokens")
         self.limit: int | None = limit if isinstance(limit, int) else None
 
@@ -116,10 +126,24 @@ class TokenLog:
         return None if self.limit is None else self.limit - len(self.generated())
 
     # -------------------------------------------------------------- the continuation
+    def resume_at(self) -> int:
+        """How many generated tokens the continuation keeps: all but those at the end whose text is an
+        incomplete character (vLLM held it back), found with the model's tokenizer on the last ids."""
+        gen = self.generated()
+        if self._decode is None:
+            return len(gen)
+        skip = self.body.get("skip_special_tokens") is not False
+        k = len(gen)
+        # a character spans at most 4 bytes: the last 32 ids decide whether the text ends inside one
+        while k > 0 and self._decode((self.prompt + gen[:k])[-32:], skip).endswith("\ufffd"):
+            k -= 1
+        return k
+
     def continuation(self) -> dict:
         """The /v1/completions request that continues the stream: same sampling parameters, the prompt's
-        ids plus the generated ones as its prompt, max_tokens (and min_tokens) less what was generated."""
-        gen = self.generated()
+        ids plus the generated ones (up to :meth:`resume_at`) as its prompt, max_tokens (and min_tokens)
+        less those."""
+        gen = self.generated()[:self.resume_at()]
         body = {k: v for k, v in self.body.items() if k not in _NOT_CONTINUED}
         opts = self.body.get("stream_options") or {}
         body.update(prompt=self.prompt + gen, stream=True, return_token_ids=True,
@@ -133,8 +157,12 @@ class TokenLog:
         return body
 
     def start_continuation(self) -> None:
-        self.generated()
-        self._base = len(self._ids)
+        """The continuation is open: from here its chunks are rewritten, and the generated ids it
+        repeats (those after :meth:`resume_at`) are taken out of the record, to come back with it."""
+        keep = self.resume_at()
+        self._skip = len(self._ids) - keep
+        del self._ids[keep:]
+        self._base = keep
         self.reshaping = True
 
     def _reshape(self, event: bytes) -> bytes:
@@ -146,6 +174,9 @@ class TokenLog:
             c.pop("prompt_token_ids", None)
             if ids:
                 self.generated().extend(ids)
+                if self._skip:        # the client has these ids already (their text it has not)
+                    seen, self._skip = min(self._skip, len(ids)), self._skip - min(self._skip, len(ids))
+                    ids = ids[seen:]
             if c.get("finish_reason"):
                 self.finished = True
             if chat:

@@ -421,7 +421,7 @@ class Router:
         if self.config.spec.max_migrations:
             unsupported = migration.unsupported(endpoint, body)
             if unsupported is None:     # ids from the worker, for a continuation elsewhere (migration.py)
-                tokens = migration.TokenLog(endpoint, body, ids)
+                tokens = migration.TokenLog(endpoint, body, ids, self.tokenizer.decode)
         body = dict(body, stream_options={**opts, "include_usage": True},
                     **({"return_token_ids": True} if tokens else {}))
         tried: list[str] = []

@@ -48,6 +48,9 @@ class Tokenizer:
             return req.prompt
         return self._text_ids(req.prompt, True, "prompt")
 
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
     def _text_ids(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
         try:
             return self._encode(text, add_special_tokens=add_special_tokens)

@@ -12,6 +12,7 @@ stream sends token ids, and is served in full), `all` cuts every stream.
 
 import asyncio
 import itertools
+import os
 import json
 import sys
 import time
@@ -22,7 +23,8 @@ TOKENS = int(sys.argv[2]) if len(sys.argv) > 2 else 8
 DELAY = float(sys.argv[3]) if len(sys.argv) > 3 else 0.01
 CUT_AFTER = int(sys.argv[4]) if len(sys.argv) > 4 else 0
 CUT_ALL = len(sys.argv) > 5 and sys.argv[5] == "all"
-TOKEN_ID = 100      # every "tok " is this id
+# every "tok " is this id (a router decodes ids with its model's tokenizer: tests pass one whose text is whole)
+TOKEN_ID = int(os.environ.get("SSE_TOKEN_ID", "100"))
 STREAMS = itertools.count()
 
 

@@ -25,8 +25,12 @@ TOKENS, CUT = 20, 5
 
 def _routed(tiny_model: str, logs: Path, name: str, cut: str, spec: dict) -> tuple[LocalProcess, LocalProcess]:
     up_port, port = free_port(), free_port()
+    from disagg.router.tokenizer import Tokenizer
+
+    tok_id = Tokenizer(tiny_model)._encode("tok ", add_special_tokens=False)[0]    # its text is whole
     up = LocalProcess(f"{name}-upstream", [sys.executable, str(Path(__file__).with_name("sse_upstream.py")),
-                                           str(up_port), str(TOKENS), "0.005", str(CUT), cut], {},
+                                           str(up_port), str(TOKENS), "0.005", str(CUT), cut],
+                      {"SSE_TOKEN_ID": str(tok_id)},
                       f"http://127.0.0.1:{up_port}", logs).start()
     (logs / f"{name}.json").write_text(json.dumps({
         "model": "tiny", "tokenizer": tiny_model, "block_size": 16, "max_model_len": 1024, "port": port,
@@ -129,3 +133,34 @@ def test_a_request_migration_cannot_continue_exactly_is_not_migrated(dies_once):
             pass
     after = scrape(dies_once.url)[f'{m.ROUTER_MIGRATIONS}{{outcome="{m.MIGRATION_UNSUPPORTED}"}}']
     assert after == before + 1
+
+
+def test_a_continuation_starts_where_the_text_is_whole(tiny_model):
+    """Generated ids that end inside a UTF-8 character (vLLM held their text back) are generated again by
+    the continuation: a prompt ending inside a character would have vLLM print the whole prompt as the
+    continuation's first text. Their ids, which a client that asked already has, are not sent twice."""
+    from disagg.router.migration import TokenLog
+    from disagg.router.tokenizer import Tokenizer
+
+    tok = Tokenizer(tiny_model)
+    prompt = tok._encode("Hello there", add_special_tokens=False)
+    word = tok._encode(" world", add_special_tokens=False)
+    euro = tok._encode("€", add_special_tokens=False)          # 3 bytes: 3 byte tokens in this vocabulary
+    assert len(euro) >= 2 and tok.decode(euro[:1]).endswith("\ufffd")
+    body = {"model": "tiny", "prompt": "Hello there", "max_tokens": 50, "return_token_ids": True}
+    log = TokenLog("/v1/completions", body, prompt, tok.decode)
+    first = json.dumps({"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "tiny", "choices": [
+        {"index": 0, "text": " world", "prompt_token_ids": prompt, "token_ids": word + euro[:1]}]},
+        separators=(",", ":"))
+    log.scan(b"data: " + first.encode())
+    assert log.generated() == word + euro[:1]
+    assert log.resume_at() == len(word)
+    cont = log.continuation()
+    assert cont["prompt"] == prompt + word and cont["max_tokens"] == 50 - len(word)
+    log.start_continuation()
+    nxt = json.dumps({"id": "cmpl-2", "object": "text_completion", "created": 2, "model": "tiny", "choices": [
+        {"index": 0, "text": "€", "prompt_token_ids": None, "token_ids": euro}]}, separators=(",", ":"))
+    out = json.loads(log.scan(b"data: " + nxt.encode())[6:])
+    assert out["id"] == "cmpl-1" and out["choices"][0]["text"] == "€"
+    assert out["choices"][0]["token_ids"] == euro[1:]            # the first the client had
+    assert log.generated() == word + euro
