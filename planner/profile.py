@@ -5,6 +5,9 @@ Prefill: ``batch`` prompts of ``tokens`` random token ids sent together with ``m
 seconds are the slowest time to first token (the batch finishes together). Random ids per request keep
 the prefix cache out of it. Decode: ``concurrency`` streams of ``decode_tokens`` tokens after a
 ``context``-token prompt; the point's seconds are the median inter-token latency, at the mean context.
+With ``repeats`` > 1 each point is measured that many times and its median kept: on a shared or noisy
+machine one sample can be off by a factor (seen on a busy 2-core CPU host: a 32-token prefill slower
+than a 768-token one).
 """
 
 from __future__ import annotations
@@ -43,26 +46,29 @@ def _stream(url: str, model: str, prompt: list[int], max_tokens: int, timeout: f
 def measure(url: str, model: str, prompt_tokens: tuple[int, ...] = (128, 512, 2048, 8192),
             batches: tuple[int, ...] = (1, 4), concurrencies: tuple[int, ...] = (1, 4, 16, 32),
             context: int = 1024, decode_tokens: int = 64, vocab: int = 1000, seed: int = 0,
-            timeout: float = 600.0, gpu: str = "unknown", tensor_parallel_size: int = 1) -> Profile:
+            timeout: float = 600.0, gpu: str = "unknown", tensor_parallel_size: int = 1,
+            repeats: int = 1) -> Profile:
     rng = random.Random(seed)
 
     def prompt(n: int) -> list[int]:
         return [rng.randrange(10, vocab) for _ in range(n)]
 
-    prefill = []
-    for n in prompt_tokens:
-        for b in batches:
-            prompts = [prompt(n) for _ in range(b)]
-            with ThreadPoolExecutor(b) as pool:
-                firsts = list(pool.map(lambda p: _stream(url, model, p, 1, timeout)[0], prompts))
-            prefill.append({"tokens": n, "batch": b, "seconds": max(firsts)})
-    decode = []
-    for c in concurrencies:
+    def prefill_once(n: int, b: int) -> float:
+        prompts = [prompt(n) for _ in range(b)]
+        with ThreadPoolExecutor(b) as pool:
+            return max(pool.map(lambda p: _stream(url, model, p, 1, timeout)[0], prompts))
+
+    def decode_once(c: int) -> float:
         prompts = [prompt(context) for _ in range(c)]
         with ThreadPoolExecutor(c) as pool:
             runs = list(pool.map(lambda p: _stream(url, model, p, decode_tokens, timeout), prompts))
-        itls = [(t[-1] - t[0]) / (len(t) - 1) for t in runs if len(t) > 1]
-        decode.append({"concurrency": c, "context": context + decode_tokens / 2, "seconds": statistics.median(itls)})
+        return statistics.median([(t[-1] - t[0]) / (len(t) - 1) for t in runs if len(t) > 1])
+
+    n_runs = max(repeats, 1)
+    prefill = [{"tokens": n, "batch": b, "seconds": statistics.median(prefill_once(n, b) for _ in range(n_runs))}
+               for n in prompt_tokens for b in batches]
+    decode = [{"concurrency": c, "context": context + decode_tokens / 2,
+               "seconds": statistics.median(decode_once(c) for _ in range(n_runs))} for c in concurrencies]
     return Profile(model, gpu, tensor_parallel_size, tuple(prefill), tuple(decode))
 
 
@@ -85,6 +91,7 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--context", type=int, default=1024, help="prompt tokens of the decode runs")
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--vocab", type=int, default=1000, help="random prompt token ids are drawn below this")
+    p.add_argument("--repeats", type=int, default=1, help="measure each point this many times, keep the median")
     p.add_argument("--out", default="profile.yaml", help="profile file to write")
     p.add_argument("--configmap", help="write a ConfigMap manifest with this name instead (for profileRef)")
     p.add_argument("--namespace", help="namespace of the ConfigMap")
@@ -94,7 +101,7 @@ def run_cli(args: Any) -> int:
     ints = lambda s: tuple(int(x) for x in s.split(",") if x)  # noqa: E731
     profile = measure(args.url, args.model, ints(args.prompt_tokens), ints(args.batches), ints(args.concurrency),
                       args.context, args.decode_tokens, args.vocab, gpu=args.gpu,
-                      tensor_parallel_size=args.tensor_parallel_size)
+                      tensor_parallel_size=args.tensor_parallel_size, repeats=args.repeats)
     doc = configmap(profile, args.configmap, args.namespace) if args.configmap else profile.to_dict()
     Path(args.out).write_text(yaml.safe_dump(doc, sort_keys=False))
     a, b, c = profile.prefill_coef

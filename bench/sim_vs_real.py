@@ -1,0 +1,291 @@
+"""The simulator against the real engines: the same trace through a real CPU prefill/decode pair and
+through `disagg simulate`'s simulator driven by a `disagg profile` of those same workers.
+
+What runs (no GPU, the tiny test model):
+
+1. `disagg serve --local`'s processes: a CPU vLLM prefill worker (core 0) and a decode worker (core 1)
+   with NIXL between them, and the router in front (disaggregation always);
+2. `disagg profile` against each worker on its own (prefill points from the prefill worker, decode
+   points from the decode worker), written to two profile files;
+3. a few minutes of the Mooncake conversation trace (../shared/traces), scaled down so two one-core
+   engines serve it without unbounded queueing: prompt lengths / ``--in-scale``, output lengths /
+   ``--out-scale`` (clipped to the workers' 1024-token context), the request rate set so the profile
+   predicts ``--load`` utilisation of the prefill worker and at most ``--decode-concurrency`` requests
+   decoding at once; random token ids (no prefix sharing: the
+   simulator's prefix cache and vLLM's are both idle, so neither is judged here);
+4. the trace replayed open-loop (each request sent at its arrival time, streaming, ``ignore_eos``)
+   through the router, TTFT and ITL measured by the client;
+5. the same trace through :class:`disagg.planner.simulate.Simulation` with one prefill and one decode
+   replica (a static policy), its performance model built from the two profiles.
+
+Printed: TTFT and ITL p50/p90, real, simulated and simulated / real, and whether each is within 20%;
+and the p50s of ``--unloaded`` requests of the trace sent one at a time (rows "alone"), which separate
+the profile's shape and the path's fixed costs from queueing.
+TTFT is arrival to the first token; ITL is a request's mean time between its output tokens (the
+simulator's definitions).
+
+    nice -n 19 .venv/bin/python bench/sim_vs_real.py [--minutes 3] [--load 0.5] [--json out.json]
+
+CPU contention: the workers share this machine's cores with whatever else runs; the profile is
+measured minutes before the replay, so load that changes in between moves the real figures and not
+the simulated ones. The load average before and after is printed with the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import replace
+from pathlib import Path
+
+from disagg.planner import perfmodel, traces
+from disagg.planner.simulate import SimConfig, Simulation, StaticPolicy, _pct
+from disagg.workers.envpath import worker_python
+from disagg.workers.local import free_port, pd_processes, stop_all
+from disagg.workers.tinymodel import ensure
+
+REPO = Path(__file__).resolve().parent.parent
+MAX_MODEL_LEN = 1024        # workers.local.cpu_settings
+MAX_NUM_SEQS = 64           # workers.local.cpu_settings' --max-num-seqs
+TOLERANCE = 0.20
+
+
+def profile_worker(url: str, out: Path, role: str) -> perfmodel.Profile:
+    """`disagg profile` (the CLI, as a user runs it) against one worker."""
+    exe = shutil.which("disagg", path=str(Path(sys.executable).parent)) or "disagg"
+    args = [exe, "profile", "--url", url, "--model", "tiny", "--vocab", "500", "--out", str(out),
+            "--repeats", "3"]   # medians: one sample on this shared machine can be off by a factor
+    if role == "prefill":   # prompts up to what the trace sends; decode points are not used from here
+        args += ["--prompt-tokens", "32,256,768", "--batches", "1,3", "--concurrency", "1,2,4",
+                 "--context", "64", "--decode-tokens", "8"]
+    else:                   # concurrencies the replay reaches; prefill points are not used from here
+        args += ["--prompt-tokens", "32,64,128", "--batches", "1", "--concurrency", "1,2,4,8,16",
+                 "--context", "192", "--decode-tokens", "48"]
+    run = subprocess.run(args, capture_output=True, text=True, timeout=1200)
+    if run.returncode:
+        raise RuntimeError(f"disagg profile {role} failed:\n{run.stderr[-3000:]}")
+    print(f"  {role}: {run.stdout.strip()}", flush=True)
+    return perfmodel.Profile.load(out)
+
+
+def scaled_trace(minutes: float, in_scale: float, out_scale: float, start: float) -> traces.Trace:
+    """The Mooncake trace from ``start`` s, lengths scaled down and clipped to the workers' context."""
+    full = traces.real(REPO)
+    reqs = []
+    for r in full.requests:
+        if r.t < start:
+            continue
+        out = min(max(round(r.output_tokens / out_scale), 2), 128)
+        inp = min(max(round(r.input_tokens / in_scale), 8), MAX_MODEL_LEN - out - 8)
+        reqs.append(traces.Request(r.t - start, inp, out, None, ()))
+    return traces.Trace("mooncake-scaled", tuple(reqs))
+
+
+def with_rate(trace: traces.Trace, rate: float, seconds: float) -> traces.Trace:
+    k = rate / (len(trace.requests) / trace.duration)
+    return trace.scaled(rate=k, limit=seconds)
+
+
+class ProfiledConfig(SimConfig):
+    """A SimConfig whose performance models are the measured profiles (the simulator asks
+    ``planning_models()`` for them); the shape is the tiny model's own config.json, the
+    hardware entry only gives the physical floors, far below these CPU timings."""
+
+    def with_models(self, prefill: perfmodel.PerfModel, decode: perfmodel.PerfModel) -> ProfiledConfig:
+        object.__setattr__(self, "_models", (prefill, decode))
+        return self
+
+    def planning_models(self):
+        return self._models
+
+
+def simulate(trace: traces.Trace, model_dir: str, prefill: perfmodel.Profile, decode: perfmodel.Profile,
+             max_batch_tokens: int) -> tuple[list[float], list[float]]:
+    shape = perfmodel.model_from_config(model_dir, "tiny")
+    shape = replace(shape, dtype_bytes=4)   # the CPU workers run float32
+    # a same-host link: NIXL over UCX/TCP on loopback
+    base = perfmodel.PerfModel(shape, perfmodel.gpu("L40S"), 1, perfmodel.interconnect("tcp-25g"))
+    cfg = ProfiledConfig(model="tiny", gpu="L40S", ttft_target=1e9, itl_target=1e9, interval=60.0,
+                         startup=0.0, max_batch_tokens=max_batch_tokens, max_num_seqs=MAX_NUM_SEQS,
+                         drain_limit=3600.0)
+    cfg.with_models(replace(base, profile=prefill), replace(base, profile=decode))
+    res = Simulation(cfg, trace, StaticPolicy(1, 1)).run()
+    return res.ttft, res.itl
+
+
+def _send(url: str, prompt: list[int], max_tokens: int, sent: float, out: list, i: int) -> None:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    times = []
+    try:
+        with urllib.request.urlopen(req, timeout=600) as r:
+            for line in r:
+                if line.startswith(b"data: {"):
+                    times.append(time.perf_counter())
+    except Exception as e:  # noqa: BLE001 - a failed request is reported, not fatal
+        out[i] = ("error", repr(e))
+        return
+    out[i] = ("ok", sent, times)
+
+
+def unloaded(url: str, trace: traces.Trace, n: int, gap: float = 120.0) -> tuple[traces.Trace, list, list]:
+    """``n`` of the trace's requests one at a time (closed loop: nothing queues), and the same requests
+    as a trace whose arrivals are ``gap`` s apart for the simulator: the profile's shape and the
+    path's fixed costs, without queueing."""
+    picked = sorted(trace.requests, key=lambda r: r.input_tokens)[:: max(len(trace.requests) // n, 1)][:n]
+    ttft, itl = [], []
+    for i, r in enumerate(picked):
+        t, it, _ = replay(url, traces.Trace("one", (traces.Request(0.0, r.input_tokens, r.output_tokens, None, ()),)),
+                          seed=100 + i)
+        ttft += t
+        itl += it
+    return (traces.Trace("unloaded", tuple(traces.Request(i * gap, r.input_tokens, r.output_tokens, None, ())
+                                            for i, r in enumerate(picked))), ttft, itl)
+
+
+def replay(url: str, trace: traces.Trace, seed: int = 0) -> tuple[list[float], list[float], int]:
+    """Open loop: each request at its arrival time; TTFT from the scheduled arrival (so a late send
+    counts against the real system, as a queue would)."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(10, 500) for _ in range(r.input_tokens)] for r in trace.requests]
+    results: list = [None] * len(trace.requests)
+    threads = []
+    t0 = time.perf_counter() + 1.0
+    for i, r in enumerate(trace.requests):
+        delay = t0 + r.t - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        th = threading.Thread(target=_send, args=(url, prompts[i], r.output_tokens, t0 + r.t, results, i),
+                              daemon=True)
+        th.start()
+        threads.append(th)
+    for th in threads:
+        th.join()
+    ttft, itl, errors = [], [], 0
+    for res in results:
+        if res is None or res[0] != "ok" or len(res[2]) < 2:
+            errors += 1
+            continue
+        _, sent, times = res
+        ttft.append(times[0] - sent)
+        itl.append((times[-1] - times[0]) / (len(times) - 1))
+    return ttft, itl, errors
+
+
+def engine_max_batch_tokens(log: Path) -> int:
+    """vLLM's max_num_batched_tokens as the prefill worker logged it (its scheduler's token budget)."""
+    import re
+
+    m = re.findall(r"max_num_batched_tokens=(\d+)", log.read_text(errors="replace"))
+    return int(m[-1]) if m else 2048
+
+
+def table(real: dict[str, list[float]], sim: dict[str, list[float]], label: str = "",
+          percentiles: tuple[int, ...] = (50, 90)) -> list[dict]:
+    rows = []
+    for metric in ("ttft", "itl"):
+        for p in percentiles:
+            r, s = _pct(real[metric], p), _pct(sim[metric], p)
+            ratio = s / r if r else math.nan
+            rows.append({"metric": f"{metric.upper()} p{p}{label}", "real_ms": r * 1000, "sim_ms": s * 1000,
+                         "ratio": ratio, "within": abs(ratio - 1) <= TOLERANCE})
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--minutes", type=float, default=3.0)
+    ap.add_argument("--load", type=float, default=0.5, help="prefill utilisation the profile predicts")
+    ap.add_argument("--decode-concurrency", type=float, default=8.0,
+                    help="mean requests decoding at once the rate is held to (Little's law on the profile)")
+    ap.add_argument("--in-scale", type=float, default=32.0, help="prompt lengths divided by this")
+    ap.add_argument("--out-scale", type=float, default=8.0, help="output lengths divided by this")
+    ap.add_argument("--start", type=float, default=600.0, help="trace offset in seconds")
+    ap.add_argument("--unloaded", type=int, default=8,
+                    help="requests of the trace also sent one at a time (rows '... alone': no queueing)")
+    ap.add_argument("--json", help="write the rows and settings here")
+    ap.add_argument("--keep", help="keep logs and profiles in this directory")
+    args = ap.parse_args()
+
+    python = worker_python()
+    model = str(ensure(python))
+    work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="sim-vs-real-"))
+    work.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    procs = pd_processes(model, port, python, work)
+    load_before = os.getloadavg()
+    try:
+        print(f"starting prefill, decode, router (logs in {work}) ...", flush=True)
+        for p in procs[:2]:
+            p.start()
+        for p in procs[:2]:
+            p.wait_ready(timeout=900)
+        procs[2].start().wait_ready(timeout=300)
+        print("profiling the workers (disagg profile) ...", flush=True)
+        pre = profile_worker(procs[0].url, work / "prefill-profile.yaml", "prefill")
+        dec = profile_worker(procs[1].url, work / "decode-profile.yaml", "decode")
+
+        base = scaled_trace(args.minutes, args.in_scale, args.out_scale, args.start)
+        ins = [r.input_tokens for r in base.requests]
+        mean_prefill = sum(pre.prefill_seconds([n]) for n in ins) / len(ins)
+        # and at most --decode-concurrency requests decoding at once on average (Little's law at the
+        # profile's step time for that batch): past its knee a one-core decode queues without bound
+        outs = [r.output_tokens for r in base.requests]
+        c, ctx = args.decode_concurrency, sum(ins) / len(ins) + sum(outs) / len(outs) / 2
+        decode_rate = c / (sum(outs) / len(outs) * dec.decode_seconds(c, c * ctx))
+        rate = min(args.load / mean_prefill, decode_rate)
+        trace = with_rate(base, rate, args.minutes * 60.0)
+        n = len(trace.requests)
+        print(f"trace: {n} requests over {trace.duration:.0f} s ({n / trace.duration:.2f}/s), prompt "
+              f"p50/p90 {_pct(ins, 50):.0f}/{_pct(ins, 90):.0f} tokens, output p50 "
+              f"{_pct([r.output_tokens for r in trace.requests], 50):.0f}", flush=True)
+
+        # warm the path (first NIXL handshake, first compiled shapes) outside the measurement
+        warm = traces.Trace("warm", tuple(traces.Request(i * 0.5, 200, 8, None, ()) for i in range(4)))
+        replay(procs[2].url, warm, seed=1)
+        print("one request at a time ...", flush=True)
+        alone, alone_ttft, alone_itl = unloaded(procs[2].url, trace, args.unloaded)
+        print("replaying through the router ...", flush=True)
+        t = time.perf_counter()
+        real_ttft, real_itl, errors = replay(procs[2].url, trace)
+        print(f"  done in {time.perf_counter() - t:.0f} s, {errors} failed", flush=True)
+        mbt = engine_max_batch_tokens(procs[0].log_path)
+    finally:
+        stop_all(procs)
+    load_after = os.getloadavg()
+
+    sim_ttft, sim_itl = simulate(trace, model, pre, dec, mbt)
+    rows = table({"ttft": real_ttft, "itl": real_itl}, {"ttft": sim_ttft, "itl": sim_itl})
+    a_ttft, a_itl = simulate(alone, model, pre, dec, mbt)
+    rows += table({"ttft": alone_ttft, "itl": alone_itl}, {"ttft": a_ttft, "itl": a_itl}, " alone", (50,))
+    print(f"\nsimulator (profile of these workers, max_batch_tokens {mbt}) vs the real CPU P/D pair, "
+          f"{len(real_ttft)} requests; load average {load_before[0]:.1f} before, {load_after[0]:.1f} after")
+    print(f"{'metric':<10}{'real ms':>10}{'sim ms':>10}{'sim/real':>10}  within 20%")
+    for r in rows:
+        print(f"{r['metric']:<10}{r['real_ms']:>10.1f}{r['sim_ms']:>10.1f}{r['ratio']:>10.2f}  "
+              f"{'yes' if r['within'] else 'NO'}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "requests": n, "rate": n / trace.duration,
+                                               "errors": errors, "max_batch_tokens": mbt,
+                                               "load_before": load_before, "load_after": load_after,
+                                               "prefill_profile": pre.to_dict(),
+                                               "decode_profile": dec.to_dict()}, indent=2))
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
