@@ -44,14 +44,15 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from dataclasses import replace
 from pathlib import Path
 
 from disagg.planner import perfmodel, traces
+from disagg.planner.profile import mean_itl, stream_tokens
 from disagg.planner.simulate import SimConfig, Simulation, StaticPolicy, _pct
 from disagg.workers.envpath import worker_python
-from disagg.workers.local import free_port, pd_processes, stop_all
+from disagg.api.metrics import ROUTER_TTFT_SECONDS, VLLM_TTFT_SECONDS
+from disagg.workers.local import free_port, metric_sum, pd_processes, scrape, stop_all
 from disagg.workers.tinymodel import ensure
 
 REPO = Path(__file__).resolve().parent.parent
@@ -124,20 +125,13 @@ def simulate(trace: traces.Trace, model_dir: str, prefill: perfmodel.Profile, de
 
 
 def _send(url: str, prompt: list[int], max_tokens: int, sent: float, out: list, i: int) -> None:
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True}
-    req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    times = []
+    begin = time.perf_counter()
     try:
-        with urllib.request.urlopen(req, timeout=600) as r:
-            for line in r:
-                if line.startswith(b"data: {"):
-                    times.append(time.perf_counter())
+        times, tokens = stream_tokens(url, "tiny", prompt, max_tokens, 600.0)
     except Exception as e:  # noqa: BLE001 - a failed request is reported, not fatal
         out[i] = ("error", repr(e))
         return
-    out[i] = ("ok", sent, times)
+    out[i] = ("ok", begin - sent, times, tokens)
 
 
 def unloaded(url: str, trace: traces.Trace, n: int, gap: float = 120.0) -> tuple[traces.Trace, list, list]:
@@ -175,13 +169,24 @@ def replay(url: str, trace: traces.Trace, seed: int = 0) -> tuple[list[float], l
         th.join()
     ttft, itl, errors = [], [], 0
     for res in results:
-        if res is None or res[0] != "ok" or len(res[2]) < 2:
+        v = mean_itl(res[2], res[3]) if res is not None and res[0] == "ok" else None
+        if v is None:
             errors += 1
             continue
-        _, sent, times = res
-        ttft.append(times[0] - sent)
-        itl.append((times[-1] - times[0]) / (len(times) - 1))
+        _, late, times, _ = res
+        ttft.append(late + times[0])   # from the scheduled arrival: a late send counts as queueing
+        itl.append(v)
     return ttft, itl, errors
+
+
+def ttft_totals(procs) -> dict[str, tuple[float, float]]:
+    """(sum, count) of the router's TTFT histogram and each engine's own (arrival at that engine to its
+    first token): differences over the replay split the client's TTFT by where it was spent."""
+    out = {}
+    for p, name in ((procs[2], ROUTER_TTFT_SECONDS), (procs[0], VLLM_TTFT_SECONDS), (procs[1], VLLM_TTFT_SECONDS)):
+        m = scrape(p.url)
+        out[p.name] = (metric_sum(m, name + "_sum"), metric_sum(m, name + "_count"))
+    return out
 
 
 def engine_max_batch_tokens(log: Path) -> int:
@@ -259,8 +264,14 @@ def main() -> int:
         alone, alone_ttft, alone_itl = unloaded(procs[2].url, trace, args.unloaded)
         print("replaying through the router ...", flush=True)
         t = time.perf_counter()
+        before = ttft_totals(procs)
         real_ttft, real_itl, errors = replay(procs[2].url, trace)
+        after = ttft_totals(procs)
         print(f"  done in {time.perf_counter() - t:.0f} s, {errors} failed", flush=True)
+        means = {k: (after[k][0] - before[k][0]) / max(after[k][1] - before[k][1], 1) for k in after}
+        split = ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in means.items())
+        print(f"  mean TTFT: client {sum(real_ttft) / max(len(real_ttft), 1) * 1000:.0f} ms; as each saw it: "
+              f"{split} (an engine's: arrival there to its first token)", flush=True)
         mbt = engine_max_batch_tokens(procs[0].log_path)
     finally:
         stop_all(procs)
@@ -279,6 +290,7 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "requests": n, "rate": n / trace.duration,
                                                "errors": errors, "max_batch_tokens": mbt,
+                                               "mean_ttft_seen_by": means,
                                                "load_before": load_before, "load_after": load_after,
                                                "prefill_profile": pre.to_dict(),
                                                "decode_profile": dec.to_dict()}, indent=2))

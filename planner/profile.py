@@ -26,21 +26,36 @@ import yaml
 from .perfmodel import PROFILE_KEY, Profile
 
 
-def _stream(url: str, model: str, prompt: list[int], max_tokens: int, timeout: float) -> list[float]:
-    """Send one streaming completion; return the arrival times of its tokens (seconds since sending)."""
+def stream_tokens(url: str, model: str, prompt: list[int], max_tokens: int,
+                  timeout: float) -> tuple[list[float], int]:
+    """Send one streaming completion; return the arrival times of its token chunks (seconds since
+    sending) and how many tokens came back: the usage vLLM reports at the end (a busy server puts
+    several tokens in one chunk, so chunks undercount them), else the number of chunks."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True}
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
     req = urllib.request.Request(f"{url.rstrip('/')}/v1/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     start = time.perf_counter()
-    times = []
+    times, tokens = [], None
     with urllib.request.urlopen(req, timeout=timeout) as r:
         for line in r:
-            if line.startswith(b"data: {"):
-                times.append(time.perf_counter() - start)
+            if not line.startswith(b"data: {"):
+                continue
+            now = time.perf_counter() - start
+            event = json.loads(line[6:])
+            if event.get("choices"):
+                times.append(now)
+            if event.get("usage"):
+                tokens = event["usage"].get("completion_tokens")
     if not times:
         raise RuntimeError(f"{url}: no tokens streamed back")
-    return times
+    return times, int(tokens or len(times))
+
+
+def mean_itl(times: list[float], tokens: int) -> float | None:
+    """Mean time between tokens after the first (the first chunk carries the first token alone: it is
+    sent as soon as prefill ends)."""
+    return (times[-1] - times[0]) / (tokens - 1) if tokens > 1 and len(times) > 1 else None
 
 
 def measure(url: str, model: str, prompt_tokens: tuple[int, ...] = (128, 512, 2048, 8192),
@@ -56,13 +71,13 @@ def measure(url: str, model: str, prompt_tokens: tuple[int, ...] = (128, 512, 20
     def prefill_once(n: int, b: int) -> float:
         prompts = [prompt(n) for _ in range(b)]
         with ThreadPoolExecutor(b) as pool:
-            return max(pool.map(lambda p: _stream(url, model, p, 1, timeout)[0], prompts))
+            return max(pool.map(lambda p: stream_tokens(url, model, p, 1, timeout)[0][0], prompts))
 
     def decode_once(c: int) -> float:
         prompts = [prompt(context) for _ in range(c)]
         with ThreadPoolExecutor(c) as pool:
-            runs = list(pool.map(lambda p: _stream(url, model, p, decode_tokens, timeout), prompts))
-        return statistics.median([(t[-1] - t[0]) / (len(t) - 1) for t in runs if len(t) > 1])
+            runs = list(pool.map(lambda p: stream_tokens(url, model, p, decode_tokens, timeout), prompts))
+        return statistics.median([v for v in (mean_itl(*run) for run in runs) if v is not None])
 
     n_runs = max(repeats, 1)
     prefill = [{"tokens": n, "batch": b, "seconds": statistics.median(prefill_once(n, b) for _ in range(n_runs))}
