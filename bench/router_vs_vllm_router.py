@@ -1,7 +1,8 @@
 """This router side by side with vLLM's own router (`vllm-router`, Rust) and with going direct.
 
-Two paced OpenAI-shaped upstreams (tests/sse_upstream.py: N tokens, one every --itl-ms), one client
-process, streaming completions. At each concurrency level the three targets run one after another
+Two paced OpenAI-shaped upstreams (tests/sse_upstream.py: N tokens, one every --itl-ms), or with
+`--engine vllm` two real CPU vLLM workers (the tiny test model, one core each, at the concurrency they
+can take: levels 1 and 8 by default), one client process, streaming completions. At each concurrency level the three targets run one after another
 (direct, this router, vllm-router), so drift hits all alike:
 
 - direct: the client alternates between the two upstreams itself;
@@ -18,6 +19,7 @@ client too, which is how it would crowd a node.
 Needs the bench extra (`make bench-deps`).
 
     .venv/bin/python bench/router_vs_vllm_router.py [--levels 1,64,256,1000,2000] [--tokens 64]
+    .venv/bin/python bench/router_vs_vllm_router.py --engine vllm [--levels 1,8] [--tokens 32]
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from pathlib import Path
 import aiohttp
 
 from disagg.workers.envpath import worker_python
-from disagg.workers.local import LocalProcess, free_port, router, stop_all
+from disagg.workers.local import LocalProcess, cpu_settings, free_port, router, stop_all, worker
 from disagg.workers.tinymodel import ensure
 
 PACED = Path(__file__).resolve().parent.parent / "tests" / "sse_upstream.py"
@@ -69,10 +71,12 @@ class Result:
 
 
 async def one(session: aiohttp.ClientSession, url: str, i: int, tokens: int, res: Result) -> None:
+    # ignore_eos: a real engine generates every token asked for (the paced upstream always does); the
+    # usage chunk says how many, since a real engine's chunk may carry several tokens
     body = {"model": "tiny", "prompt": f"stream {i}: the parser returns the value of", "max_tokens": tokens,
-            "stream": True}
+            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
     start = time.perf_counter()
-    first, n, done = None, 0, False
+    first, n, done, counted = None, 0, False, None
     try:
         async with session.post(f"{url}/v1/completions", json=body) as r:
             if r.status != 200:
@@ -82,11 +86,13 @@ async def one(session: aiohttp.ClientSession, url: str, i: int, tokens: int, res
                     if b'"error"' in line:
                         raise RuntimeError(line[:200].decode())
                     if b'"choices": []' in line or b'"choices":[]' in line:
+                        counted = (json.loads(line[6:]).get("usage") or {}).get("completion_tokens")
                         continue
                     first = first or time.perf_counter()
                     n += 1
                 elif line.startswith(b"data: [DONE]"):
                     done = True
+        n = n if counted is None else counted
         if n != tokens or not done:
             raise RuntimeError(f"{n} of {tokens} tokens, [DONE] {'seen' if done else 'missing'}")
         res.ttft.append(first - start)
@@ -130,8 +136,10 @@ def vllm_router(urls: list[str], port: int, logs: Path) -> LocalProcess:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--levels", default="1,64,256,1000,2000")
-    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--engine", choices=["paced", "vllm"], default="paced",
+                    help="the upstreams: two paced SSE servers, or two real CPU vLLM workers (one core each)")
+    ap.add_argument("--levels", help="default 1,64,256,1000,2000 (paced), 1,8 (vllm)")
+    ap.add_argument("--tokens", type=int, help="default 64 (paced), 32 (vllm)")
     ap.add_argument("--itl-ms", type=float, default=10.0)
     ap.add_argument("--requests", type=int, default=30,
                     help="at least this many requests per target and level (more when the level is wider)")
@@ -144,18 +152,27 @@ def main() -> None:
     args = ap.parse_args()
     if os.geteuid() == 0 and args.priority:
         os.setpriority(os.PRIO_PROCESS, 0, args.priority)     # inherited by every process started below
+    vllm = args.engine == "vllm"
+    args.levels = args.levels or ("1,8" if vllm else "1,64,256,1000,2000")
+    args.tokens = args.tokens or (32 if vllm else 64)
     levels = [int(x) for x in args.levels.split(",")]
     targets = args.targets.split(",")
     logs = Path(tempfile.mkdtemp(prefix="bench-vs-vllm-router-"))
-    model = str(ensure(worker_python()))
-    ups = []
+    python = worker_python()
+    model = str(ensure(python))
+    ups, max_model_len = [], 4096
     for k in range(2):
+        if vllm:    # aggregated (no NIXL), one core each, as the tests' workers
+            settings = cpu_settings("decode", model, str(k), kv_transfer=False)
+            max_model_len = settings.max_model_len
+            ups.append(worker(f"vllm{k}", settings, python, logs))
+            continue
         port = free_port()
         ups.append(LocalProcess(f"paced{k}", [sys.executable, str(PACED), str(port), str(args.tokens),
                                                str(args.itl_ms / 1000)], {}, f"http://127.0.0.1:{port}", logs))
     port = free_port()
     (logs / "router.json").write_text(json.dumps({
-        "model": "tiny", "tokenizer": model, "block_size": 32, "max_model_len": 4096, "port": port,
+        "model": "tiny", "tokenizer": model, "block_size": 32, "max_model_len": max_model_len, "port": port,
         "host": "127.0.0.1", "spec": {"disaggregation": "never", "policy": "round-robin"},
         "decode": [{"url": u.url} for u in ups]}))
     procs = {"router": router(logs / "router.json", port, logs),
@@ -171,7 +188,7 @@ def main() -> None:
         p.start()
     try:
         for p in everything:
-            p.wait_ready(timeout=120)
+            p.wait_ready(timeout=600 if vllm else 120)
         urls = {"direct": [u.url for u in ups], **{t: [p.url] for t, p in procs.items()}}
         pids = {"direct": None, **{t: p.proc.pid for t, p in procs.items()}}
         for t in targets:   # warm every path (connections, the tokenizer, vllm-router's pools)
@@ -199,8 +216,10 @@ def main() -> None:
 
 
 def print_table(table: dict[int, dict[str, Result]], targets: list[str], args) -> None:
-    print(f"\n{args.tokens} tokens a stream, one every {args.itl_ms:g} ms, two paced upstreams, one client "
-          f"process; {os.cpu_count()} cores shared by all (nice {os.getpriority(os.PRIO_PROCESS, 0)}).\n")
+    upstreams = ("two CPU vLLM workers (tiny model, one core each)" if args.engine == "vllm"
+                 else f"one every {args.itl_ms:g} ms, two paced upstreams")
+    print(f"\n{args.tokens} tokens a stream, {upstreams}, one client process; {os.cpu_count()} cores shared "
+          f"by all (nice {os.getpriority(os.PRIO_PROCESS, 0)}).\n")
     cols = ["streams"]
     for t in targets:
         cols += [f"{t} TTFT p50/p99 ms", f"{t} tok/s", f"{t} err"]
