@@ -127,6 +127,11 @@ def reconcile(body: kopf.Body, uid: str, name: str, namespace: str, memo: kopf.M
     if written:
         kopf.info(body, reason="Applied", message=f"applied {len(written)} of {len(manifests)} child objects "
                                                  f"(gang {gang.name or 'none'})")
+    if written and memo.revisions.get(key, (None, False))[1]:
+        # kopf.event, not kopf.info: info events fall under the posting level (WARNING, startup())
+        kopf.event(body, type="Normal", reason="RolloutHeld",
+                   message=f"KV revision {render.kv_revision(dd)} has no ready prefill and decode yet: the old "
+                           "revision's pods stay until it has")
     keep = {m["metadata"]["name"] for m in manifests}
     for gone in children.prune_gangs(clients, namespace, name, keep, gang.name):
         kopf.info(body, reason="GangObjectDeleted", message=f"deleted {gone}: no pod of it remains")
@@ -294,7 +299,7 @@ async def status_loop(name: str, namespace: str, body: kopf.Body, memo: kopf.Mem
             deps = list(deployments_by_deployment.get(key, []))
             try:
                 if await asyncio.to_thread(_lift_hold, memo, namespace, name, pods):
-                    kopf.info(body, reason="RolloutHoldLifted",
+                    kopf.event(body, type="Normal", reason="RolloutHoldLifted",
                               message="the new KV revision has a ready prefill and decode: the old pods may go")
                 applied = memo.applied.get(key)
                 settled, events = await asyncio.to_thread(refresh, memo.clients, namespace, name, pods, deps, applied,

@@ -107,3 +107,8 @@ def test_rollout_keeps_the_old_pair_until_the_new_revision_has_one(api_client, n
         time.sleep(0.1)
     else:
         raise AssertionError(f"rollout did not finish on {new}: {[(p.metadata.name, p.metadata.labels) for p in pods]}")
+
+    def reasons() -> set[str]:
+        return {e.reason for e in dd.core.list_namespaced_event(
+            namespace, field_selector="involvedObject.name=hold").items}
+    wait_for(lambda: {"RolloutHeld", "RolloutHoldLifted"} <= reasons(), 30, "the hold's events")
