@@ -103,7 +103,7 @@ async def one(session: aiohttp.ClientSession, url: str, i: int, tokens: int, res
     res.requests += 1
 
 
-async def level(urls: list[str], streams: int, rounds: int, tokens: int, pid: int | None) -> Result:
+async def level(urls: list[str], streams: int, rounds: int, tokens: int, pids: list[int]) -> Result:
     """``streams`` concurrent clients, each running ``rounds`` requests back to back."""
     res = Result()
     conn = aiohttp.TCPConnector(limit=0, force_close=False)
@@ -114,12 +114,12 @@ async def level(urls: list[str], streams: int, rounds: int, tokens: int, pid: in
                 i = c * rounds + r
                 await one(session, urls[i % len(urls)], i, tokens, res)
 
-        cpu0 = cpu_seconds(pid) if pid else None
+        cpu0 = sum(cpu_seconds(p) for p in pids)
         t0 = time.perf_counter()
         await asyncio.gather(*(client(c) for c in range(streams)))
         res.wall = time.perf_counter() - t0
-        if pid:
-            res.cpu = cpu_seconds(pid) - cpu0
+        if pids:
+            res.cpu = sum(cpu_seconds(p) for p in pids) - cpu0
     return res
 
 
@@ -144,7 +144,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=30,
                     help="at least this many requests per target and level (more when the level is wider)")
     ap.add_argument("--targets", default="direct,router,vllm-router",
-                    help="any of direct, router, router-asyncio (the router on asyncio's loop), vllm-router")
+                    help="any of direct, router, router-asyncio (the router on asyncio's loop), router-xN (N router "
+                         "processes on one port, --processes), vllm-router")
+    ap.add_argument("--processes", type=int, default=2, help="N of the router-xN target")
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--priority", type=int, default=-10,
                     help="nice value of this process and all it starts (as root): on a machine shared with "
@@ -175,24 +177,30 @@ def main() -> None:
         "model": "tiny", "tokenizer": model, "block_size": 32, "max_model_len": max_model_len, "port": port,
         "host": "127.0.0.1", "spec": {"disaggregation": "never", "policy": "round-robin"},
         "decode": [{"url": u.url} for u in ups]}))
-    procs = {"router": router(logs / "router.json", port, logs),
-             "vllm-router": vllm_router([u.url for u in ups], free_port(), logs)}
+    procs = {"router": [router(logs / "router.json", port, logs)],
+             "vllm-router": [vllm_router([u.url for u in ups], free_port(), logs)]}
+    base = procs["router"][0].argv
     # the same router on Python's own event loop: what uvloop is worth, measured in the same run
     port2 = free_port()
-    procs["router-asyncio"] = LocalProcess("router-asyncio", [*procs["router"].argv, "--port", str(port2),
-                                                              "--event-loop", "asyncio"],
-                                           {}, f"http://127.0.0.1:{port2}", logs)
-    procs = {t: p for t, p in procs.items() if t in targets}
-    everything = ups + list(procs.values())
+    procs["router-asyncio"] = [LocalProcess("router-asyncio", [*base, "--port", str(port2), "--event-loop", "asyncio"],
+                                            {}, f"http://127.0.0.1:{port2}", logs)]
+    # N router processes on one port (SO_REUSEPORT, the kernel spreads connections): what more event loops are
+    # worth; CPU is all of them together
+    port3 = free_port()
+    procs[f"router-x{args.processes}"] = [
+        LocalProcess(f"router-x{args.processes}-{k}", [*base, "--port", str(port3), "--reuse-port"], {},
+                     f"http://127.0.0.1:{port3}", logs) for k in range(args.processes)]
+    procs = {t: ps for t, ps in procs.items() if t in targets}
+    everything = ups + [p for ps in procs.values() for p in ps]
     for p in everything:
         p.start()
     try:
         for p in everything:
             p.wait_ready(timeout=600 if vllm else 120)
-        urls = {"direct": [u.url for u in ups], **{t: [p.url] for t, p in procs.items()}}
-        pids = {"direct": None, **{t: p.proc.pid for t, p in procs.items()}}
+        urls = {"direct": [u.url for u in ups], **{t: [ps[0].url] for t, ps in procs.items()}}
+        pids = {"direct": [], **{t: [p.proc.pid for p in ps] for t, ps in procs.items()}}
         for t in targets:   # warm every path (connections, the tokenizer, vllm-router's pools)
-            asyncio.run(level(urls[t], 8, 1, args.tokens, None))
+            asyncio.run(level(urls[t], 8, 1, args.tokens, []))
         table: dict[int, dict[str, Result]] = {}
         for n in levels:
             rounds = max(1, math.ceil(args.requests / n)) if n < 256 else 2
@@ -225,9 +233,9 @@ def print_table(table: dict[int, dict[str, Result]], targets: list[str], args) -
         cols += [f"{t} TTFT p50/p99 ms", f"{t} tok/s", f"{t} err"]
         if t != "direct":
             cols.append(f"{t} CPU s/1k req")
-    has = {"direct", "router", "vllm-router"} <= set(targets)
-    if has:
-        cols += ["added TTFT p50, router ÷ vllm-router", "tok/s, router ÷ vllm-router"]
+    ours = [t for t in targets if t.startswith("router")] if {"direct", "vllm-router"} <= set(targets) else []
+    for t in ours:
+        cols += [f"added TTFT p50, {t} ÷ vllm-router", f"tok/s, {t} ÷ vllm-router"]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for n, row in table.items():
@@ -237,12 +245,12 @@ def print_table(table: dict[int, dict[str, Result]], targets: list[str], args) -
             cells += [f"{r.p(.5) * 1e3:.1f} / {r.p(.99) * 1e3:.1f}", f"{r.tokens / r.wall:,.0f}", str(r.errors)]
             if t != "direct":
                 cells.append(f"{r.cpu / r.requests * 1000:.1f}")
-        if has:
-            d, ours, theirs = row["direct"], row["router"], row["vllm-router"]
-            added_ours, added_theirs = ours.p(.5) - d.p(.5), theirs.p(.5) - d.p(.5)
+        for t in ours:
+            d, mine, theirs = row["direct"], row[t], row["vllm-router"]
+            added_ours, added_theirs = mine.p(.5) - d.p(.5), theirs.p(.5) - d.p(.5)
             cells.append(f"{added_ours * 1e3:.1f} ÷ {added_theirs * 1e3:.1f} ms"
                          + (f" = {added_ours / added_theirs:.2f}" if added_theirs > 0 else ""))
-            cells.append(f"{(ours.tokens / ours.wall) / (theirs.tokens / theirs.wall):.2f}")
+            cells.append(f"{(mine.tokens / mine.wall) / (theirs.tokens / theirs.wall):.2f}")
         print("| " + " | ".join(cells) + " |")
 
 

@@ -59,6 +59,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--discovery", choices=["static", "endpointslices"], default="static")
     p.add_argument("--event-loop", choices=["uvloop", "asyncio"], default="uvloop",
                    help="asyncio: Python's own loop (to compare; bench/router_vs_vllm_router.py)")
+    p.add_argument("--reuse-port", action="store_true",
+                   help="SO_REUSEPORT: several router processes on one port, the kernel spreading connections "
+                        "over them (each its own event loop, admission, load and KV index from the same events; "
+                        "each its own /metrics, and a scrape reaches one: bench/router_vs_vllm_router.py only)")
     p.add_argument("--namespace", default="default")
     p.add_argument("--prefill-service")
     p.add_argument("--decode-service")
@@ -119,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cannot read {e.filename}: {e.strerror}", file=sys.stderr)
         return 2
     web.run_app(app, host=config.host, port=config.port, access_log=None,
-                print=None, backlog=4096,
+                print=None, backlog=4096, reuse_port=args.reuse_port or None,
                 loop=uvloop.new_event_loop() if args.event_loop == "uvloop" else asyncio.new_event_loop())
     return 0
 
