@@ -15,6 +15,7 @@ from disagg.router.errors import NoWorkers
 from disagg.router.metrics import RouterMetrics
 from disagg.router.service import Route, Router
 from disagg.workers.local import metric_sum, parse_metrics
+from disagg.workers.testing import tiny_model, worker_python  # noqa: F401  (fixtures)
 
 PROMPT = list(range(100))
 # (url, revision, generation)
@@ -144,3 +145,86 @@ def test_discovery_takes_revisions_from_the_endpoints_pods():
     assert [(e.url, e.revision, e.revision_generation) for e in eps] == [("http://192.0.2.1:8000", "aaaa", 7)]
     # workers no operator labelled (no pod carries a revision): all of them, without one
     assert [e.revision for e in endpoints_from_slices(slices, {})] == [None, None]
+
+
+def test_requests_through_the_router_pair_within_a_revision(tiny_model):
+    """The whole request path (real HTTP: the router app in front of in-process upstreams): the decode
+    receives KV parameters only from a prefill of its own revision, the headers name the revision, and a
+    decode-only request on an incomplete revision is counted as a refusal."""
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+
+    from disagg.router.app import ROUTER_KEY, make_app
+    from disagg.workers.local import free_port
+
+    received: dict[str, list] = {}     # decode url -> kv_transfer_params of each request it served
+
+    def upstream(name: str) -> web.Application:
+        async def completions(request):
+            body = await request.json()
+            params = body.get("kv_transfer_params") or {}
+            usage = {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
+            if params.get("do_remote_decode"):          # a prefill: hands out KV parameters naming itself
+                return web.json_response({"choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
+                                          "usage": usage, "kv_transfer_params": {"from": name}})
+            received.setdefault(name, []).append(body.get("kv_transfer_params"))
+            return web.json_response({"id": "c", "object": "text_completion", "model": "tiny", "usage": usage,
+                                      "choices": [{"index": 0, "text": "y", "finish_reason": "length"}]})
+
+        async def health(_):
+            return web.json_response({})
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        app.router.add_get("/health", health)
+        return app
+
+    async def run() -> list[dict[str, str]]:
+        runners, urls = [], {}
+        for name in ("p-new", "d-old", "d-new"):
+            runner = web.AppRunner(upstream(name))
+            await runner.setup()
+            port = free_port()
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+            runners.append(runner)
+            urls[name] = f"http://127.0.0.1:{port}"
+        cfg = RouterConfig(model="tiny", tokenizer=tiny_model, block_size=16, max_model_len=1024,
+                           health_interval_s=600, spec={"disaggregation": "always"},
+                           prefill=[{"url": urls["p-new"], "revision": "bbbb", "revision_generation": 4}],
+                           decode=[{"url": urls["d-old"], "revision": "aaaa", "revision_generation": 1},
+                                   {"url": urls["d-new"], "revision": "bbbb", "revision_generation": 4}])
+        app = make_app(cfg)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        runners.append(runner)
+        headers = []
+        try:
+            async with aiohttp.ClientSession() as s:
+                async def ask(i):
+                    async with s.post(f"http://127.0.0.1:{port}/v1/completions",
+                                      json={"model": "tiny", "prompt": f"hello {i}", "max_tokens": 1}) as r:
+                        assert r.status == 200, await r.text()
+                        headers.append({k.lower(): v for k, v in r.headers.items() if k.lower().startswith("x-disagg")})
+                for i in range(4):
+                    await ask(i)
+                # the new revision's decode goes: the old decode serves alone, without the new prefill's KV
+                app[ROUTER_KEY].pool.workers["decode"][urls["d-new"]].healthy = False
+                await ask(9)
+                async with s.get(f"http://127.0.0.1:{port}/metrics") as r:
+                    text = await r.text()
+        finally:
+            for runner in reversed(runners):
+                await runner.cleanup()
+        return headers, text, urls
+
+    headers, text, urls = asyncio.run(run())
+    assert headers[:4] == [{"x-disagg-path": "remote_prefill", "x-disagg-decode": urls["d-new"],
+                            "x-disagg-prefill": urls["p-new"], "x-disagg-revision": "bbbb"}] * 4
+    assert received["d-new"] == [{"from": "p-new"}] * 4
+    assert headers[4] == {"x-disagg-path": "local_prefill", "x-disagg-decode": urls["d-old"],
+                          "x-disagg-revision": "aaaa"}
+    assert received["d-old"] == [None]
+    assert metric_sum(parse_metrics(text), m.ROUTER_PAIRING_REFUSALS) == 1
