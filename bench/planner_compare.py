@@ -29,8 +29,9 @@ minute's traffic; static-peak is sized with the same serving model for the busie
 planner and the Dynamo-style planner use the same predictor (Holt-Winters on the periodic shapes, moving
 average elsewhere). See planner/README.md for how faithfully the Dynamo-style planner follows Dynamo's.
 
-    .venv/bin/python bench/planner_compare.py [--out DIR] [--jobs N] [--quick]
-      [--horizons 1200,7200] [--seeds 3] [--workloads step,flash]
+    .venv/bin/python bench/planner_compare.py [--out DIR] [--jobs N] [--quick] [--seeds 3] [--seed-from 0]
+      [--horizons 1200,7200] [--workloads step,flash] [--no-plots]
+    .venv/bin/python bench/planner_compare.py --from-results A/results.json,B/results.json   # one table of runs
 """
 
 from __future__ import annotations
@@ -197,27 +198,38 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="a smoke test: 5-minute traces, one seed, no plots")
     p.add_argument("--horizons", default=f"{SHORT:.0f},{LONG:.0f}", help="seconds, comma-separated")
     p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--seed-from", type=int, default=0, help="first seed (to split a run: seeds from .. from+seeds-1)")
+    p.add_argument("--from-results", default=None,
+                   help="no simulation: the table and goal over the rows of these results.json files (comma-separated)")
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--jobs", type=int, default=1, help="rows simulated in parallel (processes)")
     p.add_argument("--no-plots", action="store_true")
     args = p.parse_args(argv)
     out = Path(args.out or tempfile.mkdtemp(prefix="planner-bench-"))
     out.mkdir(parents=True, exist_ok=True)
+    if args.from_results:  # several partial runs (horizons, seeds) -> one table
+        rows = [r for f in args.from_results.split(",") for r in json.loads(Path(f).read_text())["rows"]]
+        report(rows, out, plots=False, started=time.perf_counter())
+        return 0
     horizons = [300.0] if args.quick else [float(h) for h in args.horizons.split(",")]
-    seeds = 1 if args.quick else args.seeds
+    seeds = range(0, 1) if args.quick else range(args.seed_from, args.seed_from + args.seeds)
     names = [w for w in args.workloads.split(",") if w]
     for w in names:
         if w not in WORKLOADS:
             p.error(f"unknown workload {w!r}; known: {', '.join(WORKLOADS)}")
     plots = not (args.quick or args.no_plots)
-    jobs = [(w, h, s, out if plots and s == 0 else None) for h in horizons for w in names for s in range(seeds)]
+    jobs = [(w, h, s, out if plots and s == 0 else None) for h in horizons for w in names for s in seeds]
     started = time.perf_counter()
     if args.jobs > 1:
         with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
             parts = pool.map(run_row, jobs, chunksize=1)
     else:
         parts = [run_row(j) for j in jobs]
-    rows = [r for part in parts for r in part]
+    report([r for part in parts for r in part], out, plots, started)
+    return 0
+
+
+def report(rows: list[dict], out: Path, plots: bool, started: float) -> None:
     table, goal = summarise(rows)
     (out / "results.json").write_text(json.dumps({"rows": rows, "table": table, "goal": goal}, indent=2) + "\n")
     md = markdown(table, goal)
@@ -233,9 +245,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['gpu_hours'] / st['gpu_hours']:12.2f}")
     print()
     print(md)
-    print(f"{len(rows)} simulations in {time.perf_counter() - started:.0f} s; results.json, table.md"
+    print(f"{len(rows)} rows in {time.perf_counter() - started:.0f} s; results.json, table.md"
           f"{' and plots' if plots else ''} in {out}")
-    return 0
 
 
 if __name__ == "__main__":
