@@ -75,6 +75,10 @@ class _Upstream(Exception):
     """A worker could not be reached or failed (5xx); the router may try elsewhere."""
 
 
+class _PrefillLost(_Upstream):
+    """The prefill worker holding a decode's KV was found unhealthy before the decode's first token."""
+
+
 class Router:
     def __init__(self, config: RouterConfig, tokenizer, metrics, pool: Pool | None = None, discovery=None):
         self.config = config
@@ -94,6 +98,8 @@ class Router:
         spec = config.spec
         self.admission = Admission(spec.max_in_flight, spec.max_queued, spec.queue_timeout_seconds, metrics)
         self._probe_timeouts: dict[str, int] = {}
+        # per prefill worker, set when it is found unhealthy: decodes waiting for its KV give up on it
+        self._prefill_lost: dict[str, asyncio.Event] = {}
         self.watchdog = Watchdog(spec.first_token_timeout_seconds, spec.idle_timeout_seconds)
         self._watchdog_task: asyncio.Task | None = None
 
@@ -158,6 +164,8 @@ class Router:
                 w.healthy = False
         except aiohttp.ClientError:         # refused or reset: out until /health answers
             w.healthy = False
+        if not w.healthy and w.role == ROLE_PREFILL and w.name in self._prefill_lost:
+            self._prefill_lost.pop(w.name).set()
         if w.healthy and self.max_model_len is None:
             await self._learn_context(w, timeout)
 
@@ -379,14 +387,33 @@ class Router:
         route.decode, route.revision = nxt.name, nxt.revision
         return nxt
 
-    def _without_remote_kv(self, body: dict, route: Route) -> dict:
+    async def _first_token(self, resp: aiohttp.ClientResponse, w: Worker, kv_from: Worker | None):
+        """:func:`first_token`; for a decode that has to pull its KV from ``kv_from`` first, given up
+        (:class:`_PrefillLost`) once that prefill worker is found unhealthy (refused, or its probes timing
+        out). vLLM fails a pull from a dead engine by itself (kv_load_failure_policy "fail"), but a pull
+        from one that is alive and not answering (hung, or its node unreachable) waits."""
+        if kv_from is None:
+            return await first_token(resp, w.name)
+        lost = self._prefill_lost.setdefault(kv_from.name, asyncio.Event())
+        read, gone = asyncio.ensure_future(first_token(resp, w.name)), asyncio.ensure_future(lost.wait())
+        try:
+            await asyncio.wait((read, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not read.done():
+                read.cancel()
+        if read.done() and not read.cancelled():
+            return read.result()
+        raise _PrefillLost(f"the prefill worker {kv_from.name} failed while the decode waited for its KV")
+
+    def _without_remote_kv(self, body: dict, route: Route, reason: str = m.FALLBACK_KV_TRANSFER) -> dict:
         """The retry after a decode failure prefills locally: the failure may be the KV pull itself
         (the prefill worker died or dropped the blocks), and asking again for the same blocks would
         fail again or wait out NIXL's timeout."""
         if "kv_transfer_params" not in body:
             return body
-        self.metrics.fallbacks.labels(m.FALLBACK_KV_TRANSFER).inc()
-        route.path, route.fallback = m.PATH_FALLBACK, m.FALLBACK_KV_TRANSFER
+        self.metrics.fallbacks.labels(reason).inc()
+        route.path, route.fallback = m.PATH_FALLBACK, reason
         return {k: v for k, v in body.items() if k != "kv_transfer_params"}
 
     async def _open_stream(self, w: Worker, endpoint: str, body: dict) -> aiohttp.ClientResponse:
@@ -433,7 +460,8 @@ class Router:
                 try:
                     # up to the first token before the client sees anything: a stream that ends empty
                     # is a failure before output, served by another worker
-                    head, head_error = await first_token(resp, w.name)
+                    head, head_error = await self._first_token(
+                        resp, w, plan.prefill if "kv_transfer_params" in body else None)
                 except BaseException:
                     resp.close()
                     raise
@@ -441,7 +469,8 @@ class Router:
             except (_Upstream, EndedBeforeOutput) as e:
                 self._account(w, -1)
                 w = self._next_decode(w, e, ids, tried, route)
-                body = self._without_remote_kv(body, route)
+                body = self._without_remote_kv(body, route, m.FALLBACK_PREFILL_LOST if isinstance(e, _PrefillLost)
+                                               else m.FALLBACK_KV_TRANSFER)
             except BaseException:
                 self._account(w, -1)
                 raise

@@ -8,6 +8,9 @@ Run: python sse_upstream.py PORT TOKENS DELAY_S [CUT_AFTER [first|all]]
 CUT_AFTER > 0: a stream is cut (connection closed, no [DONE]) after that many tokens, as a worker dying
 mid-stream; `first` (default) cuts only requests whose prompt is text (a router's continuation of a cut
 stream sends token ids, and is served in full), `all` cuts every stream.
+As a prefill (a request with kv_transfer_params do_remote_decode) it answers with kv_transfer_params;
+SSE_EXIT_AFTER_PREFILL=1: the process then dies (a prefill lost after it answered). SSE_KV_WAIT=1: a
+stream handed remote KV sends nothing (a decode waiting for KV from a hung prefill); without KV it serves.
 """
 
 import asyncio
@@ -43,6 +46,17 @@ def chunk(i: int, chat: bool, text: str | None, finish: str | None = None, ids: 
 async def generate(request: web.Request) -> web.StreamResponse:
     body = await request.json()
     chat = request.path.endswith("/chat/completions")
+    kv = body.get("kv_transfer_params") or {}
+    if kv.get("do_remote_decode"):
+        if os.environ.get("SSE_EXIT_AFTER_PREFILL") == "1":
+            asyncio.get_running_loop().call_later(0.2, os._exit, 0)
+        return web.json_response({"id": "p", "object": "text_completion", "model": "tiny",
+                                  "choices": [{"index": 0, "text": "tok ", "finish_reason": "length"}],
+                                  "kv_transfer_params": {"remote_engine_id": "sse", "remote_block_ids": [0]}})
+    if kv.get("remote_engine_id") and os.environ.get("SSE_KV_WAIT") == "1":
+        wait = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await wait.prepare(request)        # headers at once, as vLLM's stream; no token
+        await asyncio.sleep(3600)
     n = min(body.get("max_tokens") or TOKENS, TOKENS)
     if not body.get("stream"):
         await asyncio.sleep(DELAY * n)  # an engine generates the same tokens before it answers

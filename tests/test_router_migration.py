@@ -164,3 +164,42 @@ def test_a_continuation_starts_where_the_text_is_whole(tiny_model):
     assert out["id"] == "cmpl-1" and out["choices"][0]["text"] == "€"
     assert out["choices"][0]["token_ids"] == euro[1:]            # the first the client had
     assert log.generated() == word + euro
+
+
+def test_a_decode_waiting_for_kv_from_a_lost_prefill_is_given_up(tiny_model, tmp_path):
+    """The prefill answers (KV params) and dies; the decode it handed them to waits for that KV for ever
+    (SSE_KV_WAIT, as vLLM pulling from a hung engine). Once the router's probe finds the prefill gone, it
+    gives that decode up and the request prefills locally: completed, named, counted."""
+    procs = []
+
+    def start(name: str, env: dict) -> LocalProcess:
+        port = free_port()
+        p = LocalProcess(name, [sys.executable, str(Path(__file__).with_name("sse_upstream.py")), str(port),
+                                str(TOKENS), "0.005"], env, f"http://127.0.0.1:{port}", tmp_path).start()
+        procs.append(p)
+        return p
+    try:
+        prefill = start("prefill", {"SSE_EXIT_AFTER_PREFILL": "1"})
+        decode = start("decode", {"SSE_KV_WAIT": "1"})
+        port = free_port()
+        (tmp_path / "router.json").write_text(json.dumps({
+            "model": "tiny", "tokenizer": tiny_model, "block_size": 16, "max_model_len": 1024, "port": port,
+            "host": "127.0.0.1", "health_interval_s": 0.5, "spec": {"disaggregation": "always"},
+            "prefill": [{"url": prefill.url}], "decode": [{"url": decode.url}]}))
+        r = router(tmp_path / "router.json", port, tmp_path).start()
+        procs.append(r)
+        prefill.wait_ready(timeout=30)
+        decode.wait_ready(timeout=30)
+        r.wait_ready(timeout=60)
+        client = OpenAI(base_url=f"{r.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        raw = client.completions.with_raw_response.create(model="tiny", prompt="x", max_tokens=TOKENS, stream=True)
+        assert (raw.headers["x-disagg-path"], raw.headers["x-disagg-fallback"]) == \
+            (m.PATH_FALLBACK, m.FALLBACK_PREFILL_LOST)
+        assert "".join(c.choices[0].text for c in raw.parse() if c.choices) == "tok " * TOKENS
+        assert prefill.proc.poll() is not None                 # it did die after it answered
+        s = scrape(r.url)
+        assert s[f'{m.ROUTER_FALLBACKS}{{reason="{m.FALLBACK_PREFILL_LOST}"}}'] == 1
+        assert s[f'{m.ROUTER_REQUESTS}{{outcome="success",path="{m.PATH_FALLBACK}"}}'] == 1
+    finally:
+        for p in procs:
+            p.stop()

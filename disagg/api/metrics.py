@@ -68,6 +68,7 @@ FALLBACK_PREFILL_ERROR = "prefill_error"
 FALLBACK_PREFILL_TIMEOUT = "prefill_timeout"
 FALLBACK_DECODE_RETRY = "decode_retry"
 FALLBACK_KV_TRANSFER = "kv_transfer_failed"    # decode could not pull the prefilled KV: it prefills itself
+FALLBACK_PREFILL_LOST = "prefill_lost"          # the prefill holding a waiting decode's KV went unhealthy: local prefill
 # what became of a decode stream that failed after it began (ROUTER_MIGRATIONS{outcome=...})
 MIGRATION_MIGRATED = "migrated"                   # continued on a decode worker from the ids generated so far
 MIGRATION_NOT_NEEDED = "not_needed"               # it failed after its last token: the router ended the stream
