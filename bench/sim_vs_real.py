@@ -172,6 +172,9 @@ def replay(url: str, trace: traces.Trace, seed: int = 0) -> tuple[list[float], l
         v = mean_itl(res[2], res[3]) if res is not None and res[0] == "ok" else None
         if v is None:
             errors += 1
+            # say why (an exception, or fewer than two tokens back), once per request
+            print(f"  request failed: {res[1] if res and res[0] == 'error' else 'fewer than two tokens'}",
+                  file=sys.stderr, flush=True)
             continue
         _, late, times, _ = res
         ttft.append(late + times[0])   # from the scheduled arrival: a late send counts as queueing
