@@ -4,8 +4,12 @@ prefill and two decode workers behind the router, disaggregating every request.
 - A decode worker killed (SIGKILL) mid-stream: the router continues the client's stream on the other decode
   worker from the token ids generated so far; at temperature 0 the client's text is the uninterrupted
   run's, its usage counts every token once, and the migration is counted.
-- A prefill worker killed right after it answered (its KV computed, not yet pulled by the decode): the
-  request still completes, by local prefill, with the same text; the fallback is counted.
+- A prefill worker hung (SIGSTOP) right after it answered: the request completes with the same text,
+  never hangs. Whether the decode's pull needs the stopped engine varies from run to run here (seen: it
+  waited, and the router gave it up when its probes found the prefill unhealthy, prefill_lost; and it
+  went through); a decode that waits for ever is tests/test_router_migration.py's.
+- A prefill worker killed right after it answered (its KV computed, not yet pulled by the decode): vLLM
+  fails the decode's KV load; the request still completes, by local prefill, with the same text; counted.
 
 Mid-stream is made deterministic by counting: the decode is killed once the client holds KILL_AFTER
 tokens of a stream MAX_TOKENS long (ignore_eos: it cannot end earlier)."""
@@ -13,6 +17,8 @@ tokens of a stream MAX_TOKENS long (ignore_eos: it cannot end earlier)."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import urllib.error
 import urllib.request
@@ -21,6 +27,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from disagg.api import metrics as m
+from disagg.e2e.testing import wait_for
 from disagg.workers.local import cpu_settings, free_port, router, scrape, stop_all, worker
 from disagg.workers.testing import tiny_model, worker_python  # noqa: F401  (fixtures)
 
@@ -29,12 +36,12 @@ MAX_TOKENS, KILL_AFTER = 160, 16
 
 
 class _KillingProxy:
-    """HTTP in front of the prefill worker: passes requests through; once armed, it kills the prefill
-    worker after the worker answered a request and before the router gets that answer, so the decode
-    is handed KV held by a dead engine."""
+    """HTTP in front of the prefill worker: passes requests through; once armed with an action (kill or
+    stop the prefill worker), it runs it after the worker answered a request and before the router gets
+    that answer, so the decode is handed KV held by a dead or hung engine."""
 
-    def __init__(self, target: str, kill):
-        self.target, self.kill, self.armed, self.killed = target, kill, False, threading.Event()
+    def __init__(self, target: str):
+        self.target, self.action, self.done = target, None, threading.Event()
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -48,10 +55,10 @@ class _KillingProxy:
                     status, data = e.code, e.read()
                 except OSError:
                     status, data = 502, b'{"error": {"message": "prefill unreachable"}}'
-                if proxy.armed and self.command == "POST" and status == 200:
-                    proxy.armed = False
-                    proxy.kill()
-                    proxy.killed.set()
+                if proxy.action is not None and self.command == "POST" and status == 200:
+                    action, proxy.action = proxy.action, None
+                    action()
+                    proxy.done.set()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
@@ -71,6 +78,10 @@ class _KillingProxy:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
+    def arm(self, action) -> None:
+        self.done.clear()
+        self.action = action
+
     def close(self):
         self.server.shutdown()
         self.server.server_close()
@@ -83,14 +94,15 @@ def pd2(tiny_model, worker_python, tmp_path_factory):
     s = {"prefill": cpu_settings("prefill", tiny_model, "0"), "decode-a": cpu_settings("decode", tiny_model, "1"),
          "decode-b": cpu_settings("decode", tiny_model, "0")}
     procs = {name: worker(name, st, worker_python, logs) for name, st in s.items()}
-    proxy = _KillingProxy(f"http://127.0.0.1:{s['prefill'].port}", procs["prefill"].kill)
+    proxy = _KillingProxy(f"http://127.0.0.1:{s['prefill'].port}")
     port = free_port()
 
     def endpoint(st, url=None):
         return {"url": url or f"http://127.0.0.1:{st.port}", "kv_events": f"tcp://127.0.0.1:{st.kv_events_port}",
                 "kv_replay": f"tcp://127.0.0.1:{st.kv_replay_port}"}
     config = {"model": "tiny", "tokenizer": tiny_model, "block_size": s["prefill"].block_size, "port": port,
-              "host": "127.0.0.1", "max_model_len": s["prefill"].max_model_len, "health_interval_s": 60,
+              # probes every second: a hung prefill is found (3 probe timeouts of 2 s) within seconds
+              "host": "127.0.0.1", "max_model_len": s["prefill"].max_model_len, "health_interval_s": 1,
               "spec": {"disaggregation": "always", "policy": "round-robin"},
               # a slow prefill on a loaded 2-core machine must not turn into a (correct) fallback
               "prefill_timeout_s": 120,
@@ -156,18 +168,54 @@ def test_a_decode_killed_mid_stream_is_continued_with_the_same_text(pd2):
     assert after[f'{m.ROUTER_MIGRATIONS}{{outcome="{m.MIGRATION_MIGRATED}"}}'] == before + 1
 
 
+def _prefill_healthy(url: str) -> None:
+    """Until the router counts the prefill worker healthy (it routes to it again)."""
+    wait_for(lambda: scrape(url).get(f'{m.ROUTER_WORKERS}{{role="prefill",state="healthy"}}') == 1, 120,
+             "the router to count the prefill worker healthy")
+
+
+def test_a_prefill_hung_after_it_answered_leaves_no_decode_waiting(pd2):
+    url = pd2["router"].url
+    _prefill_healthy(url)
+    _, want, _ = _stream(url)
+    series = f'{m.ROUTER_FALLBACKS}{{reason="{m.FALLBACK_PREFILL_LOST}"}}'
+    before = scrape(url).get(series, 0)
+    group = pd2["prefill"].proc.pid             # its own session: the worker's process group
+    pd2["proxy"].arm(lambda: os.killpg(group, signal.SIGSTOP))
+    try:
+        route, text, chunks = _stream(url)
+    finally:
+        os.killpg(group, signal.SIGCONT)
+    assert pd2["proxy"].done.is_set()
+    assert text == want
+    assert chunks[-1]["usage"]["completion_tokens"] == MAX_TOKENS
+    if route["x-disagg-path"] == m.PATH_FALLBACK:      # the decode waited: given up, counted
+        assert route.get("x-disagg-fallback") in (m.FALLBACK_PREFILL_LOST, m.FALLBACK_KV_TRANSFER)
+        assert scrape(url)[f'{m.ROUTER_FALLBACKS}{{reason="{route["x-disagg-fallback"]}"}}'] >= 1
+    else:
+        assert route["x-disagg-path"] == m.PATH_REMOTE_PREFILL
+        assert scrape(url).get(series, 0) == before
+
+
 def test_a_prefill_killed_after_it_answered_leaves_no_decode_waiting(pd2):
     """The decode is handed KV that a dead engine holds. vLLM's NIXL connector (0.32,
     kv_load_failure_policy "fail", the default) fails such a request instead of waiting: the handshake
     or the read fails and the request ends with an error before its first token. The router then
-    serves it by local prefill on a decode worker (kv_transfer_failed); the client sees the same text."""
+    serves it by local prefill on a decode worker (kv_transfer_failed), unless its probes found the prefill
+    dead first (prefill_lost: the same local prefill); the client sees the same text."""
     url = pd2["router"].url
     _, want, _ = _stream(url)                             # the prefill still alive
-    before = scrape(url).get(f'{m.ROUTER_FALLBACKS}{{reason="{m.FALLBACK_KV_TRANSFER}"}}', 0)
-    pd2["proxy"].armed = True
+    reasons = (m.FALLBACK_KV_TRANSFER, m.FALLBACK_PREFILL_LOST)
+
+    def fallbacks() -> float:
+        s = scrape(url)
+        return sum(s.get(f'{m.ROUTER_FALLBACKS}{{reason="{r}"}}', 0) for r in reasons)
+    before = fallbacks()
+    _prefill_healthy(url)
+    pd2["proxy"].arm(pd2["prefill"].kill)
     route, text, chunks = _stream(url)
-    assert pd2["proxy"].killed.is_set() and pd2["prefill"].proc.poll() is not None
+    assert pd2["proxy"].done.is_set() and pd2["prefill"].proc.poll() is not None
     assert text == want
-    assert (route["x-disagg-path"], route.get("x-disagg-fallback")) == (m.PATH_FALLBACK, m.FALLBACK_KV_TRANSFER)
+    assert route["x-disagg-path"] == m.PATH_FALLBACK and route.get("x-disagg-fallback") in reasons
     assert chunks[-1]["usage"]["completion_tokens"] == MAX_TOKENS
-    assert scrape(url)[f'{m.ROUTER_FALLBACKS}{{reason="{m.FALLBACK_KV_TRANSFER}"}}'] == before + 1
+    assert fallbacks() == before + 1
