@@ -284,6 +284,9 @@ def worker_deployment(dd: DisaggDeployment, uid: str, role: str, gang: gangs.Gan
         "startupProbe": {**http, "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 180},
         "readinessProbe": {**http, "periodSeconds": 5, "timeoutSeconds": 5, "failureThreshold": 3},
         "livenessProbe": {**http, "periodSeconds": 10, "timeoutSeconds": 10, "failureThreshold": 6},
+        # a terminating worker serves on until every router's discovery has seen it leave; only then
+        # does vLLM start its drain (which refuses new requests)
+        "lifecycle": {"preStop": {"sleep": {"seconds": contract.ENDPOINT_GRACE_SECONDS}}},
     }
     volumes = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}}, scratch_volume,
                *model_volumes]
@@ -297,7 +300,7 @@ def worker_deployment(dd: DisaggDeployment, uid: str, role: str, gang: gangs.Gan
     pod_spec: dict[str, Any] = {
         "containers": [container],
         "volumes": volumes,
-        # the drain vLLM runs (--shutdown-timeout) plus the supervisor's margin: one budget, both sides
+        # the preStop sleep, the drain vLLM runs (--shutdown-timeout) and the supervisor's margin: one budget
         "terminationGracePeriodSeconds": contract.termination_grace_seconds(contract.DRAIN_SECONDS),
         "enableServiceLinks": False,
         # nothing in a worker calls the Kubernetes API: no token in its file system

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from disagg.api import contract
 from disagg.api.contract import KV_REVISION_GENERATION_LABEL, KV_REVISION_LABEL
 
 from .config import WorkerEndpoint
@@ -65,7 +66,8 @@ def endpoints_from_slices(slices: list, revisions: dict[str, tuple[str, int | No
 
 
 class EndpointSliceDiscovery:
-    def __init__(self, api_client, namespace: str, services: dict[str, str], interval_s: float = 5.0):
+    def __init__(self, api_client, namespace: str, services: dict[str, str],
+                 interval_s: float = contract.DISCOVERY_INTERVAL_SECONDS):
         from kubernetes import client
 
         self._api = client.DiscoveryV1Api(api_client)

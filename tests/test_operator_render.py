@@ -201,7 +201,12 @@ def test_worker_pods_get_the_drain_vllm_runs_plus_the_supervisors_margin():
         args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
         drain = int(args[args.index("--drain-seconds") + 1])
         assert drain == contract.DRAIN_SECONDS == 120
-        assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == drain + contract.DRAIN_MARGIN_SECONDS
+        pod = dep["spec"]["template"]["spec"]
+        assert pod["terminationGracePeriodSeconds"] == (contract.ENDPOINT_GRACE_SECONDS + drain
+                                                        + contract.DRAIN_MARGIN_SECONDS)
+        # routers poll EndpointSlices: a terminating worker serves on for two of their polls before it drains
+        sleep = pod["containers"][0]["lifecycle"]["preStop"]["sleep"]["seconds"]
+        assert sleep == contract.ENDPOINT_GRACE_SECONDS >= 2 * contract.DISCOVERY_INTERVAL_SECONDS
 
 
 def test_pods_run_restricted_with_one_writable_scratch_directory():

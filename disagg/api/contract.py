@@ -13,9 +13,10 @@ test (tests/test_operator_contract.py) parses what the operator renders with the
 * Neither may appear in one role's ``extraArgs`` (admission refuses it, see :data:`SHARED_ENGINE_FLAGS`):
   prefill and decode must agree on both, or a prefilled KV would not fit the decode's blocks and the
   router could accept a prompt one side refuses.
-* Drain: every worker runs vLLM with ``--shutdown-timeout`` :data:`DRAIN_SECONDS`; the pod's
-  ``terminationGracePeriodSeconds`` is :func:`termination_grace_seconds` of it, the extra being the
-  time the worker's supervisor gives vLLM to exit after its drain before it kills it.
+* Drain: a terminating worker pod first keeps serving for :data:`ENDPOINT_GRACE_SECONDS` (its preStop
+  sleep), until every router has seen it leave; then vLLM runs its drain, ``--shutdown-timeout``
+  :data:`DRAIN_SECONDS`. The pod's ``terminationGracePeriodSeconds`` is :func:`termination_grace_seconds`
+  of it: both, plus the time the worker's supervisor gives vLLM to exit after its drain before it kills it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,12 @@ from collections.abc import Sequence
 DEFAULT_BLOCK_SIZE = 32
 # How long a worker lets in-flight requests finish (and a prefill's KV be pulled) after SIGTERM.
 DRAIN_SECONDS = 120
+# How often a router re-reads its workers' EndpointSlices (and the pods behind them).
+DISCOVERY_INTERVAL_SECONDS = 5.0
+# How long a terminating worker keeps serving new requests before its drain begins (the pod's preStop
+# sleep). A router sends to it until its next discovery poll sees it terminating, and a vLLM that has begun
+# its drain refuses new requests (HTTP 500, "cannot schedule new futures after shutdown"): two polls.
+ENDPOINT_GRACE_SECONDS = int(2 * DISCOVERY_INTERVAL_SECONDS)
 # After the drain, how long vLLM has to shut down before the supervisor kills it (and before the
 # kubelet would): process teardown, NIXL deregistration.
 DRAIN_MARGIN_SECONDS = 30
@@ -71,8 +78,9 @@ SHARED_ENGINE_FLAGS = (BLOCK_SIZE_FLAG, "--block_size", MAX_MODEL_LEN_FLAG, "--m
 
 
 def termination_grace_seconds(drain_seconds: int = DRAIN_SECONDS) -> int:
-    """The pod's grace period for a worker draining for ``drain_seconds``."""
-    return drain_seconds + DRAIN_MARGIN_SECONDS
+    """The pod's grace period for a worker draining for ``drain_seconds``: the kubelet counts the preStop
+    sleep in it."""
+    return ENDPOINT_GRACE_SECONDS + drain_seconds + DRAIN_MARGIN_SECONDS
 
 
 def flag_value(args: Sequence[str], flag: str) -> str | None:
