@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import aiohttp
 import zmq.asyncio
@@ -37,6 +38,7 @@ TOKENIZE_INLINE_CHARS = 16384
 # burst of thousands of streams a busy (but serving) worker or router may answer a probe late, and taking
 # every worker out at once turned that into 503s for everyone (bench/router_vs_vllm_router.py, 2,000 streams)
 PROBE_TIMEOUTS_TO_UNHEALTHY = 3
+T = TypeVar("T")
 REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                  "remote_block_ids": None, "remote_host": None, "remote_port": None}
 
@@ -76,7 +78,13 @@ class _Upstream(Exception):
 
 
 class _PrefillLost(_Upstream):
-    """The prefill worker holding a decode's KV was found unhealthy before the decode's first token."""
+    """The prefill worker holding a decode's KV was found unhealthy before the decode answered (its
+    stream's first token, or a non-streaming request's whole answer)."""
+
+
+def _fallback_reason(err: Exception) -> str:
+    """Why a decode that failed before output is retried without the prefill's KV (ROUTER_FALLBACKS)."""
+    return m.FALLBACK_PREFILL_LOST if isinstance(err, _PrefillLost) else m.FALLBACK_KV_TRANSFER
 
 
 class Router:
@@ -342,7 +350,9 @@ class Router:
             cur = w
             self._account(cur, +1)
             try:
-                data = await self._post(cur, endpoint, body, timeout=self.config.spec.request_timeout_seconds)
+                data = await self._unless_prefill_lost(
+                    self._post(cur, endpoint, body, timeout=self.config.spec.request_timeout_seconds),
+                    plan.prefill if "kv_transfer_params" in body else None)
                 break
             except TimeoutError:
                 # the worker is slow, not gone: another one would be as slow, and the client has waited enough
@@ -352,7 +362,7 @@ class Router:
                                       f"timeout ({self.config.spec.request_timeout_seconds:g} s)") from None
             except _Upstream as e:
                 w = self._next_decode(cur, e, ids, tried, route)
-                body = self._without_remote_kv(body, route)
+                body = self._without_remote_kv(body, route, _fallback_reason(e))
             finally:
                 self._account(cur, -1)
         data.pop("kv_transfer_params", None)
@@ -387,23 +397,26 @@ class Router:
         route.decode, route.revision = nxt.name, nxt.revision
         return nxt
 
-    async def _first_token(self, resp: aiohttp.ClientResponse, w: Worker, kv_from: Worker | None):
-        """:func:`first_token`; for a decode that has to pull its KV from ``kv_from`` first, given up
-        (:class:`_PrefillLost`) once that prefill worker is found unhealthy (refused, or its probes timing
-        out). vLLM fails a pull from a dead engine by itself (kv_load_failure_policy "fail"), but a pull
-        from one that is alive and not answering (hung, or its node unreachable) waits."""
+    async def _unless_prefill_lost(self, work: Awaitable[T], kv_from: Worker | None) -> T:
+        """``work`` (a decode request: its answer, or its stream's first token); for a decode that has to
+        pull its KV from ``kv_from`` first, given up (:class:`_PrefillLost`) once that prefill worker is
+        found unhealthy (refused, or its probes timing out): ``work`` is cancelled, which closes the
+        connection, and vLLM aborts a request whose client went away. vLLM fails a pull from a dead engine
+        by itself (kv_load_failure_policy "fail"), but a pull from one that is alive and not answering
+        (hung, or its node unreachable) waits, streamed or not."""
         if kv_from is None:
-            return await first_token(resp, w.name)
+            return await work
         lost = self._prefill_lost.setdefault(kv_from.name, asyncio.Event())
-        read, gone = asyncio.ensure_future(first_token(resp, w.name)), asyncio.ensure_future(lost.wait())
+        task, gone = asyncio.ensure_future(work), asyncio.ensure_future(lost.wait())
         try:
-            await asyncio.wait((read, gone), return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
-            if not read.done():
-                read.cancel()
-        if read.done() and not read.cancelled():
-            return read.result()
+            if not task.done():
+                task.cancel()
+        if task.done() and not task.cancelled():
+            return task.result()
+        await asyncio.wait((task,))        # its connection closed before the request is tried elsewhere
         raise _PrefillLost(f"the prefill worker {kv_from.name} failed while the decode waited for its KV")
 
     def _without_remote_kv(self, body: dict, route: Route, reason: str = m.FALLBACK_KV_TRANSFER) -> dict:
@@ -460,8 +473,8 @@ class Router:
                 try:
                     # up to the first token before the client sees anything: a stream that ends empty
                     # is a failure before output, served by another worker
-                    head, head_error = await self._first_token(
-                        resp, w, plan.prefill if "kv_transfer_params" in body else None)
+                    head, head_error = await self._unless_prefill_lost(
+                        first_token(resp, w.name), plan.prefill if "kv_transfer_params" in body else None)
                 except BaseException:
                     resp.close()
                     raise
@@ -469,8 +482,7 @@ class Router:
             except (_Upstream, EndedBeforeOutput) as e:
                 self._account(w, -1)
                 w = self._next_decode(w, e, ids, tried, route)
-                body = self._without_remote_kv(body, route, m.FALLBACK_PREFILL_LOST if isinstance(e, _PrefillLost)
-                                               else m.FALLBACK_KV_TRANSFER)
+                body = self._without_remote_kv(body, route, _fallback_reason(e))
             except BaseException:
                 self._account(w, -1)
                 raise

@@ -10,7 +10,8 @@ mid-stream; `first` (default) cuts only requests whose prompt is text (a router'
 stream sends token ids, and is served in full), `all` cuts every stream.
 As a prefill (a request with kv_transfer_params do_remote_decode) it answers with kv_transfer_params;
 SSE_EXIT_AFTER_PREFILL=1: the process then dies (a prefill lost after it answered). SSE_KV_WAIT=1: a
-stream handed remote KV sends nothing (a decode waiting for KV from a hung prefill); without KV it serves.
+request handed remote KV gets nothing (streamed: the headers, no event), as a decode waiting for KV from a
+hung prefill; without KV it serves.
 """
 
 import asyncio
@@ -54,9 +55,10 @@ async def generate(request: web.Request) -> web.StreamResponse:
                                   "choices": [{"index": 0, "text": "tok ", "finish_reason": "length"}],
                                   "kv_transfer_params": {"remote_engine_id": "sse", "remote_block_ids": [0]}})
     if kv.get("remote_engine_id") and os.environ.get("SSE_KV_WAIT") == "1":
-        wait = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await wait.prepare(request)        # headers at once, as vLLM's stream; no token
-        await asyncio.sleep(3600)
+        if body.get("stream"):
+            wait = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await wait.prepare(request)    # headers at once, as vLLM's stream; no token
+        await asyncio.sleep(3600)          # not streamed: no answer at all, as vLLM's
     n = min(body.get("max_tokens") or TOKENS, TOKENS)
     if not body.get("stream"):
         await asyncio.sleep(DELAY * n)  # an engine generates the same tokens before it answers

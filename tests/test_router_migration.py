@@ -8,8 +8,8 @@ The same with real vLLM workers (exact text at temperature 0): tests/test_router
 from __future__ import annotations
 
 import json
-import sys
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 import openai
@@ -17,53 +17,39 @@ import pytest
 from openai import OpenAI
 
 from disagg.api import metrics as m
-from disagg.workers.local import LocalProcess, free_port, router, scrape
+from disagg.workers.local import scrape
 from disagg.workers.testing import tiny_model, worker_python  # noqa: F401  (fixtures)
 
 TOKENS, CUT = 20, 5
 
 
-def _routed(tiny_model: str, logs: Path, name: str, cut: str, spec: dict) -> tuple[LocalProcess, LocalProcess]:
-    up_port, port = free_port(), free_port()
+@contextmanager
+def _routed(routers, tiny_model: str, logs: Path, name: str, cut: str, spec: dict):
+    """A router in front of one decode upstream whose streams die after CUT tokens (`cut`: the first
+    stream only, or continuations too)."""
     from disagg.router.tokenizer import Tokenizer
 
     tok_id = Tokenizer(tiny_model)._encode("tok ", add_special_tokens=False)[0]    # its text is whole
-    up = LocalProcess(f"{name}-upstream", [sys.executable, str(Path(__file__).with_name("sse_upstream.py")),
-                                           str(up_port), str(TOKENS), "0.005", str(CUT), cut],
-                      {"SSE_TOKEN_ID": str(tok_id)},
-                      f"http://127.0.0.1:{up_port}", logs).start()
-    (logs / f"{name}.json").write_text(json.dumps({
-        "model": "tiny", "tokenizer": tiny_model, "block_size": 16, "max_model_len": 1024, "port": port,
-        "host": "127.0.0.1", "health_interval_s": 60,
-        "spec": {"disaggregation": "never", **spec}, "decode": [{"url": up.url}]}))
-    r = router(logs / f"{name}.json", port, logs).start()
-    up.wait_ready(timeout=30)
-    r.wait_ready(timeout=60)
-    return up, r
+    up = routers.upstream(logs, f"{name}-upstream", TOKENS, 0.005, CUT, cut, env={"SSE_TOKEN_ID": str(tok_id)})
+    with routers.serving(tiny_model, logs, [up], name=name, spec=spec, health_interval_s=60) as r:
+        yield r
 
 
 @pytest.fixture(scope="module")
-def dies_once(tiny_model, tmp_path_factory):
+def dies_once(routers, tiny_model, tmp_path_factory):
     """One decode worker whose every stream dies after CUT tokens; continuations (token-id prompts) run
     to the end. With one worker the continuation goes back to it: it is alive (a real dead worker is
     the vLLM test's)."""
-    up, r = _routed(tiny_model, tmp_path_factory.mktemp("dies-once"), "dies-once", "first", {})
-    try:
+    with _routed(routers, tiny_model, tmp_path_factory.mktemp("dies-once"), "dies-once", "first", {}) as r:
         yield r
-    finally:
-        r.stop()
-        up.stop()
 
 
 @pytest.fixture(scope="module")
-def dies_always(tiny_model, tmp_path_factory):
+def dies_always(routers, tiny_model, tmp_path_factory):
     """Every stream dies after CUT tokens, continuations too; at most 2 migrations."""
-    up, r = _routed(tiny_model, tmp_path_factory.mktemp("dies-always"), "dies-always", "all", {"maxMigrations": 2})
-    try:
+    with _routed(routers, tiny_model, tmp_path_factory.mktemp("dies-always"), "dies-always", "all",
+                 {"maxMigrations": 2}) as r:
         yield r
-    finally:
-        r.stop()
-        up.stop()
 
 
 def _events(url: str, endpoint: str, body: dict) -> list[dict]:
@@ -166,40 +152,24 @@ def test_a_continuation_starts_where_the_text_is_whole(tiny_model):
     assert log.generated() == word + euro
 
 
-def test_a_decode_waiting_for_kv_from_a_lost_prefill_is_given_up(tiny_model, tmp_path):
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "not-streamed"])
+def test_a_decode_waiting_for_kv_from_a_lost_prefill_is_given_up(routers, tiny_model, tmp_path, stream):
     """The prefill answers (KV params) and dies; the decode it handed them to waits for that KV for ever
-    (SSE_KV_WAIT, as vLLM pulling from a hung engine). Once the router's probe finds the prefill gone, it
-    gives that decode up and the request prefills locally: completed, named, counted."""
-    procs = []
-
-    def start(name: str, env: dict) -> LocalProcess:
-        port = free_port()
-        p = LocalProcess(name, [sys.executable, str(Path(__file__).with_name("sse_upstream.py")), str(port),
-                                str(TOKENS), "0.005"], env, f"http://127.0.0.1:{port}", tmp_path).start()
-        procs.append(p)
-        return p
-    try:
-        prefill = start("prefill", {"SSE_EXIT_AFTER_PREFILL": "1"})
-        decode = start("decode", {"SSE_KV_WAIT": "1"})
-        port = free_port()
-        (tmp_path / "router.json").write_text(json.dumps({
-            "model": "tiny", "tokenizer": tiny_model, "block_size": 16, "max_model_len": 1024, "port": port,
-            "host": "127.0.0.1", "health_interval_s": 0.5, "spec": {"disaggregation": "always"},
-            "prefill": [{"url": prefill.url}], "decode": [{"url": decode.url}]}))
-        r = router(tmp_path / "router.json", port, tmp_path).start()
-        procs.append(r)
-        prefill.wait_ready(timeout=30)
-        decode.wait_ready(timeout=30)
-        r.wait_ready(timeout=60)
+    (SSE_KV_WAIT, as vLLM pulling from a hung engine: a stream's headers and no token, or no answer at
+    all). Once the router's probe finds the prefill gone, it gives that decode up and the request
+    prefills locally: completed, named, counted; streamed or not."""
+    prefill = routers.upstream(tmp_path, "prefill", TOKENS, 0.005, env={"SSE_EXIT_AFTER_PREFILL": "1"})
+    decode = routers.upstream(tmp_path, "decode", TOKENS, 0.005, env={"SSE_KV_WAIT": "1"})
+    with routers.serving(tiny_model, tmp_path, [decode], prefill=[prefill], spec={"disaggregation": "always"},
+                         health_interval_s=0.5) as r:
         client = OpenAI(base_url=f"{r.url}/v1", api_key="unused", max_retries=0, timeout=120)
-        raw = client.completions.with_raw_response.create(model="tiny", prompt="x", max_tokens=TOKENS, stream=True)
-        assert (raw.headers["x-disagg-path"], raw.headers["x-disagg-fallback"]) == \
-            (m.PATH_FALLBACK, m.FALLBACK_PREFILL_LOST)
-        assert "".join(c.choices[0].text for c in raw.parse() if c.choices) == "tok " * TOKENS
+        raw = client.completions.with_raw_response.create(model="tiny", prompt="x", max_tokens=TOKENS, stream=stream)
+        route = (raw.headers["x-disagg-path"], raw.headers.get("x-disagg-fallback"))
+        assert route == (m.PATH_FALLBACK, m.FALLBACK_PREFILL_LOST)
+        answer = raw.parse()
+        text = "".join(c.choices[0].text for c in answer if c.choices) if stream else answer.choices[0].text
+        assert text == "tok " * TOKENS
         assert prefill.proc.poll() is not None                 # it did die after it answered
         s = scrape(r.url)
         assert s[f'{m.ROUTER_FALLBACKS}{{reason="{m.FALLBACK_PREFILL_LOST}"}}'] == 1
         assert s[f'{m.ROUTER_REQUESTS}{{outcome="success",path="{m.PATH_FALLBACK}"}}'] == 1
-    finally:
-        for p in procs:
-            p.stop()
