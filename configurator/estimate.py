@@ -143,12 +143,14 @@ class Setup:
             link = replace(link, bandwidth=hw.nvlink_bandwidth)
         notes = []
         eff = pm.default_efficiency()
-        calibration = None
-        if inputs.calibration:
-            calibration = pm.Calibration.load(inputs.calibration)
+        # the planner's and the simulator's choice (perfmodel.planning_calibration): a file given, else the
+        # measurements shipped for this GPU at this weight width, else the data sheet
+        calibration = pm.planning_calibration(hw, shape.dtype_bytes, inputs.calibration or None)
+        if calibration is not None:
             eff = calibration.efficiency(hw, eff)
-            notes.append(f"calibrated on {calibration.device or calibration.gpu} at {calibration.measured_at}: "
-                         f"prefill MFU {eff.prefill_mfu:.2f}, decode MBU {eff.decode_mbu:.2f}")
+            shipped = "" if inputs.calibration else " (the calibration shipped for this GPU)"
+            notes.append(f"calibrated on {calibration.device or calibration.gpu} at {calibration.measured_at}"
+                         f"{shipped}: prefill MFU {eff.prefill_mfu:.2f}, decode MBU {eff.decode_mbu:.2f}")
         profile = None
         if inputs.profile:
             profile = _load_profile(inputs.profile)
@@ -167,14 +169,15 @@ class Setup:
         return setup
 
     def model(self, tp: int) -> pm.PerfModel:
-        base = pm.PerfModel(self.shape, self.hw, tp, self.link, self.eff)
+        base = pm.PerfModel(self.shape, self.hw, tp, self.link, self.eff, calibration=self.calibration)
         p = self.profile
         if p is None:
             return base
         if tp == p.tensor_parallel_size:
             return replace(base, profile=p)
         if tp not in self.scales:  # measured / analytic at the profile's TP, applied to this TP
-            at = pm.PerfModel(self.shape, self.hw, p.tensor_parallel_size, self.link, self.eff)
+            at = pm.PerfModel(self.shape, self.hw, p.tensor_parallel_size, self.link, self.eff,
+                              calibration=self.calibration)
             measured = replace(at, profile=p)
             isl, ctx = self.inputs.isl, self.inputs.isl + self.inputs.osl / 2
             self.scales[tp] = (measured.ttft(isl) / at.ttft(isl), measured.itl(16, ctx) / at.itl(16, ctx))

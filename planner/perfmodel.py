@@ -14,11 +14,15 @@ load, queueing and batching, is :mod:`.serving`, shared by the same three). Sour
 A :class:`Calibration` (kernel timings measured on a real GPU) replaces the data-sheet efficiencies of
 the analytic default for that GPU, and its GEMM and all-reduce timings give :meth:`PerfModel.gemm_time`
 and :meth:`PerfModel.allreduce_time`. One ships for the H100 (``data/calibration/``, from Vidur's public
-H100 profiling, see :mod:`.measured`): ``PerfModel.analytic(..., measured=True)`` plans with it (a file of
-one's own, ``bench/gpu_kernels_calibrate.py`` writes one, takes precedence); GPUs without measurements,
-and the default path for now, keep the data sheet.
+H100 profiling, see :mod:`.measured`) and is used by default: :func:`planning_calibration` is the one place
+that picks it, for :meth:`PerfModel.analytic` (the planner and the simulator) and the configurator (a file of
+one's own, ``bench/gpu_kernels_calibrate.py`` writes one, takes precedence; ``measured=False`` keeps the data
+sheet, for comparisons). GPUs without measurements, and weights of another width than the one measured
+(FP8), keep the data sheet.
 Tensor-parallel all-reduces (:meth:`PerfModel.tp_comm_time`) are in every step of a TP > 1 replica
-(``tp_comm=False`` leaves them out, for comparisons only).
+(``tp_comm=False`` leaves them out, for comparisons only). Those up to :data:`CUSTOM_ALLREDUCE_MAX_BYTES`
+are vLLM's custom all-reduce (the data sheet's latency plus the bytes over NVLink), not the NCCL ones the
+calibration measured (a ~30-40 us floor); larger ones are NCCL's, measured where a calibration has them.
 
 Whatever the source, no estimate is faster than physics allows: prefill never
 exceeds TP x peak FLOP/s and a decode step never reads faster than TP x HBM
@@ -416,6 +420,12 @@ class Calibration:
 
 
 CALIBRATIONS = DATA / "calibration"   # <GPU name>.json: measured kernel timings shipped for that GPU
+# vLLM sends a TP all-reduce of at most this many bytes through its own custom all-reduce (peer-to-peer over
+# NVLink, one kernel, captured in CUDA graphs; vllm/distributed/device_communicators/custom_all_reduce.py,
+# max_size 8 MiB) and larger ones through NCCL. The calibration's all-reduces are NCCL's (nccl-tests style,
+# a ~30-40 us floor on a DGX H100), which would charge every decode step's small all-reduces 4-5x what vLLM
+# spends on them; the model uses them above this size only.
+CUSTOM_ALLREDUCE_MAX_BYTES = 8 * 1024 * 1024
 
 
 @cache
@@ -423,6 +433,19 @@ def shipped_calibration(gpu_name: str) -> Calibration | None:
     """The calibration shipped for this GPU (``data/calibration/<name>.json``), None if there is none."""
     path = CALIBRATIONS / f"{gpu_name}.json"
     return Calibration.load(path) if path.exists() else None
+
+
+def planning_calibration(hw: GPUSpec, dtype_bytes: int = 2, path: str | Path | None = None,
+                         measured: bool = True) -> Calibration | None:
+    """The calibration every PerfModel of ``hw`` plans with: ``path`` (one's own measurements) if given,
+    else (with ``measured``, the default) the one shipped for this GPU, if any, when it was measured with
+    weights of ``dtype_bytes`` bytes (an FP8 model on a BF16 calibration keeps the data sheet)."""
+    if path is not None:
+        return Calibration.load(path)
+    if not measured:
+        return None
+    cal = shipped_calibration(hw.name)
+    return cal if cal is not None and cal.dtype_bytes == dtype_bytes else None
 
 
 # ---------------------------------------------------------------- the model
@@ -449,14 +472,14 @@ class PerfModel:
     @classmethod
     def analytic(cls, model_name: str, gpu_name: str, tp: int = 1, link: str = "infiniband-ndr",
                  profile: Profile | None = None, calibration: Calibration | None = None,
-                 measured: bool = False) -> PerfModel:
-        """From the data files; ``calibration`` (else, with ``measured``, the one shipped for this GPU,
-        if any: :func:`shipped_calibration`) replaces the data sheet's efficiencies."""
-        hw = gpu(gpu_name)
-        if calibration is None and measured:
-            calibration = shipped_calibration(hw.name)
+                 measured: bool = True) -> PerfModel:
+        """From the data files; ``calibration`` (else, with ``measured``, the default, the one shipped for
+        this GPU, if any: :func:`planning_calibration`) replaces the data sheet's efficiencies."""
+        hw, shape = gpu(gpu_name), model(model_name)
+        if calibration is None:
+            calibration = planning_calibration(hw, shape.dtype_bytes, measured=measured)
         eff = calibration.efficiency(hw) if calibration is not None else default_efficiency()
-        return cls(model(model_name), hw, tp, interconnect(link), eff, profile, calibration=calibration)
+        return cls(shape, hw, tp, interconnect(link), eff, profile, calibration=calibration)
 
     # -- kernels ----------------------------------------------------------
     def gemm_time(self, m: float, k: float, n: float) -> float:
@@ -483,15 +506,30 @@ class PerfModel:
             t = self.calibration.allreduce_seconds(w, nbytes)
             if t is not None:
                 return t
+        return self.custom_allreduce_time(nbytes, w)
+
+    def custom_allreduce_time(self, nbytes: float, workers: int | None = None) -> float:
+        """One all-reduce by vLLM's custom all-reduce: the data sheet's fixed latency plus a ring's bytes
+        (2(w-1)/w each way) over NVLink at 80% of its bandwidth."""
+        w = workers or self.tp
+        if w <= 1 or nbytes <= 0:
+            return 0.0
         return self.eff.tp_allreduce_latency_seconds + 2.0 * (w - 1) / w * nbytes / (self.hw.nvlink_bandwidth * 0.8)
 
     # -- tensor parallelism ------------------------------------------------
     def tp_comm_time(self, tokens: float) -> float:
-        """Two all-reduces per layer of ``tokens`` x hidden 16-bit activations across the TP group
-        (:meth:`allreduce_time`). 0 at TP 1 or with ``tp_comm`` off."""
+        """Two all-reduces per layer of ``tokens`` x hidden 16-bit activations across the TP group: vLLM's
+        custom all-reduce up to :data:`CUSTOM_ALLREDUCE_MAX_BYTES` (at most NCCL's time), else
+        :meth:`allreduce_time` (NCCL's, measured where calibrated). 0 at TP 1 or with ``tp_comm`` off."""
         if not self.tp_comm or self.tp <= 1 or tokens <= 0:
             return 0.0
-        return 2 * self.shape.layers * self.allreduce_time(tokens * self.shape.hidden * 2)
+        nbytes = tokens * self.shape.hidden * 2
+        one = self.allreduce_time(nbytes)
+        if nbytes <= CUSTOM_ALLREDUCE_MAX_BYTES:
+            # vLLM takes the custom all-reduce below this size because it beats NCCL there; the ring
+            # estimate above overstates its mid-size cost (its two-shot kernel), so never more than NCCL's
+            one = min(one, self.custom_allreduce_time(nbytes))
+        return 2 * self.shape.layers * one
 
     def corrected(self, prefill_scale: float = 1.0, decode_scale: float = 1.0) -> PerfModel:
         return replace(self, prefill_scale=prefill_scale, decode_scale=decode_scale)

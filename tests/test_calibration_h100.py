@@ -108,15 +108,30 @@ def test_allreduce_times_within_25_percent(allreduces):
 def test_the_model_plans_with_the_calibration_for_h100_only():
     cal = pm.shipped_calibration("H100-SXM")
     assert cal is not None and pm.shipped_calibration("H200-SXM") is None
-    m = pm.PerfModel.analytic("meta-llama/Llama-3.1-70B-Instruct", "h100", tp=4, measured=True)
+    m = pm.PerfModel.analytic("meta-llama/Llama-3.1-70B-Instruct", "h100", tp=4)   # the default: calibrated
     assert m.calibration is cal and m.eff == cal.efficiency(H100)
     assert 0.6 < m.eff.prefill_mfu < 0.8 and 0.7 < m.eff.decode_mbu <= 1.0
+    sheet = pm.PerfModel.analytic("meta-llama/Llama-3.1-70B-Instruct", "h100", tp=4, measured=False)
+    assert sheet.calibration is None and sheet.eff == pm.default_efficiency()
+    # a prefill chunk's all-reduces (32 MiB here) are NCCL's: measured
     tokens = 2048
+    assert tokens * m.shape.hidden * 2 > pm.CUSTOM_ALLREDUCE_MAX_BYTES
     assert m.tp_comm_time(tokens) == pytest.approx(
         2 * m.shape.layers * cal.allreduce_seconds(4, tokens * m.shape.hidden * 2))
+    # a decode step's (32 sequences: 512 KiB) are vLLM's custom all-reduce, well under NCCL's measured floor
+    batch = 32
+    assert m.tp_comm_time(batch) == pytest.approx(2 * m.shape.layers * m.custom_allreduce_time(batch * m.shape.hidden * 2))
+    assert all(m.tp_comm_time(t) <= 2 * m.shape.layers * cal.allreduce_seconds(4, t * m.shape.hidden * 2) + 1e-12
+               for t in (1, 32, 256, 511))
+    assert m.tp_comm_time(batch) < 0.5 * 2 * m.shape.layers * cal.allreduce_seconds(4, batch * m.shape.hidden * 2)
+    # more tokens never communicate faster, across the switch from custom all-reduce to NCCL too
+    times = [m.tp_comm_time(t) for t in (1, 64, 256, 511, 512, 513, 1024, 4096, 16384)]
+    assert times == sorted(times)
     # no measurements for this GPU: the data sheet, unchanged
-    h200 = pm.PerfModel.analytic("meta-llama/Llama-3.1-70B-Instruct", "h200", tp=4, measured=True)
+    h200 = pm.PerfModel.analytic("meta-llama/Llama-3.1-70B-Instruct", "h200", tp=4)
     assert h200.calibration is None and h200.eff == pm.default_efficiency()
+    # nor for weights of another width than the one measured
+    assert pm.planning_calibration(H100, dtype_bytes=1) is None and pm.planning_calibration(H100) is cal
     # never faster than the hardware, whatever the fit
     for mm, k, n in [(1, 8192, 1280), (4096, 8192, 57344), (100000, 8192, 8192)]:
         t = m.gemm_time(mm, k, n)
@@ -128,3 +143,19 @@ def test_shipped_file_is_what_the_data_gives(tmp_path):
     assert ms.main([str(VIDUR), str(out)]) == 0
     assert out.read_text() == (pm.CALIBRATIONS / "H100-SXM.json").read_text(), \
         "planner/data/calibration/H100-SXM.json drifted: python -m disagg.planner.measured DIR OUT"
+
+
+def test_the_configurator_plans_with_the_same_calibration():
+    """The one choice (perfmodel.planning_calibration) for the planner, the simulator and the configurator."""
+    from disagg.configurator import estimate as est
+
+    base = dict(model="meta-llama/Llama-3.1-8B-Instruct", gpu="h100", gpus=8, isl=3000, osl=300,
+                ttft_ms=1000, itl_ms=40)
+    setup = est.Setup.of(est.Inputs(**base))
+    assert setup.calibration is pm.shipped_calibration("H100-SXM")
+    assert any("calibration shipped for this GPU" in n for n in setup.notes)
+    planner = pm.PerfModel.analytic("meta-llama/Llama-3.1-8B-Instruct", "h100", tp=2)
+    assert setup.model(2).ttft(3000) == pytest.approx(planner.ttft(3000))
+    assert setup.model(2).itl(32, 3150) == pytest.approx(planner.itl(32, 3150))
+    assert est.Setup.of(est.Inputs(**{**base, "precision": "fp8"})).calibration is None
+    assert est.Setup.of(est.Inputs(**{**base, "gpu": "h200"})).calibration is None

@@ -336,10 +336,11 @@ def test_prefill_is_sized_from_the_prompt_distribution_and_a_low_correction_keep
 def test_no_learning_from_a_load_step():
     slow = MODEL.corrected(2.0, 2.0)
     t = target(prefill=2, decode=2, cooldown=0)
-    load = dc.Load(4, 4000, 6000, 300)
-    steady = obs(rate=4, inp=4000, inp_p=6000, out=300, ttft=dc.prefill_latency(slow, load, 2, 90),
+    load = dc.Load(3, 8000, 12000, 300)   # the slow engine's TTFT near the 1 s target (learnable)
+    steady = obs(rate=3, inp=8000, inp_p=12000, out=300, ttft=dc.prefill_latency(slow, load, 2, 90),
                  itl=dc.decode_latency(slow, load, 2, 0.05))
-    _, mem = dc.decide(steady, t, dc.Memory(rate=(1.0,)), MODEL, now=0)   # from 1 to 4 requests/s
+    assert steady.ttft > dc.LEARN_ABOVE * t.ttft_target
+    _, mem = dc.decide(steady, t, dc.Memory(rate=(1.0,)), MODEL, now=0)   # from 1 to 3 requests/s
     assert mem.correction == pm.OnlineCorrection()
-    _, mem = dc.decide(steady, t, dc.Memory(rate=(4.0,)), MODEL, now=0)   # steady at 4
+    _, mem = dc.decide(steady, t, dc.Memory(rate=(3.0,)), MODEL, now=0)   # steady at 3
     assert mem.correction.prefill > 1.0
