@@ -1,14 +1,21 @@
-"""Fixtures: one real local control plane per test run, one namespace per test."""
+"""Fixtures: one real local control plane per test run, one namespace per test; routers in front of
+test upstreams (`routers`)."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+TESTS = REPO / "tests"
 
 
 @pytest.fixture(scope="session")
@@ -90,3 +97,61 @@ def operator(operator_kubeconfig):
 
     with running_operator(operator_kubeconfig) as runner:
         yield runner
+
+
+class Routers:
+    """A router (its own process, ``python -m disagg.router``) in front of upstream processes that speak
+    vLLM's wire format (tests/sse_upstream.py, tests/stall_upstream.py): one home for the router tests'
+    configuration, start, readiness waits and stop. Test modules cannot import from tests/ (pytest's
+    importlib mode), hence a fixture."""
+
+    @staticmethod
+    def upstream(logs: Path, name: str, *args: Any, script: str = "sse_upstream.py",
+                 env: dict[str, str] | None = None):
+        """``python tests/<script> PORT *args`` on a free port, started; :meth:`serving` waits for it."""
+        from disagg.workers.local import LocalProcess, free_port
+
+        port = free_port()
+        return LocalProcess(name, [sys.executable, str(TESTS / script), str(port), *map(str, args)], env or {},
+                            f"http://127.0.0.1:{port}", logs).start()
+
+    @staticmethod
+    def config(tokenizer: str, port: int, decode: Sequence[str], prefill: Sequence[str] = (),
+               spec: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
+        """A router configuration for the tiny model: decode-only (spec.disaggregation never) unless
+        ``spec`` says otherwise; ``extra`` adds or replaces top-level fields."""
+        cfg: dict[str, Any] = {"model": "tiny", "tokenizer": tokenizer, "block_size": 16, "max_model_len": 1024,
+                               "port": port, "host": "127.0.0.1", "spec": {"disaggregation": "never", **(spec or {})},
+                               "decode": [{"url": u} for u in decode]}
+        if prefill:
+            cfg["prefill"] = [{"url": u} for u in prefill]
+        return {**cfg, **extra}
+
+    @contextmanager
+    def serving(self, tokenizer: str, logs: Path, decode: Sequence, prefill: Sequence = (), name: str = "router",
+                spec: dict[str, Any] | None = None, **extra: Any) -> Iterator:
+        """A router in front of started upstreams (:meth:`upstream`), yielded once it and they answer
+        /health; it and they are stopped afterwards (all at once), whatever happened. Its configuration
+        is ``logs/<name>.json``, its log ``logs/<name>.log``."""
+        from disagg.workers.local import free_port, router, stop_all
+
+        port = free_port()
+        path = logs / f"{name}.json"
+        path.write_text(json.dumps(self.config(tokenizer, port, [u.url for u in decode], [u.url for u in prefill],
+                                               spec, **extra)))
+        r = router(path, port, logs)
+        r.name, r.log_path = name, logs / f"{name}.log"
+        try:
+            r.start()
+            for u in (*prefill, *decode):
+                u.wait_ready(timeout=30)
+            r.wait_ready(timeout=60)
+            yield r
+        finally:
+            stop_all([r, *prefill, *decode])
+
+
+@pytest.fixture(scope="session")
+def routers() -> Routers:
+    """:class:`Routers`: start a router in front of test upstreams."""
+    return Routers()

@@ -4,8 +4,6 @@ rollout that changes it keeps the old revision's ready pair until the new revisi
 
 from __future__ import annotations
 
-import time
-
 from kubernetes import client
 
 from disagg.api import contract
@@ -95,18 +93,16 @@ def test_rollout_keeps_the_old_pair_until_the_new_revision_has_one(api_client, n
     assert any(p.metadata.labels[contract.KV_REVISION_LABEL] == old and _ready(p) for p in dd.pods(ROLE_PREFILL))
 
     dd.patch_spec({"decode": {"nodeSelector": None}})
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
+
+    def rolled_out() -> bool:
         pods = _workers(dd)
+        # at every poll, not only at the end: never a moment without a ready pair of one revision
         assert _paired(pods), f"no revision with a ready pair: {[(p.metadata.name, _ready(p)) for p in pods]}"
         revs = {p.metadata.labels[contract.KV_REVISION_LABEL] for p in pods}
         deps = [apps.read_namespaced_deployment(render.names("hold")[r], namespace) for r in (ROLE_PREFILL, ROLE_DECODE)]
-        if revs == {new} and len(pods) == 2 and _paired(pods) == {new} \
-                and all(d.spec.min_ready_seconds in (0, None) for d in deps):
-            break
-        time.sleep(0.1)
-    else:
-        raise AssertionError(f"rollout did not finish on {new}: {[(p.metadata.name, p.metadata.labels) for p in pods]}")
+        return (revs == {new} and len(pods) == 2 and _paired(pods) == {new}
+                and all(d.spec.min_ready_seconds in (0, None) for d in deps))
+    wait_for(rolled_out, 120, f"the rollout to finish on {new}: one pair of it, the hold lifted", interval=0.1)
 
     def reasons() -> set[str]:
         return {e.reason for e in dd.core.list_namespaced_event(

@@ -18,7 +18,7 @@ import pytest
 
 from disagg.api import metrics as m
 from disagg.e2e.testing import wait_for
-from disagg.workers.local import LocalProcess, free_port, metric_sum, router, scrape
+from disagg.workers.local import free_port, metric_sum, scrape
 from disagg.workers.testing import tiny_model, worker_python  # noqa: F401  (fixtures)
 
 OLD, NEW, WRONG = "sk-old-3b1f0c9e7d5a42e8", "sk-new-8c2d4e6f0a1b3c5d", "sk-wrong-0000000000000000"
@@ -48,30 +48,14 @@ class SecretVolume:
         return self.root / "keys"
 
 
-def _config(tiny_model: str, port: int, upstream: str, keys_file: Path | str) -> dict:
-    return {"model": "tiny", "tokenizer": tiny_model, "block_size": 16, "max_model_len": 1024, "port": port,
-            "host": "127.0.0.1", "spec": {"disaggregation": "never"}, "decode": [{"url": upstream}],
-            "api_keys_file": str(keys_file)}
-
-
 @pytest.fixture(scope="module")
-def served(tiny_model, tmp_path_factory):
+def served(routers, tiny_model, tmp_path_factory):
     logs = tmp_path_factory.mktemp("router-auth")
-    up_port, port = free_port(), free_port()
-    upstream = LocalProcess("auth-upstream", [sys.executable, str(Path(__file__).with_name("sse_upstream.py")),
-                                              str(up_port), "4", "0"], {}, f"http://127.0.0.1:{up_port}",
-                            logs).start()
+    upstream = routers.upstream(logs, "auth-upstream", 4, 0)
     volume = SecretVolume(logs / "secret")
     volume.write(f"# rotated keys: old and new both valid while clients move\n{OLD}\n\n  {NEW}  \n")
-    (logs / "router.json").write_text(json.dumps(_config(tiny_model, port, upstream.url, volume.file)))
-    r = router(logs / "router.json", port, logs).start()
-    try:
-        upstream.wait_ready(timeout=30)
-        r.wait_ready(timeout=60)
+    with routers.serving(tiny_model, logs, [upstream], api_keys_file=str(volume.file)) as r:
         yield r, volume
-    finally:
-        r.stop()
-        upstream.stop()
 
 
 def _client(url: str, key: str) -> openai.OpenAI:
@@ -157,10 +141,9 @@ def test_a_rotated_secret_takes_effect_without_a_restart(served):
         wait_for(lambda: scrape(r.url)[m.ROUTER_API_KEYS] == 2, 30, "the keys restored")
 
 
-def test_a_router_told_to_authenticate_without_its_keys_file_does_not_start(tiny_model, tmp_path):
-    port = free_port()
-    (tmp_path / "router.json").write_text(json.dumps(
-        _config(tiny_model, port, "http://127.0.0.1:9", tmp_path / "missing" / "keys")))
+def test_a_router_told_to_authenticate_without_its_keys_file_does_not_start(routers, tiny_model, tmp_path):
+    (tmp_path / "router.json").write_text(json.dumps(routers.config(
+        tiny_model, free_port(), ["http://127.0.0.1:9"], api_keys_file=str(tmp_path / "missing" / "keys"))))
     out = subprocess.run([sys.executable, "-P", "-m", "disagg.router", "--config", str(tmp_path / "router.json")],
                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert out.returncode == 2 and f"cannot read {tmp_path / 'missing' / 'keys'}" in out.stderr, out.stderr

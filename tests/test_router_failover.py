@@ -5,47 +5,25 @@ tests/sse_upstream.py (real HTTP servers, killed for real), so the test is about
 
 from __future__ import annotations
 
-import json
 import signal
-import sys
-from pathlib import Path
 
 import openai
 import pytest
 from openai import OpenAI
 
 from disagg.api import metrics as m
-from disagg.workers.local import LocalProcess, free_port, router, scrape
+from disagg.workers.local import scrape
 from disagg.workers.testing import tiny_model, worker_python  # noqa: F401  (fixtures)
 
 TOKENS = 20
 
 
-def _upstream(tmp_path, name: str, delay: float) -> LocalProcess:
-    port = free_port()
-    return LocalProcess(name, [sys.executable, str(Path(__file__).with_name("sse_upstream.py")), str(port),
-                               str(TOKENS), str(delay)], {}, f"http://127.0.0.1:{port}", tmp_path).start()
-
-
 @pytest.fixture
-def two_decoders(tiny_model, tmp_path):
-    ups = [_upstream(tmp_path, f"decode-{i}", 0.01) for i in range(2)]
-    port = free_port()
+def two_decoders(routers, tiny_model, tmp_path):
+    ups = [routers.upstream(tmp_path, f"decode-{i}", TOKENS, 0.01) for i in range(2)]
     # health checks once a minute: the dead worker is found by the requests, not by a probe
-    cfg = {"model": "tiny", "tokenizer": tiny_model, "block_size": 16, "port": port, "host": "127.0.0.1",
-           "health_interval_s": 60,
-           "spec": {"disaggregation": "never", "policy": "round-robin"}, "decode": [{"url": u.url} for u in ups]}
-    (tmp_path / "router.json").write_text(json.dumps(cfg))
-    r = router(tmp_path / "router.json", port, tmp_path).start()
-    try:
-        for u in ups:
-            u.wait_ready(timeout=30)
-        r.wait_ready(timeout=60)
+    with routers.serving(tiny_model, tmp_path, ups, spec={"policy": "round-robin"}, health_interval_s=60) as r:
         yield r, ups
-    finally:
-        r.stop()
-        for u in ups:
-            u.stop()
 
 
 def test_a_decode_worker_dead_before_output_is_retried_elsewhere(two_decoders):
@@ -65,20 +43,10 @@ def test_a_decode_worker_dead_before_output_is_retried_elsewhere(two_decoders):
 
 
 @pytest.fixture
-def one_slow_decoder(tiny_model, tmp_path):
-    up = _upstream(tmp_path, "decode", 0.2)    # 20 tokens over 4 s: time to kill it mid-stream
-    port = free_port()
-    cfg = {"model": "tiny", "tokenizer": tiny_model, "block_size": 16, "port": port, "host": "127.0.0.1",
-           "spec": {"disaggregation": "never"}, "decode": [{"url": up.url}]}
-    (tmp_path / "router.json").write_text(json.dumps(cfg))
-    r = router(tmp_path / "router.json", port, tmp_path).start()
-    try:
-        up.wait_ready(timeout=30)
-        r.wait_ready(timeout=60)
+def one_slow_decoder(routers, tiny_model, tmp_path):
+    up = routers.upstream(tmp_path, "decode", TOKENS, 0.2)    # 20 tokens over 4 s: time to kill it mid-stream
+    with routers.serving(tiny_model, tmp_path, [up]) as r:
         yield r, up
-    finally:
-        r.stop()
-        up.stop()
 
 
 def test_a_decode_worker_dying_mid_stream_gives_a_clean_error(one_slow_decoder):

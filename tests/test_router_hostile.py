@@ -12,7 +12,6 @@ from __future__ import annotations
 import http.client
 import json
 import socket
-import sys
 import time
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from hypothesis import strategies as st
 
 from disagg.api import metrics as m
 from disagg.e2e.testing import wait_for
-from disagg.workers.local import LocalProcess, free_port, router, scrape
+from disagg.workers.local import scrape
 from disagg.workers.testing import tiny_model, worker_python  # noqa: F401  (fixtures)
 
 KEY = "sk-hostile-5f0e9d8c7b6a"
@@ -34,26 +33,14 @@ SETTINGS = settings(max_examples=300, deadline=None, derandomize=True, database=
 
 
 @pytest.fixture(scope="module")
-def served(tiny_model, tmp_path_factory):
+def served(routers, tiny_model, tmp_path_factory):
     logs = tmp_path_factory.mktemp("router-hostile")
-    up_port, port = free_port(), free_port()
-    upstream = LocalProcess("hostile-upstream", [sys.executable, str(Path(__file__).with_name("sse_upstream.py")),
-                                                 str(up_port), "2", "0"], {}, f"http://127.0.0.1:{up_port}",
-                            logs).start()
+    upstream = routers.upstream(logs, "hostile-upstream", 2, 0)
     (logs / "keys").write_text(KEY + "\n")
-    (logs / "router.json").write_text(json.dumps({
-        "model": "tiny", "tokenizer": tiny_model, "block_size": 16, "max_model_len": 1024, "port": port,
-        "host": "127.0.0.1", "api_keys_file": str(logs / "keys"), "decode": [{"url": upstream.url}],
-        "spec": {"disaggregation": "never", "maxBodyBytes": LIMIT, "bodyTimeoutSeconds": BODY_TIMEOUT,
-                 "maxInFlight": 2, "maxQueued": 64, "queueTimeoutSeconds": 60}}))
-    r = router(logs / "router.json", port, logs).start()
-    try:
-        upstream.wait_ready(timeout=30)
-        r.wait_ready(timeout=60)
+    with routers.serving(tiny_model, logs, [upstream], api_keys_file=str(logs / "keys"),
+                         spec={"maxBodyBytes": LIMIT, "bodyTimeoutSeconds": BODY_TIMEOUT, "maxInFlight": 2,
+                               "maxQueued": 64, "queueTimeoutSeconds": 60}) as r:
         yield r
-    finally:
-        r.stop()
-        upstream.stop()
 
 
 def rss_bytes(pid: int) -> int:

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 import aiohttp
@@ -16,49 +16,32 @@ import pytest
 
 from disagg.api import metrics as m
 from disagg.e2e.testing import wait_for
-from disagg.workers.local import LocalProcess, free_port, metric_sum, router, scrape
+from disagg.workers.local import LocalProcess, metric_sum, scrape
 from disagg.workers.testing import tiny_model, worker_python  # noqa: F401  (fixtures)
 
-STALL = Path(__file__).with_name("stall_upstream.py")
-
-
-def _start(tiny_model: str, logs: Path, name: str, spec: dict) -> tuple[LocalProcess, LocalProcess]:
-    up_port, port = free_port(), free_port()
-    upstream = LocalProcess(f"{name}-upstream", [sys.executable, str(STALL), str(up_port)], {},
-                            f"http://127.0.0.1:{up_port}", logs).start()
-    (logs / f"{name}.json").write_text(json.dumps({
-        "model": "tiny", "tokenizer": tiny_model, "block_size": 16, "max_model_len": 1024, "port": port,
-        "host": "127.0.0.1", "decode_attempts": 1,
-        "spec": {"disaggregation": "never", **spec}, "decode": [{"url": upstream.url}]}))
-    r = router(logs / f"{name}.json", port, logs).start()
-    upstream.wait_ready(timeout=30)
-    r.wait_ready(timeout=60)
-    return upstream, r
+@contextmanager
+def _stalling(routers, tiny_model: str, logs: Path, name: str, spec: dict):
+    """(upstream, router): a router trying one decode worker, a stalling one (tests/stall_upstream.py)."""
+    upstream = routers.upstream(logs, f"{name}-upstream", script="stall_upstream.py")
+    with routers.serving(tiny_model, logs, [upstream], name=name, spec=spec, decode_attempts=1) as r:
+        yield upstream, r
 
 
 @pytest.fixture(scope="module")
-def admission(tiny_model, tmp_path_factory):
+def admission(routers, tiny_model, tmp_path_factory):
     """4 in flight, 2 queued, a queue wait long enough never to run out in the burst test."""
-    up, r = _start(tiny_model, tmp_path_factory.mktemp("admission"), "router-admission",
-                   {"maxInFlight": 4, "maxQueued": 2, "queueTimeoutSeconds": 120})
-    try:
-        yield up, r
-    finally:
-        r.stop()
-        up.stop()
+    with _stalling(routers, tiny_model, tmp_path_factory.mktemp("admission"), "router-admission",
+                   {"maxInFlight": 4, "maxQueued": 2, "queueTimeoutSeconds": 120}) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")
-def strict(tiny_model, tmp_path_factory):
+def strict(routers, tiny_model, tmp_path_factory):
     """One in flight, one queued for at most 0.5 s; short worker timeouts."""
-    up, r = _start(tiny_model, tmp_path_factory.mktemp("timeouts"), "router-strict",
+    with _stalling(routers, tiny_model, tmp_path_factory.mktemp("timeouts"), "router-strict",
                    {"maxInFlight": 1, "maxQueued": 1, "queueTimeoutSeconds": 0.5, "idleTimeoutSeconds": 1,
-                    "firstTokenTimeoutSeconds": 2, "requestTimeoutSeconds": 1.5})
-    try:
-        yield up, r
-    finally:
-        r.stop()
-        up.stop()
+                    "firstTokenTimeoutSeconds": 2, "requestTimeoutSeconds": 1.5}) as served:
+        yield served
 
 
 async def _complete(session: aiohttp.ClientSession, url: str, prompt: str, stream: bool = True):

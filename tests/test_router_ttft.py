@@ -5,15 +5,11 @@ DELAY per token for streamed and non-streamed answers alike)."""
 
 from __future__ import annotations
 
-import json
-import sys
-from pathlib import Path
-
 import pytest
 from openai import OpenAI
 
 from disagg.api import metrics as m
-from disagg.workers.local import LocalProcess, free_port, router, scrape
+from disagg.workers.local import scrape
 from disagg.workers.testing import tiny_model, worker_python  # noqa: F401  (fixtures)
 
 TOKENS, DELAY = 20, 0.1  # a 2 s answer whose first token exists after 0.1 s
@@ -21,22 +17,10 @@ PATH = m.PATH_LOCAL_PREFILL
 
 
 @pytest.fixture
-def routed(tiny_model, tmp_path):
-    port = free_port()
-    up = LocalProcess("decode", [sys.executable, str(Path(__file__).with_name("sse_upstream.py")), str(port),
-                                 str(TOKENS), str(DELAY)], {}, f"http://127.0.0.1:{port}", tmp_path).start()
-    rport = free_port()
-    cfg = {"model": "tiny", "tokenizer": tiny_model, "block_size": 16, "port": rport, "host": "127.0.0.1",
-           "spec": {"disaggregation": "never"}, "decode": [{"url": up.url}]}
-    (tmp_path / "router.json").write_text(json.dumps(cfg))
-    r = router(tmp_path / "router.json", rport, tmp_path).start()
-    try:
-        up.wait_ready(timeout=30)
-        r.wait_ready(timeout=60)
+def routed(routers, tiny_model, tmp_path):
+    up = routers.upstream(tmp_path, "decode", TOKENS, DELAY)
+    with routers.serving(tiny_model, tmp_path, [up]) as r:
         yield r
-    finally:
-        r.stop()
-        up.stop()
 
 
 def _series(samples: dict[str, float], name: str, suffix: str) -> float:
