@@ -152,19 +152,23 @@ def test_a_continuation_starts_where_the_text_is_whole(tiny_model):
     assert log.generated() == word + euro
 
 
-def test_a_decode_waiting_for_kv_from_a_lost_prefill_is_given_up(routers, tiny_model, tmp_path):
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "not-streamed"])
+def test_a_decode_waiting_for_kv_from_a_lost_prefill_is_given_up(routers, tiny_model, tmp_path, stream):
     """The prefill answers (KV params) and dies; the decode it handed them to waits for that KV for ever
-    (SSE_KV_WAIT, as vLLM pulling from a hung engine). Once the router's probe finds the prefill gone, it
-    gives that decode up and the request prefills locally: completed, named, counted."""
+    (SSE_KV_WAIT, as vLLM pulling from a hung engine: a stream's headers and no token, or no answer at
+    all). Once the router's probe finds the prefill gone, it gives that decode up and the request
+    prefills locally: completed, named, counted; streamed or not."""
     prefill = routers.upstream(tmp_path, "prefill", TOKENS, 0.005, env={"SSE_EXIT_AFTER_PREFILL": "1"})
     decode = routers.upstream(tmp_path, "decode", TOKENS, 0.005, env={"SSE_KV_WAIT": "1"})
     with routers.serving(tiny_model, tmp_path, [decode], prefill=[prefill], spec={"disaggregation": "always"},
                          health_interval_s=0.5) as r:
         client = OpenAI(base_url=f"{r.url}/v1", api_key="unused", max_retries=0, timeout=120)
-        raw = client.completions.with_raw_response.create(model="tiny", prompt="x", max_tokens=TOKENS, stream=True)
-        assert (raw.headers["x-disagg-path"], raw.headers["x-disagg-fallback"]) == \
-            (m.PATH_FALLBACK, m.FALLBACK_PREFILL_LOST)
-        assert "".join(c.choices[0].text for c in raw.parse() if c.choices) == "tok " * TOKENS
+        raw = client.completions.with_raw_response.create(model="tiny", prompt="x", max_tokens=TOKENS, stream=stream)
+        route = (raw.headers["x-disagg-path"], raw.headers.get("x-disagg-fallback"))
+        assert route == (m.PATH_FALLBACK, m.FALLBACK_PREFILL_LOST)
+        answer = raw.parse()
+        text = "".join(c.choices[0].text for c in answer if c.choices) if stream else answer.choices[0].text
+        assert text == "tok " * TOKENS
         assert prefill.proc.poll() is not None                 # it did die after it answered
         s = scrape(r.url)
         assert s[f'{m.ROUTER_FALLBACKS}{{reason="{m.FALLBACK_PREFILL_LOST}"}}'] == 1
