@@ -2,25 +2,30 @@
 
 One stack for the module: a prefill and a decode vLLM (CPU build, tiny model) moving KV over NIXL, the
 router in front of them (conditional disaggregation, so requests take the remote-prefill, local-prefill
-and fallback paths), and the planner's metrics exporter fed by the planner's own decisions on what
-Prometheus shows. Prometheus scrapes them as the chart's monitors would on a cluster: the PodMonitors'
+and fallback paths; started after the workers published KV events, so it catches up from their replay
+sockets: a KV index resync; one decode stream cut mid-way by a proxy: a migration), and the planner's
+metrics exporter fed by the planner's own decisions on what Prometheus shows. Prometheus scrapes them as the chart's monitors would on a cluster: the PodMonitors'
 relabelings and metric relabelings and the ServiceMonitor's honorLabels, taken from `helm template`,
 applied to targets labelled as the operator labels pods. It also evaluates the chart's PrometheusRule.
 
 Each panel's queries run with Grafana's variables replaced by concrete values; a query error, or a panel
 target with no finite value, fails the test. Panels whose series only exist on a GPU cluster would be
-listed in GPU_ONLY with the reason (none are). The overview's Operator row (the operator's own metrics)
-is queried against the real operator by tests/test_e2e_helm.py instead.
+listed in GPU_ONLY with the reason (none are); panels only a rollout across KV revisions fills are in
+NEEDS_ROLLOUT. The overview's Operator row (the operator's own metrics) is queried against the real
+operator by tests/test_e2e_helm.py instead.
 """
 
 from __future__ import annotations
 
+import asyncio
+import http.client
 import json
 import math
 import subprocess
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -46,6 +51,12 @@ VARIABLES = {"namespace": NS, "deployment": NAME, "ttft_target": "1", "itl_targe
              "__rate_interval": RATE_INTERVAL}
 # dashboard title -> panel title -> why it cannot have data without GPUs
 GPU_ONLY: dict[str, dict[str, str]] = {}
+# dashboard title -> panel title -> why this stack cannot make its data (and which test makes the series)
+NEEDS_ROLLOUT: dict[str, dict[str, str]] = {
+    "disagg / Router": {
+        "Pairing refusals by reason": "a refusal needs healthy workers of two KV revisions and no complete pair "
+                                      "(a rollout); tests/test_router_pairing.py counts one over real HTTP"},
+}
 # The overview's Operator row reads the operator's own metrics: its queries run against a Prometheus
 # scraping the real operator in tests/test_e2e_helm.py (test_operator_panels_and_gang_alert_...).
 NEEDS_OPERATOR = {"disagg / Overview": "Operator"}
@@ -56,36 +67,64 @@ SHARED = "You are a careful assistant for a parser project. Answer in one short 
 LONG = [f"{SHARED}Question {i}: which arguments does parse_args accept, and what does it return for case {i}?"
         for i in range(12)]
 SHORT = ["Hi.", "Say hello.", "Count to three.", "Name a color.", "Two plus two?", "Bye."]
+WARM_UP = "warm-up " * 40       # sent to each worker before the router starts: two full KV blocks, no shared prefix
 
 
 class FaultyProxy:
-    """An HTTP proxy in front of the prefill worker; while ``failing`` it answers 503 to every POST,
-    as a broken prefill pod would (its /health and /metrics keep answering)."""
+    """An HTTP proxy in front of a worker, as a failing pod would behave. While ``failing`` it answers 503
+    to every POST (a broken prefill; its /health and /metrics keep answering). After :meth:`cut_next`, the
+    next event stream it relays is cut after ``events`` SSE events: the connection closes without the end
+    of the chunked body, as a decode worker dying mid-stream."""
 
     def __init__(self, upstream: str):
         self.upstream, self.failing = upstream, False
+        self._cut: int | None = None
+        self._lock = threading.Lock()
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"      # chunked bodies: a cut one is visibly incomplete
+
             def log_message(self, *args):
                 pass
 
             def _relay(self, body: bytes | None):
+                self.close_connection = True
                 if body is not None and proxy.failing:
                     return self._send(503, b'{"error": {"message": "prefill broken by the test"}}')
-                req = urllib.request.Request(proxy.upstream + self.path, data=body, method=self.command,
-                                             headers={"Content-Type": self.headers.get("Content-Type",
-                                                                                       "application/json")})
+                up = urllib.parse.urlsplit(proxy.upstream)
+                conn = http.client.HTTPConnection(up.hostname, up.port, timeout=300)
                 try:
-                    with urllib.request.urlopen(req, timeout=300) as r:
-                        self._send(r.status, r.read(), r.headers.get("Content-Type"))
-                except urllib.error.HTTPError as e:
-                    self._send(e.code, e.read(), e.headers.get("Content-Type"))
+                    conn.request(self.command, self.path, body=body, headers={
+                        "Content-Type": self.headers.get("Content-Type", "application/json")})
+                    r = conn.getresponse()
+                    ctype = r.getheader("Content-Type") or "application/json"
+                    if not ctype.startswith("text/event-stream"):
+                        return self._send(r.status, r.read(), ctype)
+                    self._stream(r, ctype, proxy.take_cut())
+                finally:
+                    conn.close()
+
+            def _stream(self, r, ctype: str, cut: int | None):
+                self.send_response(r.status)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Transfer-Encoding", "chunked")
+                self.send_header("Connection", "close")
+                self.end_headers()
+                events = 0
+                for line in iter(r.readline, b""):
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
+                    self.wfile.flush()
+                    events += line.startswith(b"data: ")
+                    if cut is not None and events >= cut:
+                        return                   # no last chunk: the router sees the stream break
+                self.wfile.write(b"0\r\n\r\n")
 
             def _send(self, status: int, body: bytes, ctype: str | None = "application/json"):
                 self.send_response(status)
                 self.send_header("Content-Type", ctype or "application/json")
                 self.send_header("Content-Length", str(len(body)))
+                self.send_header("Connection", "close")
                 self.end_headers()
                 self.wfile.write(body)
 
@@ -100,8 +139,38 @@ class FaultyProxy:
         self.url = f"http://127.0.0.1:{self.port}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
+    def cut_next(self, events: int) -> None:
+        with self._lock:
+            self._cut = events
+
+    def take_cut(self) -> int | None:
+        with self._lock:
+            cut, self._cut = self._cut, None
+            return cut
+
     def close(self):
         self.server.shutdown()
+
+
+def replay_holds(endpoint: str) -> bool:
+    """Whether a worker's KV events replay socket answers with at least one batch."""
+    import zmq.asyncio
+
+    from disagg.router.events import fetch_replay
+
+    async def ask():
+        ctx = zmq.asyncio.Context()
+        try:
+            return await fetch_replay(ctx, endpoint, 0, timeout=5)
+        finally:
+            ctx.term()
+    return bool(asyncio.run(ask()))
+
+
+def joins(url: str) -> float:
+    """KV index resyncs of reason join the router at ``url`` counted."""
+    return sum(v for k, v in scrape(url).items()
+               if k.startswith(m.ROUTER_KV_INDEX_RESYNCS + "{") and f'reason="{m.RESYNC_JOIN}"' in k)
 
 
 def relabel(rules: list[dict]) -> list[dict]:
@@ -246,18 +315,29 @@ def stack(tiny_model, worker_python, tmp_path_factory):  # noqa: F811
             procs[name].start()
         proxy = FaultyProxy(procs["prefill"].url)
         closers.append(proxy.close)
+        decode_proxy = FaultyProxy(procs["decode"].url)
+        closers.append(decode_proxy.close)
         port = free_port()
         config = {"model": "tiny", "tokenizer": tiny_model, "block_size": 32, "max_model_len": 1024, "port": port,
                   "host": "127.0.0.1", "health_interval_s": 2, "prefill_timeout_s": 120,
                   "spec": {"disaggregation": "conditional", "localPrefillThresholdTokens": 48},
-                  "prefill": [{"url": proxy.url, "kv_events": f"tcp://127.0.0.1:{prefill_s.kv_events_port}"}],
-                  "decode": [{"url": procs["decode"].url,
-                              "kv_events": f"tcp://127.0.0.1:{decode_s.kv_events_port}"}]}
+                  "prefill": [{"url": proxy.url, "kv_events": f"tcp://127.0.0.1:{prefill_s.kv_events_port}",
+                               "kv_replay": f"tcp://127.0.0.1:{prefill_s.kv_replay_port}"}],
+                  "decode": [{"url": decode_proxy.url, "kv_events": f"tcp://127.0.0.1:{decode_s.kv_events_port}",
+                              "kv_replay": f"tcp://127.0.0.1:{decode_s.kv_replay_port}"}]}
         (logs / "router.json").write_text(json.dumps(config))
         procs["router"] = router(logs / "router.json", port, logs)
         for name in ("prefill", "decode"):
             procs[name].wait_ready(timeout=900)
+        # KV events published before the router subscribes: it catches up from each worker's replay
+        # socket on start (a join resync, the KV index resyncs panel's data)
+        for name, s in (("prefill", prefill_s), ("decode", decode_s)):
+            _post(f"{procs[name].url}/v1/completions", {"model": "tiny", "prompt": WARM_UP, "max_tokens": 1})
+            wait_for(lambda: replay_holds(f"tcp://127.0.0.1:{s.kv_replay_port}"), 60,
+                     f"the {name} worker's replay socket to hold its KV events", interval=0.5)
         procs["router"].start().wait_ready()
+        wait_for(lambda: joins(procs["router"].url) >= 2, 60, "the router to catch up on both workers' KV events",
+                 interval=0.5)
 
         monitors = chart_monitors()
         groups = monitors["PrometheusRule/"]["spec"]["groups"]
@@ -289,10 +369,18 @@ def stack(tiny_model, worker_python, tmp_path_factory):  # noqa: F811
             proxy.failing = False
             for prompt in LONG[11:] + LONG[:2]:                # prefix hits on the prefill worker
                 _complete(url, prompt, stream=True, max_tokens=12)
+            # a decode stream cut after its first token (the first event carries it, so the cut is
+            # mid-stream): continued on the decode (migrated), or ended by the router if that event
+            # already held the last token (not_needed); either way one migration counted
+            decode_proxy.cut_next(2)
+            _complete(url, SHORT[0], stream=True, max_tokens=12)
             routed = scrape(url)
             served = metric_sum(routed, m.ROUTER_REQUESTS)
-            assert served == 20, routed
+            assert served == 21, routed
             assert routed.get(f'{m.ROUTER_FALLBACKS}{{reason="{m.FALLBACK_PREFILL_ERROR}"}}', 0) == 3, routed
+            assert metric_sum(routed, m.ROUTER_MIGRATIONS) == 1, routed
+            assert sum(routed.get(f'{m.ROUTER_MIGRATIONS}{{outcome="{o}"}}', 0)
+                       for o in (m.MIGRATION_MIGRATED, m.MIGRATION_NOT_NEEDED)) == 1, routed
             # vLLM publishes NIXL stats at its logging interval
             wait_metric(procs["decode"].url, m.VLLM_NIXL_BYTES_TRANSFERRED + "_count", 1, timeout=60)
             # until Prometheus holds the last values and the planner decided on them
@@ -342,7 +430,7 @@ def panels(dashboard: dict) -> list[dict]:
 @pytest.mark.parametrize("path", DASHBOARDS, ids=[p.stem for p in DASHBOARDS])
 def test_every_panel_has_data(stack, path):
     dashboard = json.loads(path.read_text())
-    skip = set(GPU_ONLY.get(dashboard["title"], {}))
+    skip = set(GPU_ONLY.get(dashboard["title"], {})) | set(NEEDS_ROLLOUT.get(dashboard["title"], {}))
     if dashboard["title"] in NEEDS_OPERATOR:
         skip |= {p["title"] for p in dashboard_rows(dashboard)[NEEDS_OPERATOR[dashboard["title"]]]}
     failures, checked = [], 0

@@ -53,6 +53,13 @@ NOT_HERE = {
     "Request rate: predicted and observed": _PLANNER, "Replicas: desired and ready": _PLANNER,
     "Gang wait": _OPERATOR, "API writes and reverted hand edits": _OPERATOR,
     "Fallbacks by reason": "no fallback on a healthy pair; tests/test_dashboards.py and the decode kill below make them",
+    # issue 12's failure-only router panels: a healthy deployment makes none of these series
+    "Migrations by outcome": "no decode stream fails mid-way on a healthy pair; tests/test_dashboards.py cuts one",
+    "Pairing refusals by reason": "only when no KV revision has a ready pair (a stuck rollout); "
+                                  "tests/test_router_pairing.py counts one",
+    "KV index resyncs": "none while the router hears every KV event from the start (it subscribes before any "
+                        "traffic); only lost events or a restarted engine make one; tests/test_dashboards.py "
+                        "starts its router late (a join)",
 }
 PROMPT = "You are a careful assistant for a parser project. Answer in one short line. " * 3
 

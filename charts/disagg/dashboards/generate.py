@@ -279,7 +279,8 @@ def prefill_decode() -> Board:
 def router() -> Board:
     b = Board("disagg-router", "disagg / Router",
               "The routers' decisions: path per request (remote prefill, local prefill, fallback), workers "
-              "chosen, prefix hits and fallbacks.", ["router"])
+              "chosen, prefix hits and fallbacks; streams migrated after a worker failure, pairings refused "
+              "across KV revisions, and the prefix index's resyncs.", ["router"])
     b.row("Paths")
     b.panel("timeseries", "Requests by path", "Successful requests per second by the path they took.",
             [target(rate(m.ROUTER_REQUESTS, SUCCESS, by="path"), "{{path}}")], "reqps")
@@ -290,7 +291,9 @@ def router() -> Board:
             [target(f"{rate(m.ROUTER_CACHED_PROMPT_TOKENS)} / {rate(m.ROUTER_PROMPT_TOKENS)}", "hit ratio")],
             "percentunit", w=6, min=0, max=1)
     b.panel("timeseries", "Fallbacks by reason", "Requests that left the disaggregated path: a failed or slow "
-            "prefill, a decode retry, a failed KV transfer.",
+            "prefill (prefill_error, prefill_timeout), a decode retried elsewhere before its first token "
+            "(decode_retry), a failed KV transfer (kv_transfer_failed), a decode given up while it waited for KV "
+            "from a prefill that went unhealthy (prefill_lost).",
             [target(rate(m.ROUTER_FALLBACKS, by="reason"), "{{reason}}")], "reqps")
     b.panel("timeseries", "Prefix hit ratio over time", "Cached over routed prompt tokens.",
             [target(f"{rate(m.ROUTER_CACHED_PROMPT_TOKENS, by='namespace, deployment')} / "
@@ -306,11 +309,30 @@ def router() -> Board:
     b.panel("timeseries", "Known workers", "Workers the routers discovered, by role and health.",
             [target(f"max by (role, state) ({m.ROUTER_WORKERS}{sel()})", "{{role}} {{state}}")], "short",
             decimals=0)
+    b.row("Worker failures and rollouts")
+    b.panel("timeseries", "Migrations by outcome", "Decode streams that failed after their first token, per "
+            "second, by what became of them: migrated (continued on a decode worker from the token ids so far; "
+            "the client saw one stream), not_needed (failed after its last token), and the client got an error "
+            "event: exhausted (spec.router.maxMigrations reached), failed (no decode worker took the "
+            "continuation), unsupported (logprobs, tools, structured output). Alert: DisaggMigrationsFailing.",
+            [target(rate(m.ROUTER_MIGRATIONS, by="outcome"), "{{outcome}}")], "ops")
+    b.panel("timeseries", "Pairing refusals by reason", "Requests whose decode was not paired with a healthy "
+            "prefill because that prefill was of another KV revision (other_revision): no revision had a ready "
+            "prefill and decode, so they ran decode-only. Brief during a rollout; sustained, a new revision "
+            "never got a ready pair. Alert: DisaggPairingRefused.",
+            [target(rate(m.ROUTER_PAIRING_REFUSALS, by="reason"), "{{reason}}")], "reqps")
     b.row("Prefix index")
     b.panel("timeseries", "Indexed blocks", "KV blocks in the routers' prefix index, by role.",
-            [target(f"max by (role) ({m.ROUTER_INDEXED_BLOCKS}{sel()})", "{{role}}")], "short")
+            [target(f"max by (role) ({m.ROUTER_INDEXED_BLOCKS}{sel()})", "{{role}}")], "short", w=8)
     b.panel("timeseries", "KV event batches", "KV event batches from the workers applied to the index, per second.",
-            [target(rate(m.ROUTER_KV_EVENT_BATCHES), "batches/s")], "ops")
+            [target(rate(m.ROUTER_KV_EVENT_BATCHES), "batches/s")], "ops", w=8)
+    b.panel("timeseries", "KV index resyncs", "Times a worker's prefix-index entries were repaired, per second, by "
+            "why (join: events published before the router subscribed; gap: batches lost on the socket; "
+            "restart: a new engine) and how (replayed: exact again from the worker's replay socket; dropped: "
+            "its entries dropped and rebuilt from what remained), and KV event batches not received live. "
+            "Alert on dropped: DisaggKVIndexResyncsDropped.",
+            [target(rate(m.ROUTER_KV_INDEX_RESYNCS, by="reason, outcome"), "{{reason}} {{outcome}}"),
+             target(rate(m.ROUTER_KV_EVENT_BATCHES_MISSED), "batches missed/s")], "ops", w=8)
     return b
 
 
