@@ -5,7 +5,8 @@ Operator generates it (selector, port and phase filters, namespace/pod/container
 then the monitor's own relabelings); each PrometheusRule becomes a rule group file.
 
 Only the parts of the Prometheus Operator's generation that the chart uses are covered: label selectors
-with matchLabels and `In` expressions, namespaceSelector any/matchNames, named ports, path, interval,
+with matchLabels and `In` expressions, namespaceSelector any/matchNames, named ports (or a PodMonitor
+endpoint without one: every container port), path, interval,
 honorLabels, relabelings and metricRelabelings. A monitor using anything else is refused with a clear
 error rather than scraped differently from a real cluster.
 """
@@ -77,8 +78,12 @@ def pod_monitor_jobs(pm: dict[str, Any], kubeconfig: Path) -> list[dict[str, Any
     ns, name = pm["metadata"]["namespace"], pm["metadata"]["name"]
     jobs = []
     for i, ep in enumerate(pm["spec"]["podMetricsEndpoints"]):
-        if "port" not in ep:
-            raise ValueError(f"PodMonitor {name}: only named ports are translated")
+        if set(ep) & {"portNumber", "targetPort"}:
+            raise ValueError(f"PodMonitor {name}: only named ports (or none: every port) are translated")
+        # no port: every container port of the pod is a target (the monitor's relabelings pick among them)
+        by_port = [{"action": "keep", "source_labels": ["__meta_kubernetes_pod_container_port_name"],
+                    "regex": ep["port"]}] if "port" in ep else []
+        endpoint = [{"target_label": "endpoint", "replacement": ep["port"]}] if "port" in ep else []
         job = {
             "job_name": f"podMonitor/{ns}/{name}/{i}",
             "honor_labels": bool(ep.get("honorLabels", False)),
@@ -86,14 +91,13 @@ def pod_monitor_jobs(pm: dict[str, Any], kubeconfig: Path) -> list[dict[str, Any
             "kubernetes_sd_configs": _sd("pod", pm, kubeconfig),
             "relabel_configs": [
                 *_selector_keep(pm["spec"].get("selector") or {}, "pod"),
-                {"action": "keep", "source_labels": ["__meta_kubernetes_pod_container_port_name"],
-                 "regex": ep["port"]},
+                *by_port,
                 {"action": "drop", "source_labels": ["__meta_kubernetes_pod_phase"], "regex": "(Failed|Succeeded)"},
                 {"source_labels": ["__meta_kubernetes_namespace"], "target_label": "namespace"},
                 {"source_labels": ["__meta_kubernetes_pod_container_name"], "target_label": "container"},
                 {"source_labels": ["__meta_kubernetes_pod_name"], "target_label": "pod"},
                 {"target_label": "job", "replacement": f"{ns}/{name}"},
-                {"target_label": "endpoint", "replacement": ep["port"]},
+                *endpoint,
                 *relabel(ep.get("relabelings") or []),
             ],
             "metric_relabel_configs": relabel(ep.get("metricRelabelings") or []),

@@ -390,8 +390,12 @@ def router_deployment(dd: DisaggDeployment, uid: str) -> dict[str, Any]:
                  "--max-body-bytes", str(r.max_body_bytes), "--body-timeout-seconds", str(r.body_timeout_seconds),
                  *(["--api-keys-file", ROUTER_API_KEYS_FILE] if r.auth else []),
                  "--discovery", "endpointslices", "--namespace", dd.metadata.namespace or "default",
-                 "--prefill-service", n[ROLE_PREFILL], "--decode-service", n[ROLE_DECODE]],
-        "ports": [{"name": "http", "containerPort": HTTP_PORT}],
+                 "--prefill-service", n[ROLE_PREFILL], "--decode-service", n[ROLE_DECODE],
+                 # N processes on the http port, process i scraped alone on metrics-i (router/processes.py)
+                 "--processes", str(r.processes), "--metrics-port", str(contract.ROUTER_METRICS_PORT)],
+        "ports": [{"name": "http", "containerPort": HTTP_PORT},
+                  *({"name": contract.router_metrics_port_name(i), "containerPort": contract.ROUTER_METRICS_PORT + i}
+                    for i in range(r.processes))],
         # readiness: can serve (a healthy decode); liveness: the process answers. A decode outage
         # takes routers out of the Service and never restarts them (their prefix index survives).
         "readinessProbe": {**ready, "periodSeconds": 5, "timeoutSeconds": 5},

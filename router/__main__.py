@@ -28,7 +28,7 @@ from .config import RouterConfig
 _LIMITS = (("max-in-flight", int), ("max-queued", int), ("queue-timeout-seconds", float),
            ("connect-timeout-seconds", float), ("first-token-timeout-seconds", float),
            ("idle-timeout-seconds", float), ("request-timeout-seconds", float), ("max-migrations", int),
-           ("max-body-bytes", int), ("body-timeout-seconds", float))
+           ("max-body-bytes", int), ("body-timeout-seconds", float), ("processes", int))
 
 
 def _camel(flag: str) -> str:
@@ -40,6 +40,9 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m disagg.router")
     p.add_argument("--config", help="YAML or JSON RouterConfig")
     p.add_argument("--port", type=int)
+    p.add_argument("--metrics-port", type=int,
+                   help="also serve /metrics and /livez alone on this port; with --processes N, process i "
+                        "serves them on this port + i (the serving port's /metrics reaches one process)")
     p.add_argument("--model")
     p.add_argument("--tokenizer")
     p.add_argument("--policy")
@@ -62,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--reuse-port", action="store_true",
                    help="SO_REUSEPORT: several router processes on one port, the kernel spreading connections "
                         "over them (each its own event loop, admission, load and KV index from the same events; "
-                        "each its own /metrics, and a scrape reaches one: bench/router_vs_vllm_router.py only)")
+                        "each its own /metrics: see --metrics-port); --processes starts them")
     p.add_argument("--namespace", default="default")
     p.add_argument("--prefill-service")
     p.add_argument("--decode-service")
@@ -88,7 +91,7 @@ def config_from(args: argparse.Namespace) -> RouterConfig:
         data["model"] = args.model
     if args.tokenizer:
         data["tokenizer"] = local_model_path(args.tokenizer)
-    for flag in ("port", "block_size", "max_model_len", "kv_events_topic", "api_keys_file"):
+    for flag in ("port", "metrics_port", "block_size", "max_model_len", "kv_events_topic", "api_keys_file"):
         if getattr(args, flag) is not None:
             data[flag] = getattr(args, flag)
     return RouterConfig.model_validate(data)
@@ -99,6 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     config = config_from(args)
     logging.basicConfig(level=logging.INFO, format='{"ts":"%(asctime)s","level":"%(levelname)s",'
                                                   '"logger":"%(name)s","msg":"%(message)s"}')
+    if config.spec.processes > 1:      # a parent that only starts and watches the processes (processes.py)
+        from .processes import supervise
+
+        return supervise(sys.argv[1:] if argv is None else list(argv), config.spec.processes,
+                         config.spec.max_in_flight, config.spec.max_queued, config.metrics_port)
     discovery = None
     if args.discovery == "endpointslices":
         if not (args.prefill_service and args.decode_service):

@@ -96,9 +96,12 @@ async def _parse(request: web.Request, model) -> tuple[object, dict]:
     if request.content_length is not None and request.content_length > spec.max_body_bytes:
         raise _too_large(request)          # refused before a byte of it is read
     try:
-        # bounded: a client dripping its body holds an admission slot only this long (a timer, no task)
-        async with asyncio.timeout(spec.body_timeout_seconds):
+        if request.content.is_eof():       # the whole body came with the headers (most requests): no timer
             raw = await request.read()
+        else:
+            # bounded: a client dripping its body holds an admission slot only this long (a timer, no task)
+            async with asyncio.timeout(spec.body_timeout_seconds):
+                raw = await request.read()
     except TimeoutError:
         raise errors.BodyTimeout(f"The request body did not arrive within {spec.body_timeout_seconds:g} s.") \
             from None
@@ -120,7 +123,8 @@ async def _parse(request: web.Request, model) -> tuple[object, dict]:
 async def _serve(request: web.Request, endpoint: str, model) -> web.StreamResponse:
     router = request.app[ROUTER_KEY]
     # admitted before the body is even read: under overload a 429 is the cheapest answer
-    async with router.admission.slot():
+    await router.admission.enter()
+    try:
         req, body = await _parse(request, model)
         result, route = await router.handle(endpoint, req, body)
         if isinstance(result, dict):
@@ -136,6 +140,8 @@ async def _serve(request: web.Request, endpoint: str, model) -> web.StreamRespon
             await result.aclose()
         await resp.write_eof()
         return resp
+    finally:
+        router.admission.leave()
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -171,6 +177,19 @@ async def livez(request: web.Request) -> web.Response:
     return web.json_response({"alive": True})
 
 
+async def _metrics_site(router: Router, config: RouterConfig) -> web.AppRunner:
+    """/metrics and /livez of this process alone, on its own port (never SO_REUSEPORT): with several
+    processes on the serving port, a scrape there reaches one of them (router/processes.py)."""
+    app = web.Application()
+    app[ROUTER_KEY] = router
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get(ROUTER_LIVE_PATH, livez)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, config.host, config.metrics_port).start()
+    return runner
+
+
 def make_app(config: RouterConfig, tokenizer=None, router: Router | None = None,
              discovery=None) -> web.Application:
     if router is None:
@@ -194,9 +213,12 @@ def make_app(config: RouterConfig, tokenizer=None, router: Router | None = None,
     async def lifecycle(app: web.Application):
         await router.start()
         reload = asyncio.create_task(keys.watch()) if keys is not None else None
+        scrape = await _metrics_site(router, config) if config.metrics_port is not None else None
         yield
         if reload is not None:
             reload.cancel()
+        if scrape is not None:
+            await scrape.cleanup()
         await router.close()
 
     app.cleanup_ctx.append(lifecycle)

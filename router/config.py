@@ -46,3 +46,6 @@ class RouterConfig(BaseModel):
                                                          "mounted from its Secret); unset: no authentication.")
     host: str = "0.0.0.0"
     port: int = Field(8080, ge=0, le=65535)
+    metrics_port: int | None = Field(None, ge=1, le=65535,
+                                     description="Also serve /metrics and /livez alone on this port: with several "
+                                                 "processes on one serving port, each scraped on its own.")

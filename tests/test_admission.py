@@ -50,6 +50,10 @@ INVALID = [
     ("router-auth-unknown-field", {"spec.router.auth": {"secretName": "keys", "apiKey": "sk-1"}},
      "spec.router.auth"),
     ("router-body-limit-tiny", {"spec.router.maxBodyBytes": 10}, "spec.router.maxBodyBytes"),
+    ("router-processes-too-many", {"spec.router.processes": 17}, "spec.router.processes"),
+    ("router-processes-zero", {"spec.router.processes": 0}, "spec.router.processes"),
+    ("router-in-flight-below-processes", {"spec.router.processes": 4, "spec.router.maxInFlight": 2},
+     "spec.router.maxInFlight"),
     # removed: a URL any namespace user wrote, fetched by the planner's pod; the message names the replacement
     ("planner-prometheus-url", {"spec.planner.prometheusUrl": "http://169.254.169.254/"},
      "spec.planner.prometheusUrl"),

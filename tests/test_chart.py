@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from disagg.api import contract
 from disagg.api import metrics as m
 
 REPO = Path(__file__).resolve().parent.parent
@@ -138,10 +139,18 @@ def test_monitors_render_when_the_prometheus_operator_is_there(helm):
         pod_ports = {p["name"] for c in dep["spec"]["template"]["spec"]["containers"] for p in c["ports"]}
         assert {p["targetPort"] for p in svc["spec"]["ports"]} <= pod_ports
     workers, routers = one(objs, "PodMonitor", "workers"), one(objs, "PodMonitor", "routers")
-    targets = lambda pm: [r["targetLabel"] for r in pm["spec"]["podMetricsEndpoints"][0]["relabelings"]]  # noqa: E731
+    targets = lambda pm: [r["targetLabel"] for r in pm["spec"]["podMetricsEndpoints"][0]["relabelings"]  # noqa: E731
+                          if "targetLabel" in r]
     assert targets(workers) == ["deployment", "role"]
     # the router's own series carry `role`: a `role` target label would rename theirs to exported_role
-    assert targets(routers) == ["deployment"]
+    assert targets(routers) == ["endpoint", "deployment"]
+    # every router process on its own port (spec.router.processes): no one port named, those the operator
+    # names metrics-<i> kept
+    (router_ep,) = routers["spec"]["podMetricsEndpoints"]
+    assert "port" not in router_ep
+    (keep,) = [r for r in router_ep["relabelings"] if r["action"] == "keep"]
+    assert keep["sourceLabels"] == ["__meta_kubernetes_pod_container_port_name"]
+    assert keep["regex"] == contract.ROUTER_METRICS_PORT_NAMES
     assert routers["spec"]["selector"]["matchExpressions"][0]["values"] == ["router"]
     assert workers["spec"]["selector"]["matchExpressions"][0]["values"] == ["prefill", "decode"]
 

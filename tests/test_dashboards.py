@@ -34,6 +34,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from disagg.api import contract
 from disagg.api import metrics as m
 from disagg.e2e.prometheus import LocalPrometheus
 from disagg.e2e.suite import dashboard_rows
@@ -189,9 +190,9 @@ def chart_monitors() -> dict[str, dict]:
             for o in objs if o["kind"] in ("PodMonitor", "ServiceMonitor", "PrometheusRule")}
 
 
-def scrape_configs(monitors: dict[str, dict], pods: dict[str, tuple[str, str]], planner: str) -> list[dict]:
+def scrape_configs(monitors: dict[str, dict], pods: dict[str, tuple[str, str, str]], planner: str) -> list[dict]:
     """Jobs as the Prometheus Operator generates them from the chart's monitors, for `pods`
-    (name -> (role, host:port)) labelled as the operator labels its pods."""
+    (name -> (role, host:port, the container port's name)) labelled as the operator labels its pods."""
     jobs = []
     for component in ("routers", "workers"):
         pm = monitors[f"PodMonitor/{component}"]
@@ -203,8 +204,9 @@ def scrape_configs(monitors: dict[str, dict], pods: dict[str, tuple[str, str]], 
             "static_configs": [{"targets": [addr], "labels": {
                 "__meta_kubernetes_namespace": NS, "__meta_kubernetes_pod_name": pod,
                 "__meta_kubernetes_pod_label_serving_disagg_dev_deployment": NAME,
-                "__meta_kubernetes_pod_label_serving_disagg_dev_role": role}}
-                for pod, (role, addr) in pods.items() if role in roles],
+                "__meta_kubernetes_pod_label_serving_disagg_dev_role": role,
+                "__meta_kubernetes_pod_container_port_name": port_name}}
+                for pod, (role, addr, port_name) in pods.items() if role in roles],
             # what the Prometheus Operator puts before a PodMonitor's own relabelings
             "relabel_configs": [{"source_labels": ["__meta_kubernetes_namespace"], "target_label": "namespace"},
                                 {"source_labels": ["__meta_kubernetes_pod_name"], "target_label": "pod"},
@@ -317,9 +319,13 @@ def stack(tiny_model, worker_python, tmp_path_factory):  # noqa: F811
         closers.append(proxy.close)
         decode_proxy = FaultyProxy(procs["decode"].url)
         closers.append(decode_proxy.close)
-        port = free_port()
+        for name in ("prefill", "decode"):
+            procs[name].wait_ready(timeout=900)
+        # the router's ports picked once the engines are up: during their minutes of start-up another
+        # process on a busy machine (any outgoing connection) may take a port picked before
+        port, metrics_port = free_port(), free_port()
         config = {"model": "tiny", "tokenizer": tiny_model, "block_size": 32, "max_model_len": 1024, "port": port,
-                  "host": "127.0.0.1", "health_interval_s": 2, "prefill_timeout_s": 120,
+                  "metrics_port": metrics_port, "host": "127.0.0.1", "health_interval_s": 2, "prefill_timeout_s": 120,
                   "spec": {"disaggregation": "conditional", "localPrefillThresholdTokens": 48},
                   "prefill": [{"url": proxy.url, "kv_events": f"tcp://127.0.0.1:{prefill_s.kv_events_port}",
                                "kv_replay": f"tcp://127.0.0.1:{prefill_s.kv_replay_port}"}],
@@ -327,8 +333,6 @@ def stack(tiny_model, worker_python, tmp_path_factory):  # noqa: F811
                               "kv_replay": f"tcp://127.0.0.1:{decode_s.kv_replay_port}"}]}
         (logs / "router.json").write_text(json.dumps(config))
         procs["router"] = router(logs / "router.json", port, logs)
-        for name in ("prefill", "decode"):
-            procs[name].wait_ready(timeout=900)
         # KV events published before the router subscribes: it catches up from each worker's replay
         # socket on start (a join resync, the KV index resyncs panel's data)
         for name, s in (("prefill", prefill_s), ("decode", decode_s)):
@@ -345,9 +349,10 @@ def stack(tiny_model, worker_python, tmp_path_factory):  # noqa: F811
             g["interval"] = "2s"      # evaluate the chart's rules often enough for a short test
         feed = PlannerFeed()
         closers.append(feed.close)
-        pods = {"tiny-router-0": ("router", f"127.0.0.1:{port}"),
-                "tiny-prefill-0": ("prefill", f"127.0.0.1:{prefill_s.port}"),
-                "tiny-decode-0": ("decode", f"127.0.0.1:{decode_s.port}")}
+        # the router scraped on its process's own metrics port, as the chart's monitor does in a cluster
+        pods = {"tiny-router-0": ("router", f"127.0.0.1:{metrics_port}", contract.router_metrics_port_name(0)),
+                "tiny-prefill-0": ("prefill", f"127.0.0.1:{prefill_s.port}", "http"),
+                "tiny-decode-0": ("decode", f"127.0.0.1:{decode_s.port}", "http")}
         prom = LocalPrometheus(logs / "prometheus", [], rule_groups=groups,
                                scrape_configs=scrape_configs(monitors, pods, f"127.0.0.1:{feed.port}"))
         prom.start()

@@ -121,6 +121,32 @@ def test_router_args_are_what_the_router_entrypoint_accepts():
     assert config.model == "tiny" and str(config.spec.policy) == "least-loaded"
 
 
+@pytest.mark.parametrize("processes", [1, 3])
+def test_router_processes_each_get_a_named_metrics_port(processes):
+    """spec.router.processes: the router runs that many processes on the http port; process i serves
+    /metrics on the container port named metrics-i (what the chart's router PodMonitor keeps), and
+    admits its share of maxInFlight."""
+    import re
+
+    from disagg.api import contract
+    from disagg.router.__main__ import _parser, config_from
+    from disagg.router.processes import child_argv
+
+    dd = _dd(router={"processes": processes, "maxInFlight": 100, "maxQueued": 10})
+    (container,) = render.router_deployment(dd, "uid")["spec"]["template"]["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    metrics = {n: p for n, p in ports.items() if re.fullmatch(contract.ROUTER_METRICS_PORT_NAMES, n)}
+    assert list(metrics) == [f"metrics-{i}" for i in range(processes)] and "http" in ports
+    config = config_from(_parser().parse_args(container["args"]))
+    assert config.spec.processes == processes and config.port == ports["http"]
+    for i in range(processes):        # what the parent starts process i with (argv after `python -P -m ...`)
+        child = config_from(_parser().parse_args(
+            child_argv(container["args"], i, processes, 100, 10, config.metrics_port)[4:]))
+        assert child.spec.processes == 1 and child.metrics_port == metrics[f"metrics-{i}"]
+        assert child.spec.max_in_flight == -(-100 // processes) and child.port == ports["http"]
+    assert len(set(ports.values())) == len(ports)
+
+
 def test_router_auth_mounts_the_secret_where_the_router_reads_its_keys():
     """spec.router.auth: the Secret's key as a read-only volume (never a subPath, which the kubelet would not
     update on rotation), the router told to read that file; limits on request bodies rendered too."""

@@ -48,6 +48,16 @@ KV_REPLAY_PORT = 5558
 WORKER_HEALTH_PATH = "/health"
 ROUTER_READY_PATH = "/health"
 ROUTER_LIVE_PATH = "/livez"
+# A router replica runs spec.router.processes processes on one serving port; a scrape of that port would
+# reach one of them, so process i also serves /metrics (and /livez) alone on ROUTER_METRICS_PORT + i,
+# the container port named router_metrics_port_name(i). The chart's router PodMonitor keeps every port
+# whose name matches ROUTER_METRICS_PORT_NAMES (charts/disagg/templates/monitors.yaml spells it out).
+ROUTER_METRICS_PORT = 9200
+ROUTER_METRICS_PORT_NAMES = "metrics-[0-9]+"
+
+
+def router_metrics_port_name(process: int) -> str:
+    return f"metrics-{process}"
 
 # The user every pod the operator renders runs as (never root): the uid and gid the Dockerfile's images
 # create (`useradd --uid`; tests/test_dockerfile.py keeps the two equal).

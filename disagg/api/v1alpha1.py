@@ -286,8 +286,23 @@ class RouterAuth(_Model):
                                  "lines starting with # are ignored. Clients send Authorization: Bearer <key>.")
 
 
+ROUTER_PROCESSES_MAX = 16
+
+
 class RouterSpec(_Model):
+    model_config = ConfigDict(json_schema_extra=_validations(
+        cel("!has(self.processes) || !has(self.maxInFlight) || self.maxInFlight >= self.processes",
+            "maxInFlight must be at least processes: each router process admits its share of it",
+            field_path=".maxInFlight"),
+    ))
+
     replicas: int = Field(1, ge=1, le=64, description="Router replicas behind the deployment's Service.")
+    processes: int = Field(
+        1, ge=1, le=ROUTER_PROCESSES_MAX,
+        description="Router processes in each replica, sharing its serving port (SO_REUSEPORT: the kernel "
+                    "spreads new connections over them), each with its own event loop (one Python process "
+                    "uses about one core), load view and prefix index, and its own metrics port. maxInFlight "
+                    "and maxQueued are divided between them.")
     policy: RoutingPolicy = Field(RoutingPolicy.KV_AWARE,
                                   description="How a worker is picked: by cached prefix and load (kv-aware), "
                                               "by load alone (least-loaded), or in turn (round-robin).")
@@ -307,10 +322,12 @@ class RouterSpec(_Model):
         description="With conditional disaggregation, prompts with fewer uncached tokens prefill on decode.")
     max_in_flight: int = Field(
         4096, ge=1, le=1_000_000,
-        description="Requests one router replica serves at once (streams included); more wait in its queue.")
+        description="Requests one router replica serves at once (streams included), divided evenly between its "
+                    "processes (rounded up); more wait in its queue.")
     max_queued: int = Field(
         1024, ge=0, le=1_000_000,
-        description="Requests one replica holds waiting for admission; beyond, it answers 429 with Retry-After.")
+        description="Requests one replica holds waiting for admission, divided evenly between its processes "
+                    "(rounded up); beyond, it answers 429 with Retry-After.")
     queue_timeout_seconds: float = Field(
         5, ge=0, le=3600,
         description="How long a request may wait for admission before a 429 with Retry-After.")
@@ -349,6 +366,13 @@ class RouterSpec(_Model):
                     "without GPUs.")
     tolerations: list[Toleration] = Field(default_factory=list, max_length=32,
                                           description="Taints a router replica tolerates.")
+
+    @model_validator(mode="after")
+    def _check(self) -> RouterSpec:
+        if self.max_in_flight < self.processes:
+            raise ValueError(f"maxInFlight ({self.max_in_flight}) must be at least processes ({self.processes}): "
+                             "each router process admits its share of it")
+        return self
 
 
 class GangSpec(_Model):
