@@ -14,17 +14,14 @@ an unreachable worker, not a fault under test."""
 from __future__ import annotations
 
 import asyncio
-import json
 import resource
-import sys
-from pathlib import Path
 
 import httpx2
 import pytest
 from openai import AsyncOpenAI, DefaultAsyncHttpx2Client
 
 from disagg.api import metrics as m
-from disagg.workers.local import LocalProcess, free_port, metric_sum, router, scrape
+from disagg.workers.local import metric_sum, scrape
 from disagg.workers.testing import tiny_model, worker_python  # noqa: F401  (fixtures)
 
 CLIENTS = 2000
@@ -48,28 +45,15 @@ def open_files():
 
 
 @pytest.fixture
-def routed(tiny_model, tmp_path, open_files):
-    up_port, port = free_port(), free_port()
-    upstream = LocalProcess("upstream", [sys.executable, str(Path(__file__).with_name("sse_upstream.py")),
-                                         str(up_port), str(TOKENS), "0.02"], {},
-                            f"http://127.0.0.1:{up_port}", tmp_path).start()
-    cfg = {"model": "tiny", "tokenizer": tiny_model, "block_size": 16, "port": port, "host": "127.0.0.1",
-           # connect and stream deadlines far above any wait a starved machine makes (see the module's
-           # doc); health probes rarer than the burst lasts, so the busy upstream's slow /health answers
-           # (2 s each, 3 in a row) cannot take the only worker out mid-test (tests/test_router_health.py
-           # covers that logic)
-           "spec": {"disaggregation": "never", "connectTimeoutSeconds": DEADLINE_S,
-                    "firstTokenTimeoutSeconds": DEADLINE_S, "idleTimeoutSeconds": DEADLINE_S},
-           "health_interval_s": DEADLINE_S, "decode": [{"url": upstream.url}]}
-    (tmp_path / "router.json").write_text(json.dumps(cfg))
-    r = router(tmp_path / "router.json", port, tmp_path).start()
-    try:
-        upstream.wait_ready(timeout=30)
-        r.wait_ready(timeout=60)
+def routed(routers, tiny_model, tmp_path, open_files):
+    upstream = routers.upstream(tmp_path, "upstream", TOKENS, 0.02)
+    # connect and stream deadlines far above any wait a starved machine makes (see the module's doc);
+    # health probes rarer than the burst lasts, so the busy upstream's slow /health answers (2 s each,
+    # 3 in a row) cannot take the only worker out mid-test (tests/test_router_health.py covers that logic)
+    with routers.serving(tiny_model, tmp_path, [upstream], max_model_len=None, health_interval_s=DEADLINE_S,
+                         spec={"connectTimeoutSeconds": DEADLINE_S, "firstTokenTimeoutSeconds": DEADLINE_S,
+                               "idleTimeoutSeconds": DEADLINE_S}) as r:
         yield r
-    finally:
-        r.stop()
-        upstream.stop()
 
 
 def test_two_thousand_concurrent_streaming_clients(routed):
