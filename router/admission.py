@@ -8,8 +8,6 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import deque
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 
 from disagg.api import metrics as m
 
@@ -28,15 +26,9 @@ class Admission:
         metrics.in_flight.set_function(lambda: self.in_flight)
         metrics.queued.set_function(lambda: len(self._waiters))
 
-    @asynccontextmanager
-    async def slot(self) -> AsyncIterator[None]:
-        await self.enter()
-        try:
-            yield
-        finally:
-            self.leave()
-
     async def enter(self) -> None:
+        """A slot, or Overloaded; the caller gives it back with :meth:`leave` (a plain try/finally: no
+        context-manager generator per request)."""
         if self.in_flight < self.limit and not self._waiters:
             self.in_flight += 1
             return

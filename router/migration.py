@@ -67,8 +67,12 @@ class TokenLog:
                  decode: Callable[[list[int], bool], str] | None = None):
         self.endpoint, self.body, self._decode = endpoint, body, decode
         self.client_wants_ids = body.get("return_token_ids") is True
-        self.prompt: list[int] = prompt_ids      # the router's own; replaced by the worker's when it says
-        self.head: dict | None = None            # the first chunk: the stream's id, created, model, object
+        self._prompt: list[int] = prompt_ids     # the router's own; replaced by the worker's when it says
+        self._head: dict | None = None           # the first chunk: the stream's id, created, model, object
+        # the first chunk as it came, parsed only when a continuation needs it (never, on most streams):
+        # no JSON parsing on the way to the client's first token
+        self._first: bytes | None = None
+        self._seen_first = False
         self.finished = False                    # a chunk with a finish_reason went to the client
         self.reshaping = False                   # chunks come from a continuation: rewrite each
         self._parts: list[bytes] = []            # each chunk's token_ids list, parsed when needed
@@ -84,8 +88,8 @@ class TokenLog:
         asked for them; a continuation's event rewritten as the original stream's."""
         if self.reshaping:
             return self._reshape(event)
-        if self.head is None:
-            self._note_head(event)
+        if not self._seen_first:
+            self._seen_first, self._first = True, event
         if _FINISHED in event:
             self.finished = True
         self._ids = None
@@ -99,7 +103,20 @@ class TokenLog:
             self._parts.append(m.group(2))
         return b""
 
-    def _note_head(self, event: bytes) -> None:
+    @property
+    def head(self) -> dict | None:
+        self._note_head()
+        return self._head
+
+    @property
+    def prompt(self) -> list[int]:
+        self._note_head()
+        return self._prompt
+
+    def _note_head(self) -> None:
+        if self._first is None:
+            return
+        event, self._first = self._first, None
         try:
             d = json.loads(event[6:])
         except ValueError:
@@ -107,8 +124,8 @@ class TokenLog:
         choices = d.get("choices") or [{}]
         prompt = d.get("prompt_token_ids") or choices[0].get("prompt_token_ids")
         if isinstance(prompt, list) and prompt:
-            self.prompt = prompt
-        self.head = {k: d[k] for k in ("id", "object", "created", "model") if k in d}
+            self._prompt = prompt
+        self._head = {k: d[k] for k in ("id", "object", "created", "model") if k in d}
 
     def generated(self) -> list[int]:
         if self._ids is None:

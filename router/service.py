@@ -110,6 +110,12 @@ class Router:
         self._prefill_lost: dict[str, asyncio.Event] = {}
         self.watchdog = Watchdog(spec.first_token_timeout_seconds, spec.idle_timeout_seconds)
         self._watchdog_task: asyncio.Task | None = None
+        # made once, not per request (the one-stream profile: label lookups and timeout objects add up)
+        self._stream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=spec.connect_timeout_seconds,
+                                                     sock_read=spec.first_token_timeout_seconds)
+        self._routing_seconds = {role: metrics.routing_seconds.labels(spec.policy, role)
+                                 for role in (ROLE_PREFILL, ROLE_DECODE)}
+        self._decisions: dict[tuple[str, str], object] = {}
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -215,8 +221,12 @@ class Router:
         overlap = self.index[role].match(keys) if self.config.spec.policy == "kv-aware" else {}
         d = self.policy.choose([policies.Candidate(w.name, w.active) for w in workers],
                                policies.Request(blocks=len(keys), overlap=overlap))
-        self.metrics.routing_seconds.labels(self.config.spec.policy, role).observe(time.perf_counter() - t0)
-        self.metrics.decisions.labels(self.config.spec.policy, role, d.worker).inc()
+        self._routing_seconds[role].observe(time.perf_counter() - t0)
+        decisions = self._decisions.get((role, d.worker))
+        if decisions is None:
+            decisions = self._decisions[role, d.worker] = self.metrics.decisions.labels(
+                self.config.spec.policy, role, d.worker)
+        decisions.inc()
         if d.load_bounded:
             self.metrics.load_bounded.labels(role).inc()
         return self.pool.workers[role][d.worker], d.overlap_blocks
@@ -430,12 +440,10 @@ class Router:
         return {k: v for k, v in body.items() if k != "kv_transfer_params"}
 
     async def _open_stream(self, w: Worker, endpoint: str, body: dict) -> aiohttp.ClientResponse:
-        spec = self.config.spec
         try:
             # the read timeout starts as the first-token timeout (headers and first token); the relay turns
             # it into the idle timeout once tokens flow
-            r = await self._session.post(f"{w.url}{endpoint}", json=body, timeout=aiohttp.ClientTimeout(
-                total=None, sock_connect=spec.connect_timeout_seconds, sock_read=spec.first_token_timeout_seconds))
+            r = await self._session.post(w.endpoint_url(endpoint), json=body, timeout=self._stream_timeout)
         except aiohttp.ClientError as e:
             if isinstance(e, aiohttp.ConnectionTimeoutError):
                 self.metrics.timeouts.labels(m.TIMEOUT_CONNECT).inc()
