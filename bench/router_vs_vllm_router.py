@@ -47,6 +47,11 @@ PACED = Path(__file__).resolve().parent.parent / "tests" / "sse_upstream.py"
 TICK = os.sysconf("SC_CLK_TCK")
 
 
+def family(pid: int) -> list[int]:
+    """A process and its children."""
+    return [pid, *(int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split())]
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system time of a process, all its threads."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -184,12 +189,12 @@ def main() -> None:
     port2 = free_port()
     procs["router-asyncio"] = [LocalProcess("router-asyncio", [*base, "--port", str(port2), "--event-loop", "asyncio"],
                                             {}, f"http://127.0.0.1:{port2}", logs)]
-    # N router processes on one port (SO_REUSEPORT, the kernel spreads connections): what more event loops are
-    # worth; CPU is all of them together
+    # N router processes on one port (spec.router.processes: a parent starting N, SO_REUSEPORT, the kernel
+    # spreads connections): what more event loops are worth; CPU is all of them together
     port3 = free_port()
     procs[f"router-x{args.processes}"] = [
-        LocalProcess(f"router-x{args.processes}-{k}", [*base, "--port", str(port3), "--reuse-port"], {},
-                     f"http://127.0.0.1:{port3}", logs) for k in range(args.processes)]
+        LocalProcess(f"router-x{args.processes}", [*base, "--port", str(port3), "--processes", str(args.processes)],
+                     {}, f"http://127.0.0.1:{port3}", logs)]
     procs = {t: ps for t, ps in procs.items() if t in targets}
     everything = ups + [p for ps in procs.values() for p in ps]
     for p in everything:
@@ -198,7 +203,8 @@ def main() -> None:
         for p in everything:
             p.wait_ready(timeout=600 if vllm else 120)
         urls = {"direct": [u.url for u in ups], **{t: [ps[0].url] for t, ps in procs.items()}}
-        pids = {"direct": [], **{t: [p.proc.pid for p in ps] for t, ps in procs.items()}}
+        # a router started with --processes is a parent and its N children: all of them counted
+        pids = {"direct": [], **{t: [q for p in ps for q in family(p.proc.pid)] for t, ps in procs.items()}}
         for t in targets:   # warm every path (connections, the tokenizer, vllm-router's pools)
             asyncio.run(level(urls[t], 8, 1, args.tokens, []))
         table: dict[int, dict[str, Result]] = {}
