@@ -333,8 +333,6 @@ def stack(tiny_model, worker_python, tmp_path_factory):  # noqa: F811
                               "kv_replay": f"tcp://127.0.0.1:{decode_s.kv_replay_port}"}]}
         (logs / "router.json").write_text(json.dumps(config))
         procs["router"] = router(logs / "router.json", port, logs)
-        # the router's ports picked once the engines are up: during their minutes of start-up another
-        # process on a busy machine (any outgoing connection) may take a port picked before
         # KV events published before the router subscribes: it catches up from each worker's replay
         # socket on start (a join resync, the KV index resyncs panel's data)
         for name, s in (("prefill", prefill_s), ("decode", decode_s)):
