@@ -256,6 +256,24 @@ def test_engine_args_reach_the_container_literally(api_client, namespace, operat
     assert json.loads(out.stdout)[-len(tricky):] == tricky
 
 
+def test_router_processes_each_have_a_named_metrics_port(api_client, namespace, operator):
+    """spec.router.processes: the router pod the API server stores and a node runs names one metrics port
+    per process (the ports the chart's router PodMonitor keeps) and starts that many processes."""
+    import re
+
+    from disagg.api import contract
+
+    dd = DD(api_client, namespace, dd_manifest("procs", router={"processes": 3}))
+    pod = wait_for(lambda: next((p for p in dd.pods("router") if p.status.phase == "Running"), None), 120,
+                   "a running router pod")
+    (c,) = pod.spec.containers
+    ports = {p.name: p.container_port for p in c.ports}
+    metrics = sorted(n for n in ports if re.fullmatch(contract.ROUTER_METRICS_PORT_NAMES, n))
+    assert metrics == ["metrics-0", "metrics-1", "metrics-2"]
+    assert [ports[n] for n in metrics] == [contract.ROUTER_METRICS_PORT + i for i in range(3)]
+    assert c.args[c.args.index("--processes") + 1] == "3"
+
+
 def test_a_secret_ref_is_passed_to_the_pods_without_the_operator_reading_secrets(api_client, namespace, operator):
     """The operator may not read Secrets (operator/rbac.yaml): spec.model.secretRef goes into the worker
     pods' env as a secretKeyRef, and a missing Secret is the kubelet's CreateContainerConfigError, which
