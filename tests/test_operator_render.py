@@ -250,6 +250,9 @@ def test_pods_run_restricted_with_one_writable_scratch_directory():
         psc = pod["securityContext"]
         assert psc["runAsNonRoot"] is True and psc["runAsUser"] == psc["runAsGroup"] == contract.RUN_AS_USER != 0
         assert psc["seccompProfile"] == {"type": "RuntimeDefault"}
+        # each pod its own PID and IPC namespaces: so UCX's cross-memory attach and shared memory
+        # cannot reach a peer pod, and KV between pods goes over TCP (README, workers)
+        assert not any(pod.get(k) for k in ("hostPID", "hostIPC", "shareProcessNamespace"))
         (c,) = pod["containers"]
         sc = c["securityContext"]
         assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
