@@ -151,6 +151,17 @@ def test_monitors_render_when_the_prometheus_operator_is_there(helm):
     (keep,) = [r for r in router_ep["relabelings"] if r["action"] == "keep"]
     assert keep["sourceLabels"] == ["__meta_kubernetes_pod_container_port_name"]
     assert keep["regex"] == contract.ROUTER_METRICS_PORT_NAMES
+
+    # as e2e/monitoring.py translates them for a plain Prometheus (the real-node suite): the routers' job
+    # filters on the monitor's own port-name rule only, and labels the endpoint with the port's name
+    from disagg.e2e import monitoring
+
+    jobs = {j["job_name"].split("/")[2]: j for j in monitoring.scrape_configs(objs, Path("kubeconfig"))}
+    port_rules = lambda j: [r for r in j["relabel_configs"]  # noqa: E731
+                            if r.get("source_labels") == ["__meta_kubernetes_pod_container_port_name"]]
+    assert [(r["action"], r.get("regex")) for r in port_rules(jobs[routers["metadata"]["name"]])] == \
+        [("keep", contract.ROUTER_METRICS_PORT_NAMES), ("replace", None)]
+    assert [(r["action"], r["regex"]) for r in port_rules(jobs[workers["metadata"]["name"]])] == [("keep", "http")]
     assert routers["spec"]["selector"]["matchExpressions"][0]["values"] == ["router"]
     assert workers["spec"]["selector"]["matchExpressions"][0]["values"] == ["prefill", "decode"]
 
