@@ -20,6 +20,7 @@ Needs the bench extra (`make bench-deps`).
 
     .venv/bin/python bench/router_vs_vllm_router.py [--levels 1,64,256,1000,2000] [--tokens 64]
     .venv/bin/python bench/router_vs_vllm_router.py --engine vllm [--levels 1,8] [--tokens 32]
+    .venv/bin/python bench/router_vs_vllm_router.py --levels 1 --interleave [--requests 1000]  # one-stream TTFT
 """
 
 from __future__ import annotations
@@ -128,6 +129,25 @@ async def level(urls: list[str], streams: int, rounds: int, tokens: int, pids: l
     return res
 
 
+async def interleaved(urls: dict[str, list[str]], rounds: int, tokens: int,
+                      pids: dict[str, list[int]]) -> dict[str, Result]:
+    """One stream at a time, the targets taking turns request by request (``rounds`` each): at one stream
+    the added TTFT is a millisecond or two, less than a shared machine drifts between two targets' runs."""
+    res = {t: Result() for t in urls}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+        cpu0 = {t: sum(cpu_seconds(p) for p in pids[t]) for t in urls}
+        t0 = time.perf_counter()
+        for i in range(rounds):
+            for t, u in urls.items():
+                await one(session, u[i % len(u)], i, tokens, res[t])
+        wall = time.perf_counter() - t0
+        for t, r in res.items():
+            r.wall = wall / len(urls)       # each target's share of the run: tokens/s comparable
+            if pids[t]:
+                r.cpu = sum(cpu_seconds(p) for p in pids[t]) - cpu0[t]
+    return res
+
+
 def vllm_router(urls: list[str], port: int, logs: Path) -> LocalProcess:
     exe = shutil.which("vllm-router", path=str(Path(sys.executable).parent)) or shutil.which("vllm-router")
     if exe is None:
@@ -152,6 +172,8 @@ def main() -> None:
                     help="any of direct, router, router-asyncio (the router on asyncio's loop), router-xN (N router "
                          "processes on one port, --processes), vllm-router")
     ap.add_argument("--processes", type=int, default=2, help="N of the router-xN target")
+    ap.add_argument("--interleave", action="store_true",
+                    help="at one stream, the targets take turns request by request instead of one after another")
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--priority", type=int, default=-10,
                     help="nice value of this process and all it starts (as root): on a machine shared with "
@@ -211,8 +233,12 @@ def main() -> None:
         for n in levels:
             rounds = max(1, math.ceil(args.requests / n)) if n < 256 else 2
             table[n] = {}
+            if n == 1 and args.interleave:
+                table[n] = asyncio.run(interleaved({t: urls[t] for t in targets}, rounds, args.tokens, pids))
             for t in targets:
-                table[n][t] = r = asyncio.run(level(urls[t], n, rounds, args.tokens, pids[t]))
+                if t not in table[n]:
+                    table[n][t] = asyncio.run(level(urls[t], n, rounds, args.tokens, pids[t]))
+                r = table[n][t]
                 print(f"{n:>5} streams {t:>12}: TTFT p50 {r.p(.5) * 1e3:7.1f} ms p99 {r.p(.99) * 1e3:7.1f} ms, "
                       f"{r.tokens / r.wall:8.0f} tok/s, {r.errors} errors"
                       + (f" ({r.first_error})" if r.errors else "")
