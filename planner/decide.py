@@ -41,6 +41,8 @@ SATURATION = 2.0            # observed latency at this multiple of target counts
 MAX_REPLICAS = 1024
 UNATTAINABLE_SLACK = 1.25   # when a prompt alone misses the TTFT target, allow this much queueing on top
 NEAR_TARGET = 0.8           # no role shrinks while its observed latency is above this share of its target
+BURST_MEMORY = 3600.0       # seconds a rise of the load above its forecast is kept as headroom
+BURST_NOISE = 2.0           # ... less this many Poisson standard deviations of one interval's rate
 
 
 
@@ -171,6 +173,7 @@ class Memory:
     output_mean: tuple[float, ...] = ()
     prefix_hit: tuple[float, ...] = ()
     correction: OnlineCorrection = field(default_factory=OnlineCorrection)
+    forecast: tuple[float, ...] = ()   # the rate each interval sized for (aligned with ``rate``)
     last_scale_up_prefill: float | None = None
     last_scale_up_decode: float | None = None
 
@@ -346,6 +349,16 @@ def decide(obs: Observation, target: Target, memory: Memory, model: PerfModel | 
     # over the time a new replica takes to start, and the interval after (what a decision now can serve)
     horizon = math.ceil(target.startup / target.interval) + 1
     rate = max(_predict(target.predictor, memory.rate, season, horizon), last_rate)
+    if season >= 2 and len(memory.rate) > season:
+        # additive Holt-Winters overshoots a square burst (seen: 2.4x its peak, sizing twice the replicas
+        # the burst needs); a seasonal forecast stays within the last season's peak, and a load that
+        # outgrows it shows up as a rise above forecast (the headroom below)
+        rate = max(min(rate, max(memory.rate[-season:])), last_rate)
+    # headroom for the kind of rise this load has shown: a replica asked for now serves a start-up later,
+    # so a rise within that time is served by what runs already
+    headroom, ceiling = burst_headroom(memory.rate, memory.forecast, horizon, target.interval)
+    memory = replace(memory, forecast=(memory.forecast + (rate,))[-len(memory.rate):])
+    sized_rate = max(rate, min(rate + headroom, ceiling))
     in_mean = max(memory.input_mean[-1] if memory.input_mean else 0.0, 1.0)
     in_p = max(memory.input_p[-1] if memory.input_p else in_mean, in_mean)
     out_mean = max(memory.output_mean[-1] if memory.output_mean else 0.0, 1.0)
@@ -355,13 +368,13 @@ def decide(obs: Observation, target: Target, memory: Memory, model: PerfModel | 
         out_mean = max(_predict("moving-average", memory.output_mean, 0), out_mean)
     load = Load(rate, in_mean, in_p, out_mean, hit)
     # what is already waiting, and what will pile up until new replicas serve, must be cleared within
-    # one start-up and interval, on top of the new load
+    # one start-up and interval, on top of the new load (and its headroom)
     horizon = target.startup + target.interval
-    load_p = replace(load, rate=rate + _backlog(obs.prefill_queue, rate, _prefill_capacity(
+    load_p = replace(load, rate=sized_rate + _backlog(obs.prefill_queue, rate, _prefill_capacity(
         planning, load, target.prefill, target.percentile), target.startup) / horizon)
     # (prompts waiting for prefill now wait for decode next)
     waiting_d = (obs.decode_queue or 0.0) + (obs.prefill_queue or 0.0)
-    load_d = replace(load, rate=rate + _backlog(waiting_d, rate, _decode_capacity(
+    load_d = replace(load, rate=sized_rate + _backlog(waiting_d, rate, _decode_capacity(
         planning, load, target.decode, target.itl_target), target.startup) / horizon)
 
     p_limit = max(min(target.prefill_max, MAX_REPLICAS), target.floor_prefill)
@@ -435,17 +448,40 @@ def decide(obs: Observation, target: Target, memory: Memory, model: PerfModel | 
         reason = next((r for r in reasons if r != STEADY and r != SCALED), STEADY)
     message = (f"prefill {target.prefill}->{rp.replicas} (model asks {need_p}, {rp.reason}), "
                f"decode {target.decode}->{rd.replicas} (model asks {need_d}, {rd.reason}); "
-               f"load {rate:.3g} req/s, {in_mean:.0f} in / {out_mean:.0f} out tokens, prefix hit {hit:.0%}; "
+               f"load {rate:.3g} req/s (sized for {sized_rate:.3g}), {in_mean:.0f} in / {out_mean:.0f} out tokens, "
+               f"prefix hit {hit:.0%}; "
                f"TTFT p{target.percentile:g} observed {_ms(ttft_obs)} predicted {_ms(ttft_pred)} "
                f"target {_ms(target.ttft_target)}; ITL observed {_ms(itl_obs)} predicted {_ms(itl_pred)} "
                f"target {_ms(target.itl_target)}; correction prefill x{corr.prefill:.2f} decode x{corr.decode:.2f}")
-    prediction = {"requestRate": round(rate, 6), "inputTokens": round(in_mean, 3), "outputTokens": round(out_mean, 3),
+    prediction = {"requestRate": round(rate, 6), "sizedRate": round(sized_rate, 6),
+                  "inputTokens": round(in_mean, 3), "outputTokens": round(out_mean, 3),
                   "prefillCorrection": round(corr.prefill, 4), "decodeCorrection": round(corr.decode, 4)}
     if math.isfinite(ttft_pred):
         prediction["ttftSeconds"] = round(ttft_pred, 6)
     if math.isfinite(itl_pred):
         prediction["itlSeconds"] = round(itl_pred, 6)
     return Decision(rp, rd, reason, message, True, obs.inputs(), prediction), memory
+
+
+def burst_headroom(rates: tuple[float, ...], forecasts: tuple[float, ...], horizon: int,
+                   interval: float) -> tuple[float, float]:
+    """``(headroom, ceiling)`` in requests/s: the largest rise of the observed rate above what the planner
+    forecast for it within ``horizon`` intervals (what a start-up and an interval leave to the replicas
+    already running), over the last :data:`BURST_MEMORY` seconds, less :data:`BURST_NOISE` Poisson standard
+    deviations of one interval's rate (the queueing model already holds Poisson arrivals); and the highest
+    rate seen over that time, which headroom never sizes past (a level never seen is not anticipated).
+    ``forecasts[i]`` is the rate sized for after ``rates[i]`` was observed; both oldest first."""
+    keep = max(int(BURST_MEMORY / max(interval, 1.0)), 1)
+    rates = rates[-keep:]
+    forecasts = forecasts[-len(rates) + 1:] if len(rates) > 1 else ()
+    # forecasts[j] was made after rates[off + j]; the load it had to carry is rates[off + j + 1 ...]
+    off = len(rates) - 1 - len(forecasts)
+    best = 0.0
+    for j, f in enumerate(forecasts):
+        ahead = rates[off + j + 1: off + j + 1 + max(horizon, 1)]
+        peak = max(ahead)
+        best = max(best, peak - f - BURST_NOISE * math.sqrt(max(peak, 0.0) / max(interval, 1.0)))
+    return best, max(rates, default=0.0)
 
 
 def _backlog(queue: float | None, rate: float, capacity: float, startup: float) -> float:

@@ -194,6 +194,48 @@ def test_a_season_from_the_spec_lets_the_planner_see_a_burst_coming():
     assert sized[8] > sized[0]
 
 
+def test_burst_headroom_is_the_rise_above_forecast_within_a_startup():
+    interval, horizon = 30.0, 4
+    flat = (6.0, 6.4, 5.7, 6.2, 5.9, 6.5, 6.0)   # Poisson noise at 6 requests/s: no headroom
+    assert dc.burst_headroom(flat, flat[:-1], horizon, interval) == (0.0, 6.5)
+    step = (6.0,) * 10 + (12.0,) * 3              # forecast 6, then 12 within a start-up
+    headroom, ceiling = dc.burst_headroom(step, step[:-1], horizon, interval)
+    assert headroom == pytest.approx(12 - 6 - dc.BURST_NOISE * (12 / interval) ** 0.5) and ceiling == 12
+    # forgotten after BURST_MEMORY seconds of no rise
+    later = step + (12.0,) * int(dc.BURST_MEMORY / interval)
+    assert dc.burst_headroom(later, later[:-1], horizon, interval) == (0.0, 12.0)
+    # a forecast that saw the rise coming leaves nothing to hold
+    assert dc.burst_headroom(step, (12.0,) * 12, horizon, interval)[0] == 0.0
+    assert dc.burst_headroom((), (), horizon, interval) == (0.0, 0.0)
+
+
+def test_a_burst_seen_is_held_up_to_its_peak_and_the_planner_does_not_flap():
+    """Square bursts (3 -> 30 requests/s, four intervals each): the first is met late (a start-up), the
+    ones after find the size already there: no shrinking between bursts, never sized past the peak."""
+    t = target(prefill=1, decode=1, predictor="holt-winters", season=8, interval=30, startup=90, cooldown=300)
+    cycle = [3.0] * 4 + [30.0] * 4
+    mem, sizes, sized, forecast = dc.Memory(), [], [], []
+    for i, r in enumerate(cycle * 4):
+        d, mem = dc.decide(obs(rate=r, ttft=0.3, itl=0.02, inp=3000), t, mem, MODEL, now=30.0 * i)
+        t = replace(t, prefill=d.prefill.replicas, decode=d.decode.replicas)
+        sizes.append((d.prefill.replicas, d.decode.replicas))
+        sized.append(d.prediction["sizedRate"])
+        forecast.append(d.prediction["requestRate"])
+    # headroom never sizes past the peak seen (the forecast itself may: Holt's trend before a season)
+    assert all(s <= max(f, 30.0) + 1e-9 for s, f in zip(sized, forecast))
+    # once a season is seen, the seasonal forecast stays within its peak (additive Holt-Winters overshoots
+    # a square burst), and so does the size
+    assert max(forecast[9:]) <= 30.0 + 1e-9 and max(sized[9:]) <= 30.0 + 1e-9
+    # after the first burst: only down (the trend's overshoot, slowly, after the cooldown), never shrunk
+    # in a quiet phase and regrown for the next burst; the last cycle holds the size its bursts need
+    after_first = sizes[8:]
+    assert all(b[0] <= a[0] and b[1] <= a[1] for a, b in zip(after_first, after_first[1:])), sizes
+    burst_need = dc.decide(obs(rate=30.0, ttft=0.3, itl=0.02, inp=3000), replace(t, season=0), dc.Memory(),
+                           MODEL, now=0)[0]
+    assert set(sizes[-8:]) == {(burst_need.prefill.needed, burst_need.decode.needed)}, sizes
+    assert sizes[-8:][0] > sizes[1]           # the quiet intervals before the first burst were smaller
+
+
 # ---------------------------------------------------------------- properties
 
 configs = st.fixed_dictionaries({
