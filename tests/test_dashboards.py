@@ -482,12 +482,16 @@ def test_chart_rules_evaluate_on_real_metrics(stack):
         r = stack.prometheus.api("query", query=f'{record}{{namespace="{NS}", deployment="{NAME}"}}',
                                  time=stack.end)
         assert r["status"] == "success" and finite(r["data"]["result"]), (record, r)
-    # healthy workers on both sides, transfers without failures: the no-ready and NIXL alerts stay quiet
+    # healthy workers on both sides, transfers without failures, the one cut stream continued: the no-ready,
+    # NIXL and failed-migration alerts stay quiet
     alerts = {a["labels"]["alertname"] for a in stack.prometheus.api("alerts")["data"]["alerts"]}
-    assert not alerts & {"DisaggNoReadyDecode", "DisaggNoReadyPrefill", "DisaggNIXLTransferFailures"}, alerts
+    assert not alerts & {"DisaggNoReadyDecode", "DisaggNoReadyPrefill", "DisaggNIXLTransferFailures",
+                         "DisaggMigrationsFailing"}, alerts
     # and their expressions see the series they alert on
     for expr in (f'disagg_router_workers{{namespace="{NS}", deployment="{NAME}", role="decode", state="healthy"}}',
                  f'vllm:nixl_num_failed_transfers_total{{namespace="{NS}", deployment="{NAME}", role="decode"}}',
-                 f'disagg_planner_metrics_available{{namespace="{NS}", deployment="{NAME}"}}'):
+                 f'disagg_planner_metrics_available{{namespace="{NS}", deployment="{NAME}"}}',
+                 f'{m.ROUTER_MIGRATIONS}{{namespace="{NS}", deployment="{NAME}"}}',
+                 f'{m.ROUTER_KV_INDEX_RESYNCS}{{namespace="{NS}", deployment="{NAME}"}}'):
         r = stack.prometheus.api("query", query=expr, time=stack.end)
         assert r["status"] == "success" and r["data"]["result"], expr
