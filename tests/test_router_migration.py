@@ -3,7 +3,7 @@ a few tokens) and the router as its own process: the stream is continued from th
 far as one client stream (one id, every token once, usage of the whole), the ids the router asked for are
 not shown to a client that did not ask for them, and a request whose continuations keep failing ends,
 after spec.router.maxMigrations, with an OpenAI error event. Each counted.
-The same with real vLLM workers (exact text at temperature 0): tests/test_router_pd_failures.py."""
+The same with real vLLM workers (exact text at temperature 0): tests/test_router_pd.py."""
 
 from __future__ import annotations
 

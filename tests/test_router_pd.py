@@ -1,22 +1,54 @@
 """A prefill and a decode vLLM (CPU build, tiny model) with real NIXL transfer, behind the router,
-answering the official openai client; the reference is one aggregated vLLM server."""
+answering the official openai client; the reference is one aggregated vLLM server.
+
+Then workers that die under a request, the same engines plus one more decode worker behind a second
+router (every request P/D, probes every second, the prefill reached through a proxy that can kill or stop
+it between its answer and the router's reading of it); opt-in for now (FAILURE_TESTS). These run last,
+in this order, each leaving what the next needs (a live prefill until the last, at least one live decode):
+
+- A decode worker killed (SIGKILL) mid-stream: the router continues the client's stream on the other decode
+  worker from the token ids generated so far; at temperature 0 the client's text is the uninterrupted
+  run's, its usage counts every token once, and the migration is counted. Made deterministic by counting:
+  the decode is killed once the client holds KILL_AFTER tokens of a stream MAX_TOKENS long (ignore_eos).
+- A prefill worker hung (SIGSTOP) right after it answered: the request completes with the same text and
+  never hangs. Whether the decode's pull needs the stopped engine varies (seen: it waited, and the router
+  gave it up when its probes found the prefill unhealthy, prefill_lost; and it went through); a decode
+  that waits for ever is tests/test_router_migration.py's.
+- A prefill worker killed right after it answered (its KV computed, not yet pulled by the decode), with
+  other requests in flight on it and more sent after: vLLM fails the decode's KV load; that request
+  completes by local prefill with the same text, counted; every other one completes too, and none later
+  is served by the dead prefill.
+"""
 
 from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
+import signal
+import threading
+import urllib.error
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 from openai import OpenAI
 
 from disagg.api import metrics as m
-from disagg.workers.local import cpu_settings, free_port, metric_sum, router, scrape, wait_metric, worker
+from disagg.e2e.testing import wait_for
+from disagg.workers.local import (cpu_settings, free_port, metric_sum, router, scrape, stop_all, wait_metric,
+                                  worker)
 from disagg.workers.testing import tiny_model, worker_python  # noqa: F401  (fixtures)
 
 PROMPTS = ["def parse_args(argv): return the namespace of", "The quick brown fox jumps over the lazy dog " * 6]
 CHATS = [[{"role": "user", "content": "Say hello to the parser."}],
          [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Wrap this text " * 10}]]
 MAX_TOKENS = 12
+# The failure tests (the last three) are opt-in, DISAGG_PD_FAILURES=1, until they have run green three
+# times in a row on this machine; without it this module is what it was (decode-b is not started).
+FAILURE_TESTS = os.environ.get("DISAGG_PD_FAILURES") == "1"
+failure_test = pytest.mark.skipif(not FAILURE_TESTS, reason="opt-in for now: set DISAGG_PD_FAILURES=1")
 
 
 def _complete(client: OpenAI, prompt: str) -> str:
@@ -46,7 +78,10 @@ def reference(tiny_model, worker_python, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pd(reference, tiny_model, worker_python, tmp_path_factory):
-    """prefill (core 0) + decode (core 1) + the router, disaggregating every request."""
+    """prefill (core 0) + decode (core 1) + the router, disaggregating every request; with the failure tests
+    on, decode-b (core 0) too, which only their router knows: started once the pair serves (three engines
+    starting at once on two loaded cores missed the 300 s wait), it starts while the tests before the
+    failure tests run, and those wait for it."""
     logs = tmp_path_factory.mktemp("pd")
     prefill_s = cpu_settings("prefill", tiny_model, "0")
     decode_s = cpu_settings("decode", tiny_model, "1")
@@ -70,11 +105,14 @@ def pd(reference, tiny_model, worker_python, tmp_path_factory):
             procs[name].start()
         for name in ("prefill", "decode"):
             procs[name].wait_ready()
+        if FAILURE_TESTS:
+            # its ports chosen now, not minutes before: a port free then may be taken by the time it binds
+            procs["decode-b"] = worker("decode-b", cpu_settings("decode", tiny_model, "0"), worker_python,
+                                       logs).start()
         procs["router"].start().wait_ready()
         yield procs
     finally:
-        for p in procs.values():
-            p.stop()
+        stop_all(list(procs.values()))
 
 
 def test_openai_client_gets_the_aggregated_servers_text(pd, reference):
@@ -136,6 +174,7 @@ def test_kv_blocks_moved_over_nixl_and_every_request_prefilled_remotely(pd):
 
 
 
+@pytest.mark.skipif(FAILURE_TESTS, reason="the failure tests' last one covers it, on the prefill they kill")
 def test_prefill_killed_mid_run_requests_complete_by_local_prefill(pd):
     client = OpenAI(base_url=f"{pd['router'].url}/v1", api_key="unused", max_retries=0)
     before = metric_sum(scrape(pd["router"].url), m.ROUTER_FALLBACKS)
@@ -152,3 +191,229 @@ def test_prefill_killed_mid_run_requests_complete_by_local_prefill(pd):
     raw = client.completions.with_raw_response.create(model="tiny", prompt=PROMPTS[0], max_tokens=4, temperature=0)
     assert raw.headers["x-disagg-path"] != m.PATH_REMOTE_PREFILL, dict(raw.headers)
 
+
+# ---------------------------------------------------------------- workers that die under a request
+FAILURE_PROMPT = "A journey of a thousand miles begins with a single step " * 5
+MAX_TOKENS_LONG, KILL_AFTER = 160, 16
+
+
+class _KillingProxy:
+    """HTTP in front of the prefill worker: passes requests through; once armed with an action (kill or
+    stop the prefill worker) and a prompt, it runs the action after the worker answered that prompt's
+    prefill and before the router gets the answer, so the decode is handed KV held by a dead or hung
+    engine. Quiet: a thread printing a traceback (a probe the router gave up on, answered late) while
+    pytest formats a failure has crashed pytest (CPython 3.11's ast module keeps one recursion counter
+    for all threads: 'AST constructor recursion depth mismatch'), losing the failure's message."""
+
+    def __init__(self, target: str):
+        self.target, self.action, self.prompt, self.done = target, None, None, threading.Event()
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _pass(self, body: bytes | None):
+                req = urllib.request.Request(f"{proxy.target}{self.path}", data=body, method=self.command,
+                                             headers={"Content-Type": "application/json"})
+                try:
+                    # a probe (GET) gives up after 2 s; a prefill may be slow on a loaded machine
+                    with urllib.request.urlopen(req, timeout=300 if body else 5) as r:
+                        status, data = r.status, r.read()
+                except urllib.error.HTTPError as e:
+                    status, data = e.code, e.read()
+                except OSError:
+                    status, data = 502, b'{"error": {"message": "prefill unreachable"}}'
+                if status == 200 and body and proxy.action and json.loads(body).get("prompt") == proxy.prompt:
+                    action, proxy.action = proxy.action, None
+                    action()
+                    proxy.done.set()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self._pass(None)
+
+            def do_POST(self):
+                self._pass(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+
+            def log_message(self, *args):
+                pass
+
+        class Server(ThreadingHTTPServer):
+            daemon_threads = True
+
+            def handle_error(self, request, client_address):
+                pass            # the router went away first (a probe timed out): nothing to tell
+
+        self.server = Server(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def arm(self, action, prompt: str) -> None:
+        self.done.clear()
+        self.prompt, self.action = prompt, action
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture(scope="module")
+def failures(pd, tmp_path_factory):
+    """A second router over the same prefill (through a :class:`_KillingProxy`) and both decode workers:
+    every request P/D, round-robin, probes every second (a hung prefill is found after 3 probe timeouts
+    of 2 s)."""
+    logs = tmp_path_factory.mktemp("pd-failures")
+    first = json.loads(Path(pd["router"].argv[-1]).read_text())     # the first router's configuration
+    proxy = _KillingProxy(pd["prefill"].url)
+    port = free_port()
+    config = {"model": first["model"], "tokenizer": first["tokenizer"], "block_size": first["block_size"],
+              "port": port, "host": "127.0.0.1", "health_interval_s": 1,
+              "spec": {"disaggregation": "always", "policy": "round-robin"},
+              # a slow prefill on a loaded 2-core machine must not turn into a (correct) fallback
+              "prefill_timeout_s": 120,
+              "prefill": [{"url": proxy.url}],
+              "decode": [{"url": pd["decode"].url}, {"url": pd["decode-b"].url}]}
+    (logs / "router.json").write_text(json.dumps(config))
+    r = router(logs / "router.json", port, logs)
+    try:
+        pd["decode-b"].wait_ready()
+        r.start().wait_ready()
+        yield {"router": r, "proxy": proxy, "prefill": pd["prefill"],
+               "decodes": {p.url: p for p in (pd["decode"], pd["decode-b"])}}
+    finally:
+        r.stop()
+        proxy.close()
+
+
+def _stream(url: str, on_chunk=None) -> tuple[dict, str, list[dict]]:
+    """One streamed completion of FAILURE_PROMPT at temperature 0: (route headers, text, chunks);
+    ``on_chunk(route, n)`` after the n-th token chunk."""
+    body = {"model": "tiny", "prompt": FAILURE_PROMPT, "max_tokens": MAX_TOKENS_LONG, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    chunks, text = [], []
+    with urllib.request.urlopen(req, timeout=300) as r:
+        route = {k.lower(): v for k, v in r.headers.items() if k.lower().startswith("x-disagg-")}
+        for line in r:
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                continue
+            event = json.loads(line[6:])
+            error = event.get("error")
+            assert error is None, f"an error event: {str(error)[:300]}"
+            chunks.append(event)
+            if event["choices"]:
+                text.append(event["choices"][0]["text"])
+                if on_chunk:
+                    on_chunk(route, len(text))
+    return route, "".join(text), chunks
+
+
+def _router_sees(failures) -> None:
+    """Until the failure router counts healthy exactly the workers alive: a worker killed by a test before
+    is out, the prefill (after a SIGCONT) back in."""
+    url = failures["router"].url
+    decodes = sum(p.proc.poll() is None for p in failures["decodes"].values())
+
+    def settled():
+        s = scrape(url)
+        return (s.get(f'{m.ROUTER_WORKERS}{{role="prefill",state="healthy"}}'),
+                s.get(f'{m.ROUTER_WORKERS}{{role="decode",state="healthy"}}')) == (1, decodes)
+    wait_for(settled, 120, f"the failure router to count the prefill and {decodes} decode(s) healthy")
+
+
+@failure_test
+def test_a_decode_killed_mid_stream_is_continued_with_the_same_text(failures):
+    url = failures["router"].url
+    _router_sees(failures)
+    _, want, chunks = _stream(url)                    # uninterrupted
+    prompt_tokens = chunks[-1]["usage"]["prompt_tokens"]
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": MAX_TOKENS_LONG,
+             "total_tokens": prompt_tokens + MAX_TOKENS_LONG}
+    assert {k: chunks[-1]["usage"][k] for k in usage} == usage
+    series = f'{m.ROUTER_MIGRATIONS}{{outcome="{m.MIGRATION_MIGRATED}"}}'
+    before = scrape(url).get(series, 0)
+    killed = []
+
+    def kill_at(route: dict, n: int) -> None:
+        if n == KILL_AFTER:
+            victim = failures["decodes"][route["x-disagg-decode"]]
+            victim.kill()
+            killed.append(victim)
+
+    _, text, chunks = _stream(url, kill_at)
+    assert len(killed) == 1 and killed[0].proc.poll() is not None      # it was killed mid-stream
+    assert text == want
+    ids = {c["id"] for c in chunks}
+    assert len(ids) == 1
+    assert chunks[-1]["usage"] == usage
+    after = scrape(url).get(series, 0)
+    assert after == before + 1
+
+
+@failure_test
+def test_a_prefill_hung_after_it_answered_leaves_no_decode_waiting(failures):
+    url = failures["router"].url
+    _router_sees(failures)
+    _, want, _ = _stream(url)
+    series = f'{m.ROUTER_FALLBACKS}{{reason="{m.FALLBACK_PREFILL_LOST}"}}'
+    before = scrape(url).get(series, 0)
+    group = failures["prefill"].proc.pid             # its own session: the worker's process group
+    failures["proxy"].arm(lambda: os.killpg(group, signal.SIGSTOP), FAILURE_PROMPT)
+    try:
+        route, text, chunks = _stream(url)
+    finally:
+        os.killpg(group, signal.SIGCONT)
+    assert failures["proxy"].done.is_set()
+    assert text == want
+    assert chunks[-1]["usage"]["completion_tokens"] == MAX_TOKENS_LONG
+    path, reason = route["x-disagg-path"], route.get("x-disagg-fallback")
+    counted = scrape(url).get(series, 0) - before
+    if path == m.PATH_FALLBACK:      # the decode's pull waited (given up: prefill_lost) or failed
+        assert reason in (m.FALLBACK_PREFILL_LOST, m.FALLBACK_KV_TRANSFER)
+        assert counted == (1 if reason == m.FALLBACK_PREFILL_LOST else 0)
+    else:                             # the pull went through before the prefill stopped
+        assert path == m.PATH_REMOTE_PREFILL
+        assert counted == 0
+
+
+@failure_test
+def test_a_prefill_killed_after_it_answered_and_requests_in_flight_complete(failures):
+    """The decode is handed KV that a dead engine holds. vLLM's NIXL connector (0.32,
+    kv_load_failure_policy "fail", the default) fails such a request instead of waiting: the handshake
+    or the read fails and the request ends with an error before its first token. The router then
+    serves it by local prefill on a decode worker (kv_transfer_failed), unless its probes found the prefill
+    dead first (prefill_lost: the same local prefill); the client sees the same text. Requests in flight
+    on the prefill when it dies, and those sent after, complete too (by whichever fallback meets them:
+    prefill_error, kv_transfer_failed, prefill_lost, or local prefill once the router counts it out)."""
+    url = failures["router"].url
+    _router_sees(failures)
+    _, want, _ = _stream(url)                             # the prefill still alive
+    reasons = (m.FALLBACK_KV_TRANSFER, m.FALLBACK_PREFILL_LOST)
+
+    def fallbacks(reasons=reasons) -> float:
+        s = scrape(url)
+        return sum(s.get(f'{m.ROUTER_FALLBACKS}{{reason="{r}"}}', 0) for r in reasons)
+    before = fallbacks()
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+    prompts = [f"request {i}: " + PROMPTS[1] for i in range(6)]
+    failures["proxy"].arm(failures["prefill"].kill, FAILURE_PROMPT)
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        others = [pool.submit(_complete, client, p) for p in prompts[:3]]
+        killed = pool.submit(_stream, url)
+        assert failures["proxy"].done.wait(300), "the proxy never saw the prefill answer"
+        others += [pool.submit(_complete, client, p) for p in prompts[3:]]
+        route, text, chunks = killed.result(timeout=300)
+        texts = [f.result(timeout=300) for f in others]
+    assert failures["prefill"].proc.poll() is not None
+    assert text == want
+    path, reason = route["x-disagg-path"], route.get("x-disagg-fallback")
+    assert path == m.PATH_FALLBACK and reason in reasons
+    assert chunks[-1]["usage"]["completion_tokens"] == MAX_TOKENS_LONG
+    assert fallbacks() >= before + 1
+    empty = [p for p, t in zip(prompts, texts) if not (isinstance(t, str) and t)]
+    assert not empty
+    raw = client.completions.with_raw_response.create(model="tiny", prompt=PROMPTS[0], max_tokens=4, temperature=0)
+    assert raw.headers["x-disagg-path"] != m.PATH_REMOTE_PREFILL
