@@ -73,7 +73,9 @@ LEASE_EXPIRED = "Releasing expired KV blocks"      # NixlConnector, when nobody 
 def test_a_draining_prefill_keeps_its_kv_until_decode_pulls_it(pair):
     prefill, decode = pair["prefill"], pair["decode"]
     # local mode's transports: the READ itself by cross-memory attach (process_vm_readv), TCP for
-    # NIXL's messages (README, workers; bench/nixl_transfer.py)
+    # NIXL's messages (README, workers; bench/nixl_transfer.py). The pull below went through with
+    # UCX_TLS=tcp alone as well: what it needs is the prefill process up with its blocks, which the
+    # drain gives, not a transport that reads without the prefill's help
     assert "cma" in build(pair["settings"]).env["UCX_TLS"].split(",")
     body = {"model": "tiny", "prompt": PROMPT, "temperature": 0, "seed": 7}
     # what decode answers when it prefills itself, for the text check (a producer-only worker refuses
