@@ -12,7 +12,8 @@ Dockerfile builds (BuildKit, no Docker daemon): what a user runs, nothing config
   against this API server, relabelled as the Prometheus Operator would) and every dashboard panel
   has data;
 - an aggregated deployment (prefill 0): a decode container crashed (SIGKILL) under load is covered by the router's
-  decode retry (counted) and restarted; scaling 2 decodes to 1 with streams in flight fails nothing.
+  decode retry (counted) and restarted; scaling 2 decodes to 1 with streams in flight fails nothing;
+- the P/D deployment scaled from 2 prefill + 2 decode to 1 + 1 under steady streaming load fails nothing.
 """
 
 from __future__ import annotations
@@ -115,7 +116,10 @@ def serving_ns(api, release, real, tiny_model):
 @pytest.fixture(scope="module")
 def pd(api, serving_ns, images):
     dd = DD(api, NS, realnode.deployment(PD, serving_ns, images["worker-cpu"]))
-    dd.wait_phase("Ready", timeout=900)
+    try:
+        dd.wait_phase("Ready", timeout=900)
+    except AssertionError as e:   # the operator's and the pods' logs are gone once the cluster is down
+        raise AssertionError(realnode.pod_logs(api, RELEASE_NS, "") + "\n" + realnode.pod_logs(api, NS, "")) from e
     url = realnode.router_url(api, NS, PD)
     realnode.wait_serving(url)
     yield dd, url
@@ -375,6 +379,58 @@ def _unary(url: str, prompt: str, max_tokens: int) -> str:
                                                   temperature=0, extra_body={"ignore_eos": True})
     raw.parse()
     return raw.headers.get("x-disagg-decode", "")
+
+
+def test_pd_scale_down_under_steady_load_fails_nothing(api, pd):
+    """Prefill 2 -> 1 and decode 2 -> 1 at once, under steady streaming load with streams in flight on every
+    decode: the terminating pods get no new requests, their streams run to their length, and no request fails
+    (a KV pull from a draining prefill that fails is covered by the decode's local prefill, counted)."""
+    dd, url = pd
+    dd.patch_spec({"prefill": {"replicas": 2}, "decode": {"replicas": 2}})
+    realnode.wait_serving(url, prefill=2, decode=2, timeout=900)
+    decodes = {_pod_url(p) for p in realnode.ready_pods(api, NS, f"{LABEL_DEPLOYMENT}={PD},{LABEL_ROLE}=decode")}
+    assert len(decodes) == 2
+    stop = threading.Event()
+    results: list[tuple[str, float, float, str | None, int]] = []   # decode, start, end, finish, tokens
+    errors: list[str] = []
+
+    def load(k: int) -> None:
+        i = 0
+        while not stop.is_set():
+            i += 1
+            began = time.monotonic()
+            try:
+                decode, _, finish, tokens = _stream(url, f"{PROMPT} steady {k} {i}", 64)
+                results.append((decode, began, time.monotonic(), finish, tokens))
+            except Exception as e:       # noqa: BLE001  every failure is reported below
+                errors.append(repr(e))
+
+    with cf.ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(load, k) for k in range(6)]
+        # streams in flight on both decode workers, so whichever pod the ReplicaSet removes has some
+        wait_for(lambda: errors or all(_router_metric(dd, m.ROUTER_ACTIVE_REQUESTS, role="decode", worker=d) >= 2
+                                       for d in decodes), 300, "two streams in flight on each decode worker")
+        scaled = time.monotonic()
+        dd.patch_spec({"prefill": {"replicas": 1}, "decode": {"replicas": 1}})
+        wait_for(lambda: errors or (len(dd.pods("prefill")) == 1 and len(dd.pods("decode")) == 1), 600,
+                 "the scaled-down pods gone")
+        gone = time.monotonic()
+        # the load goes on past the pods' removal: new requests find the survivors
+        wait_for(lambda: errors or sum(r[1] > gone for r in results) >= 6, 300, "requests after the scale-down")
+        stop.set()
+        for f in futures:
+            f.result()
+    if errors:
+        raise AssertionError(f"{len(errors)} failed: {errors[:3]}\n"
+                             + realnode.pod_logs(api, NS, f"{LABEL_DEPLOYMENT}={PD}"))
+    short = [r for r in results if (r[3], r[4]) != ("length", 64)]
+    assert not short, short[:5]
+    removed = decodes - {_pod_url(p) for p in dd.pods("decode")}
+    assert len(removed) == 1
+    removed_url = next(iter(removed))
+    # the removed decode's streams that were in flight when the scale-down began ran to their length
+    drained = [r for r in results if removed_url.split("//")[1] in r[0] and r[1] < scaled < r[2]]
+    assert drained, "no stream in flight on the removed decode at the scale-down"
 
 
 @pytest.fixture(scope="module")
