@@ -270,7 +270,9 @@ def failures(pd, tmp_path_factory):
     port = free_port()
     config = {"model": first["model"], "tokenizer": first["tokenizer"], "block_size": first["block_size"],
               "port": port, "host": "127.0.0.1", "health_interval_s": 1,
-              "spec": {"disaggregation": "always", "policy": "round-robin"},
+              # a starved router (nice 19 under a load average of 40 here) timed out a local connect after
+              # 5 s and, with one decode left, the request failed: the timeouts are not what is tested
+              "spec": {"disaggregation": "always", "policy": "round-robin", "connectTimeoutSeconds": 30},
               # a slow prefill on a loaded 2-core machine must not turn into a (correct) fallback
               "prefill_timeout_s": 120,
               "prefill": [{"url": proxy.url}],
