@@ -85,8 +85,10 @@ def running_operator(kubeconfig: Path, namespaces: tuple[str, ...] = ()) -> Iter
             os.environ["DISAGG_OPERATOR_METRICS_PORT"] = str(sock.getsockname()[1])
     try:
         scope = [f"--namespace={n}" for n in namespaces] or ["--all-namespaces"]
+        # the timeout bounds the operator's shutdown (it finishes posting queued events first): generous,
+        # a passing run stops in seconds
         with KopfRunner(["run", "--standalone", *scope, "-m", "disagg.operator.handlers"],
-                        timeout=60) as runner:
+                        timeout=180) as runner:
             yield runner
     finally:
         if old is None:

@@ -39,6 +39,11 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
 def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     # kopf's own per-handler events are noise; the operator posts its decisions itself.
     settings.posting.level = logging.WARNING
+    # An event is a record, best effort: kopf posts them one after another and by default retries a failed
+    # post for 54 s (8 backoffs), so posts into a namespace being deleted (403 NamespaceTerminating) held
+    # every later event, and the operator's shutdown, for a minute each. Three quick retries ride out an
+    # API server blip.
+    settings.posting.default_backoffs = (1, 2, 4)
     settings.persistence.finalizer = "serving.disagg.dev/operator"
     settings.watching.server_timeout = 300
     # No CRD or Namespace watches: the resources it serves are found once at start-up through discovery
