@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,13 +22,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from disagg.api.metrics import PATH_REMOTE_PREFILL, VLLM_NIXL_BYTES_TRANSFERRED
 
 from .command import build
+from .ports import free_port  # noqa: F401  (re-exported: tests and benchmarks take it from here)
 from .settings import WorkerSettings
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _escape(value: str) -> str:
@@ -69,11 +63,23 @@ def wait_metric(url: str, name: str, at_least: float, timeout: float = 30) -> fl
         time.sleep(0.5)
 
 
+# What a process that lost a port race prints (Python's OSError, ZMQ's, uvicorn's: the same strerror)
+PORT_TAKEN = "Address already in use"
+
+
 class LocalProcess:
+    """A local process with its log in ``log_dir``. Started once more (same command) if it exits before
+    it is ready with "Address already in use" in its log: the ports this project chooses are reserved
+    (:mod:`disagg.workers.ports`), but vLLM still picks internal ones itself (its distributed-init port,
+    bind(0) then bound by its worker process seconds later), and an engine that lost that race is a
+    matter of the machine, not of what a test checks. Once only, and its wait starts over: a second
+    loss is reported."""
+
     def __init__(self, name: str, argv: list[str], env: dict[str, str], url: str, log_dir: Path):
         self.name, self.argv, self.env, self.url = name, argv, env, url
         self.log_path = log_dir / f"{name}.log"
         self.proc: subprocess.Popen | None = None
+        self.port_race_restarts = 0
 
     def start(self) -> LocalProcess:
         log = open(self.log_path, "wb")
@@ -87,6 +93,13 @@ class LocalProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                if self.port_race_restarts == 0 and PORT_TAKEN in self.log_path.read_text(errors="replace"):
+                    self.port_race_restarts += 1
+                    # the lost run's log kept beside the new one
+                    self.log_path.replace(self.log_path.with_suffix(".port-taken.log"))
+                    self.start()
+                    deadline = time.monotonic() + timeout      # a whole start-up again
+                    continue
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; log tail:\n{self.tail()}")
             try:
                 with urllib.request.urlopen(f"{self.url}{path}", timeout=2) as r:
