@@ -63,7 +63,8 @@ def wait_metric(url: str, name: str, at_least: float, timeout: float = 30) -> fl
         time.sleep(0.5)
 
 
-# What a process that lost a port race prints (Python's OSError, ZMQ's, uvicorn's: the same strerror)
+# What a process that lost a port race prints (Python's OSError, ZMQ's: EADDRINUSE's strerror; uvicorn
+# writes it in lower case)
 PORT_TAKEN = "Address already in use"
 
 
@@ -93,7 +94,7 @@ class LocalProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                if self.port_race_restarts == 0 and PORT_TAKEN in self.log_path.read_text(errors="replace"):
+                if self.port_race_restarts == 0 and PORT_TAKEN.lower() in self._log().lower():
                     self.port_race_restarts += 1
                     # the lost run's log kept beside the new one
                     self.log_path.replace(self.log_path.with_suffix(".port-taken.log"))
@@ -110,11 +111,14 @@ class LocalProcess:
             time.sleep(0.5)
         raise TimeoutError(f"{self.name} not ready after {timeout}s; log tail:\n{self.tail()}")
 
-    def tail(self, lines: int = 40) -> str:
+    def _log(self) -> str:
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+            return self.log_path.read_text(errors="replace")
         except OSError:
             return ""
+
+    def tail(self, lines: int = 40) -> str:
+        return "\n".join(self._log().splitlines()[-lines:])
 
     def kill(self) -> None:
         """Abrupt death (SIGKILL to the process group), as a crashed pod."""
