@@ -73,6 +73,26 @@ class Watchdog:
                 end.resp.content.set_exception(aiohttp.ServerTimeoutError("stalled"))
 
 
+# how long a stream that sent [DONE] may take to end its HTTP body (the chunked terminator) before its
+# connection is closed instead of going back to the pool
+FINISH_TIMEOUT_S = 5.0
+
+
+async def _read_to_end(content: aiohttp.StreamReader) -> bool:
+    """Reads what follows ``[DONE]`` (nothing but the chunked body's terminator, ``0\\r\\n\\r\\n``);
+    True when the body ended cleanly, so that releasing the response pools its connection. A worker
+    writes ``[DONE]`` and the terminator apart (vLLM's uvicorn, aiohttp), and aiohttp closes a released
+    connection whose body has not ended: every stream then paid a new TCP connection to the worker
+    before its first token (connect, accept, both sides' protocol set-up; strace of one stream)."""
+    try:
+        async with asyncio.timeout(FINISH_TIMEOUT_S):
+            while await content.readany():
+                pass
+    except (aiohttp.ClientError, TimeoutError):
+        return False
+    return True
+
+
 class EndedBeforeOutput(Exception):
     """The worker ended the stream (``[DONE]``, an error event, or the connection closed) before any token:
     nothing reached the client yet, so another worker can serve the request."""
@@ -185,6 +205,10 @@ async def relay(resp: aiohttp.ClientResponse, worker: str, end: StreamEnd, *, st
             if out:
                 yield out[0] if len(out) == 1 else b"".join(out)
             if done:
+                # the client has [DONE]; its response ends once the worker's has, so the connection is
+                # back in the pool before the client can send its next request
+                if not (content.is_eof() or await _read_to_end(content)):
+                    resp.close()            # never pooled; the client's stream is complete all the same
                 end.outcome = m.OUTCOME_SUCCESS
                 return
             if end.failure:

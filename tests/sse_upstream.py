@@ -11,7 +11,8 @@ stream sends token ids, and is served in full), `all` cuts every stream.
 As a prefill (a request with kv_transfer_params do_remote_decode) it answers with kv_transfer_params;
 SSE_EXIT_AFTER_PREFILL=1: the process then dies (a prefill lost after it answered). SSE_KV_WAIT=1: a
 request handed remote KV gets nothing (streamed: the headers, no event), as a decode waiting for KV from a
-hung prefill; without KV it serves.
+hung prefill; without KV it serves. SSE_END_DELAY=S: the chunked body ends S seconds after [DONE].
+GET /stats: how many connections streams came on.
 """
 
 import asyncio
@@ -30,6 +31,11 @@ CUT_ALL = len(sys.argv) > 5 and sys.argv[5] == "all"
 # every "tok " is this id (a router decodes ids with its model's tokenizer: tests pass one whose text is whole)
 TOKEN_ID = int(os.environ.get("SSE_TOKEN_ID", "100"))
 STREAMS = itertools.count()
+# seconds between [DONE] and the end of the chunked body (uvicorn, under vLLM, writes them apart too)
+END_DELAY = float(os.environ.get("SSE_END_DELAY", "0"))
+# the client ends (host, port) of the connections streams came on: GET /stats says how many there were
+# (a router that pools its connections to workers sends many streams on one)
+STREAM_PEERS: set = set()
 
 
 def chunk(i: int, chat: bool, text: str | None, finish: str | None = None, ids: bool = False,
@@ -65,6 +71,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         return web.json_response({"id": "x", "object": "text_completion", "model": "tiny",
                                   "choices": [{"index": 0, "text": "tok " * n, "finish_reason": "length"}],
                                   "usage": {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1}})
+    STREAM_PEERS.add(request.transport.get_extra_info("peername"))
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)
     ids = body.get("return_token_ids") is True
@@ -81,6 +88,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
     usage = {"id": "x", "object": "text_completion", "model": "tiny", "choices": [],
              "usage": {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": n + len(prompt)}}
     await resp.write(b"data: " + json.dumps(usage).encode() + b"\n\ndata: [DONE]\n\n")
+    if END_DELAY:
+        await asyncio.sleep(END_DELAY)
     await resp.write_eof()
     return resp
 
@@ -89,8 +98,13 @@ async def health(request: web.Request) -> web.Response:
     return web.Response(text="ok")
 
 
+async def stats(request: web.Request) -> web.Response:
+    return web.json_response({"stream_connections": len(STREAM_PEERS)})
+
+
 app = web.Application()
 app.router.add_post("/v1/completions", generate)
 app.router.add_post("/v1/chat/completions", generate)
 app.router.add_get("/health", health)
+app.router.add_get("/stats", stats)
 web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), access_log=None, print=None, backlog=2048)

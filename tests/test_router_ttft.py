@@ -1,9 +1,13 @@
 """TTFT is only ever a first-token time: a slow non-streaming request moves the router's request duration,
 never its TTFT histogram (which the planner, the SLO recording rules and the alerts read); a stream's first
 token does. The upstream is tests/sse_upstream.py (a real HTTP server speaking vLLM's wire format, taking
-DELAY per token for streamed and non-streamed answers alike)."""
+DELAY per token for streamed and non-streamed answers alike). Streams one after another share one pooled
+connection to the worker, rather than a new TCP connection each before its first token."""
 
 from __future__ import annotations
+
+import json
+import urllib.request
 
 import pytest
 from openai import OpenAI
@@ -48,3 +52,28 @@ def test_a_slow_non_streaming_request_does_not_move_ttft(routed):
     stream_e2e = _series(s, m.ROUTER_E2E_SECONDS, "sum") - unary_e2e
     ttft = _series(s, m.ROUTER_TTFT_SECONDS, "sum")
     assert DELAY <= ttft < TOKENS * DELAY / 2 < stream_e2e
+
+
+def _stream(url: str, i: int) -> str:
+    body = {"model": "tiny", "prompt": f"s{i}", "max_tokens": 4, "stream": True}
+    req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        return resp.read().decode()     # to the end of the response, not only to [DONE]
+
+
+def test_streams_one_after_another_reuse_the_connection_to_the_worker(routers, tiny_model, tmp_path):
+    """A worker writes [DONE] and the end of its chunked body apart (here 50 ms apart); a router that
+    released the connection in between had aiohttp close it, and every stream connected anew before its
+    first token (router/relay.py). The router ends the client's response once the worker's has ended, so
+    a client that reads its response to the end finds the connection back in the router's pool."""
+    streams = 8
+    up = routers.upstream(tmp_path, "decode", 4, 0.005, env={"SSE_END_DELAY": "0.05"})
+    with routers.serving(tiny_model, tmp_path, [up]) as r:
+        for i in range(streams):
+            text = _stream(r.url, i)
+            assert text.count("tok ") == 4 and text.rstrip().endswith("data: [DONE]"), text
+        with urllib.request.urlopen(f"{up.url}/stats", timeout=30) as resp:
+            connections = json.load(resp)["stream_connections"]
+    # one, unless a health probe held the pooled connection just as a stream started (they share the pool)
+    assert 1 <= connections < streams / 2, connections
