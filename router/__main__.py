@@ -22,6 +22,7 @@ from disagg.api.names import ROLE_DECODE, ROLE_PREFILL, local_model_path
 
 from .app import make_app
 from .config import RouterConfig
+from .processes import LIVENESS_S
 
 
 # flag -> type; each is spec.router's field of the same name in camelCase
@@ -66,6 +67,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="SO_REUSEPORT: several router processes on one port, the kernel spreading connections "
                         "over them (each its own event loop, admission, load and KV index from the same events; "
                         "each its own /metrics: see --metrics-port); --processes starts them")
+    p.add_argument("--process-liveness-seconds", type=float, default=LIVENESS_S,
+                   help="with --processes N and --metrics-port: a process that has not answered /livez on its "
+                        "metrics port this long is killed and the replica stops (exits non-zero), so the kubelet "
+                        "restarts it; the pod's own probe reaches only one process through the shared port")
     p.add_argument("--namespace", default="default")
     p.add_argument("--prefill-service")
     p.add_argument("--decode-service")
@@ -106,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         from .processes import supervise
 
         return supervise(sys.argv[1:] if argv is None else list(argv), config.spec.processes,
-                         config.spec.max_in_flight, config.spec.max_queued, config.metrics_port)
+                         config.spec.max_in_flight, config.spec.max_queued, config.metrics_port,
+                         args.process_liveness_seconds, config.host)
     discovery = None
     if args.discovery == "endpointslices":
         if not (args.prefill_service and args.decode_service):

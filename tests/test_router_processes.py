@@ -1,7 +1,8 @@
 """spec.router.processes: two real router processes on one port (``python -m disagg.router --processes 2``,
 as the operator runs a router pod), over tests/sse_upstream.py. Each process is scraped on its own metrics
 port; the two scrapes together count every request sent, whichever process the kernel gave it to. The
-parent stops both on SIGTERM, and when one process dies the parent stops the other and exits non-zero."""
+parent stops both on SIGTERM, and when one process dies the parent stops the other and exits non-zero; when
+one hangs (SIGSTOP: alive, not answering), the parent finds it by its own /livez and does the same."""
 
 from __future__ import annotations
 
@@ -47,6 +48,10 @@ def _consecutive_free_ports(n: int) -> int:
 
 @pytest.fixture
 def two_processes(tiny_model, tmp_path):
+    yield from _two_processes(tiny_model, tmp_path)
+
+
+def _two_processes(tiny_model, tmp_path, *args: str):
     up_port, port, metrics = free_port(), free_port(), _consecutive_free_ports(PROCESSES)
     upstream = LocalProcess("upstream", [sys.executable, str(Path(__file__).with_name("sse_upstream.py")),
                                          str(up_port), str(TOKENS), "0.001"], {},
@@ -55,7 +60,9 @@ def two_processes(tiny_model, tmp_path):
            "metrics_port": metrics, "spec": {"disaggregation": "never", "processes": PROCESSES, "maxInFlight": 9},
            "decode": [{"url": upstream.url}]}
     (tmp_path / "router.json").write_text(json.dumps(cfg))
-    r = router(tmp_path / "router.json", port, tmp_path).start()
+    r = router(tmp_path / "router.json", port, tmp_path)
+    r.argv += args
+    r.start()
     try:
         upstream.wait_ready(timeout=60)
         r.wait_ready(timeout=120)
@@ -139,3 +146,35 @@ def test_sigterm_stops_every_process_cleanly(two_processes):
     assert r.proc.returncode == 0
     # the parent returns only after it has reaped both
     assert not any(_running(c) for c in children)
+
+
+LIVENESS_S = 5
+
+
+@pytest.fixture
+def watched(tiny_model, tmp_path):
+    yield from _two_processes(tiny_model, tmp_path, "--process-liveness-seconds", str(LIVENESS_S))
+
+
+def test_a_hung_process_is_found_by_the_parent_and_the_replica_exits_non_zero(watched):
+    """The pod's liveness probe reaches one process through the shared port; a hung one among N would keep
+    its share of the connections unanswered. The parent asks each on its own metrics port."""
+    r, urls = watched
+    children = _children(r.proc.pid)
+    assert len(children) == PROCESSES
+    # the parent checks a process from its first answer on (before that, start-up may take minutes)
+    for c in children:
+        wait_for(lambda c=c: f"router process {c} answers" in r.tail(10**6), timeout=120,
+                 what=f"the parent to see process {c} answer")
+    hung = children[1]
+    os.kill(hung, signal.SIGSTOP)
+    try:
+        wait_for(lambda: r.proc.poll() is not None, timeout=120, what="the parent to find the hung process and exit")
+        assert r.proc.returncode != 0
+        assert f"router process {hung} has not answered" in r.tail(10**6)
+        assert not any(_running(c) for c in children)
+    finally:
+        try:
+            os.kill(hung, signal.SIGCONT)      # a stopped process left behind would never end
+        except ProcessLookupError:
+            pass
