@@ -30,7 +30,7 @@ planner and the Dynamo-style planner use the same predictor (Holt-Winters on the
 average elsewhere). See planner/README.md for how faithfully the Dynamo-style planner follows Dynamo's.
 
     .venv/bin/python bench/planner_compare.py [--out DIR] [--jobs N] [--quick] [--seeds 3] [--seed-from 0]
-      [--horizons 1200,7200] [--workloads step,flash] [--no-plots]
+      [--horizons 1200,7200] [--workloads step,flash] [--no-plots] [--traces]
     .venv/bin/python bench/planner_compare.py --from-results A/results.json,B/results.json   # one table of runs
 """
 
@@ -103,9 +103,9 @@ def workload(name: str, horizon: float, seed: int) -> tuple[traces.Trace, sm.Sim
     raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
 
 
-def run_row(args: tuple[str, float, int, Path | None]) -> list[dict]:
+def run_row(args: tuple[str, float, int, Path | None, Path | None]) -> list[dict]:
     """Every policy on one (workload, horizon, seed)."""
-    name, horizon, seed, plot_dir = args
+    name, horizon, seed, plot_dir, trace_dir = args
     made = workload(name, horizon, seed)
     if made is None:
         return []
@@ -122,6 +122,8 @@ def run_row(args: tuple[str, float, int, Path | None]) -> list[dict]:
             pol, c = sm.make_policy(policy, dyn, trace, season), dyn
         r = sm.simulate(trace, pol, c)
         results.append(r)
+        if trace_dir is not None:  # per interval: rate, sized rate, replicas asked/ready, queues, TTFT/ITL p
+            r.write(trace_dir / f"{name}-{int(horizon)}s-seed{seed}", plot=False, name=name)
         rows.append({**r.summary(), "workload": name, "horizon_s": round(min(horizon, MOONCAKE_HOUR)
                                                                           if name == "mooncake" else horizon),
                      "seed": seed, "sim_seconds": round(time.perf_counter() - started, 1)})
@@ -204,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--jobs", type=int, default=1, help="rows simulated in parallel (processes)")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--traces", action="store_true",
+                   help="write each policy's per-interval trace (CSV: rate, sized rate, replicas asked and ready, "
+                        "queues, TTFT/ITL at the percentile, attainment, reason) under OUT/traces/")
     args = p.parse_args(argv)
     out = Path(args.out or tempfile.mkdtemp(prefix="planner-bench-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -218,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         if w not in WORKLOADS:
             p.error(f"unknown workload {w!r}; known: {', '.join(WORKLOADS)}")
     plots = not (args.quick or args.no_plots)
-    jobs = [(w, h, s, out if plots and s == 0 else None) for h in horizons for w in names for s in seeds]
+    traced = out / "traces" if args.traces else None
+    jobs = [(w, h, s, out if plots and s == 0 else None, traced) for h in horizons for w in names for s in seeds]
     started = time.perf_counter()
     if args.jobs > 1:
         with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:

@@ -36,6 +36,7 @@ HISTORY = 288               # intervals kept for the predictors
 SCALE_DOWN_MARGIN = 1.2     # size for 20% more load before shrinking (hysteresis)
 SCALE_DOWN_STEP = 0.25      # shrink at most a quarter of a role per interval (at least one replica)
 LEARN_ABOVE = 0.5           # online correction learns from intervals with latency above this share of target
+LEARN_STEP = 2.0            # ... and one interval moves it by at most this ratio (before smoothing)
 LOAD_STEP = 0.25            # ... and whose request rate moved less than this share from the interval before
 SATURATION = 2.0            # observed latency at this multiple of target counts as saturated
 MAX_REPLICAS = 1024
@@ -174,6 +175,13 @@ class Memory:
     prefix_hit: tuple[float, ...] = ()
     correction: OnlineCorrection = field(default_factory=OnlineCorrection)
     forecast: tuple[float, ...] = ()   # the rate each interval sized for (aligned with ``rate``)
+    # each role's work per interval, observed and forecast (aligned with each other): uncached prompt
+    # tokens/s for prefill, output tokens/s for decode (the burst headroom is over work, not requests: a
+    # tenant mix that shifts to longer prompts is a rise of prefill work at a steady request rate)
+    prefill_work: tuple[float, ...] = ()
+    decode_work: tuple[float, ...] = ()
+    forecast_prefill_work: tuple[float, ...] = ()
+    forecast_decode_work: tuple[float, ...] = ()
     last_scale_up_prefill: float | None = None
     last_scale_up_decode: float | None = None
 
@@ -354,11 +362,7 @@ def decide(obs: Observation, target: Target, memory: Memory, model: PerfModel | 
         # the burst needs); a seasonal forecast stays within the last season's peak, and a load that
         # outgrows it shows up as a rise above forecast (the headroom below)
         rate = max(min(rate, max(memory.rate[-season:])), last_rate)
-    # headroom for the kind of rise this load has shown: a replica asked for now serves a start-up later,
-    # so a rise within that time is served by what runs already
-    headroom, ceiling = burst_headroom(memory.rate, memory.forecast, horizon, target.interval)
     memory = replace(memory, forecast=(memory.forecast + (rate,))[-len(memory.rate):])
-    sized_rate = max(rate, min(rate + headroom, ceiling))
     in_mean = max(memory.input_mean[-1] if memory.input_mean else 0.0, 1.0)
     in_p = max(memory.input_p[-1] if memory.input_p else in_mean, in_mean)
     out_mean = max(memory.output_mean[-1] if memory.output_mean else 0.0, 1.0)
@@ -367,14 +371,18 @@ def decide(obs: Observation, target: Target, memory: Memory, model: PerfModel | 
         in_mean = max(_predict("moving-average", memory.input_mean, 0), in_mean)
         out_mean = max(_predict("moving-average", memory.output_mean, 0), out_mean)
     load = Load(rate, in_mean, in_p, out_mean, hit)
+    # headroom for the kind of rise this load has shown, per role in its own work (a replica asked for
+    # now serves a start-up later, so a rise within that time is served by what runs already)
+    memory, sized_rate_p, sized_rate_d = _sized_rates(obs, memory, load, horizon, target)
+    sized_rate = max(sized_rate_p, sized_rate_d)
     # what is already waiting, and what will pile up until new replicas serve, must be cleared within
     # one start-up and interval, on top of the new load (and its headroom)
     horizon = target.startup + target.interval
-    load_p = replace(load, rate=sized_rate + _backlog(obs.prefill_queue, rate, _prefill_capacity(
+    load_p = replace(load, rate=sized_rate_p + _backlog(obs.prefill_queue, rate, _prefill_capacity(
         planning, load, target.prefill, target.percentile), target.startup) / horizon)
     # (prompts waiting for prefill now wait for decode next)
     waiting_d = (obs.decode_queue or 0.0) + (obs.prefill_queue or 0.0)
-    load_d = replace(load, rate=sized_rate + _backlog(waiting_d, rate, _decode_capacity(
+    load_d = replace(load, rate=sized_rate_d + _backlog(waiting_d, rate, _decode_capacity(
         planning, load, target.decode, target.itl_target), target.startup) / horizon)
 
     p_limit = max(min(target.prefill_max, MAX_REPLICAS), target.floor_prefill)
@@ -454,6 +462,7 @@ def decide(obs: Observation, target: Target, memory: Memory, model: PerfModel | 
                f"target {_ms(target.ttft_target)}; ITL observed {_ms(itl_obs)} predicted {_ms(itl_pred)} "
                f"target {_ms(target.itl_target)}; correction prefill x{corr.prefill:.2f} decode x{corr.decode:.2f}")
     prediction = {"requestRate": round(rate, 6), "sizedRate": round(sized_rate, 6),
+                  "sizedPrefillRate": round(sized_rate_p, 6), "sizedDecodeRate": round(sized_rate_d, 6),
                   "inputTokens": round(in_mean, 3), "outputTokens": round(out_mean, 3),
                   "prefillCorrection": round(corr.prefill, 4), "decodeCorrection": round(corr.decode, 4)}
     if math.isfinite(ttft_pred):
@@ -463,14 +472,47 @@ def decide(obs: Observation, target: Target, memory: Memory, model: PerfModel | 
     return Decision(rp, rd, reason, message, True, obs.inputs(), prediction), memory
 
 
+def _sized_rates(obs: Observation, memory: Memory, load: Load, horizon: int,
+                 target: Target) -> tuple[Memory, float, float]:
+    """``(memory, prefill rate, decode rate)``: the request rate each role is sized for, at the planned
+    token mix: the forecast plus the burst headroom of the role's work (uncached prompt tokens/s,
+    output tokens/s), never past the most work seen within :data:`BURST_MEMORY`."""
+    rate = load.rate
+    # this interval's observed work (at the planned mix where the interval has no token figures)
+    in_tokens = obs.input_tokens_mean if obs.input_tokens_mean is not None else load.input_mean
+    out_tokens = obs.output_tokens_mean if obs.output_tokens_mean is not None else load.output_mean
+    uncached = 1.0 - min(max(obs.prefix_hit_ratio or 0.0, 0.0), 0.99)
+    per_p = load.input_mean * (1.0 - min(max(load.prefix_hit, 0.0), 0.99))
+    per_d = load.output_mean
+    # one interval's work is a compound Poisson sum: its variance per request is E[tokens^2], which a
+    # heavy-tailed prompt mix makes large (swings of that size are noise, not a burst to hold capacity for)
+    mix = serving.PromptMix(load.input_mean, max(load.input_p, load.input_mean), target.percentile)
+    unit_p = max(load.input_mean * math.exp(mix.sigma ** 2), 1.0) * (per_p / max(load.input_mean, 1.0))
+    keep = len(memory.rate)
+    sized = []
+    for role, observed, per, unit in (("prefill", obs.request_rate * in_tokens * uncached, per_p, unit_p),
+                                      ("decode", obs.request_rate * out_tokens, per_d, max(per_d, 1.0))):
+        series, forecasts = getattr(memory, f"{role}_work"), getattr(memory, f"forecast_{role}_work")
+        series = (series + (observed,))[-keep:]
+        headroom, ceiling = burst_headroom(series, forecasts, horizon, target.interval, unit)
+        forecast = rate * per
+        memory = replace(memory, **{f"{role}_work": series,
+                                    f"forecast_{role}_work": (forecasts + (forecast,))[-len(series):]})
+        work = max(forecast, min(forecast + headroom, ceiling))
+        sized.append(max(work / per, rate) if per > 0 else rate)
+    return memory, sized[0], sized[1]
+
+
 def burst_headroom(rates: tuple[float, ...], forecasts: tuple[float, ...], horizon: int,
-                   interval: float) -> tuple[float, float]:
-    """``(headroom, ceiling)`` in requests/s: the largest rise of the observed rate above what the planner
-    forecast for it within ``horizon`` intervals (what a start-up and an interval leave to the replicas
-    already running), over the last :data:`BURST_MEMORY` seconds, less :data:`BURST_NOISE` Poisson standard
-    deviations of one interval's rate (the queueing model already holds Poisson arrivals); and the highest
-    rate seen over that time, which headroom never sizes past (a level never seen is not anticipated).
-    ``forecasts[i]`` is the rate sized for after ``rates[i]`` was observed; both oldest first."""
+                   interval: float, unit: float = 1.0) -> tuple[float, float]:
+    """``(headroom, ceiling)`` in the series' units (requests/s, or a role's tokens/s): the largest rise of
+    the observed series above what the planner forecast for it within ``horizon`` intervals (what a
+    start-up and an interval leave to the replicas already running), over the last :data:`BURST_MEMORY`
+    seconds, less :data:`BURST_NOISE` Poisson standard deviations of one interval's value (the queueing
+    model already holds Poisson arrivals; ``unit`` is a request's second moment over its mean, in the
+    series' units: 1 for requests, E[tokens^2] / E[tokens] for tokens); and the highest value seen over
+    that time, which headroom never sizes past (a level never seen is not anticipated).
+    ``forecasts[i]`` is the value sized for after ``rates[i]`` was observed; both oldest first."""
     keep = max(int(BURST_MEMORY / max(interval, 1.0)), 1)
     rates = rates[-keep:]
     forecasts = forecasts[-len(rates) + 1:] if len(rates) > 1 else ()
@@ -480,7 +522,7 @@ def burst_headroom(rates: tuple[float, ...], forecasts: tuple[float, ...], horiz
     for j, f in enumerate(forecasts):
         ahead = rates[off + j + 1: off + j + 1 + max(horizon, 1)]
         peak = max(ahead)
-        best = max(best, peak - f - BURST_NOISE * math.sqrt(max(peak, 0.0) / max(interval, 1.0)))
+        best = max(best, peak - f - BURST_NOISE * math.sqrt(max(peak, 0.0) * unit / max(interval, 1.0)))
     return best, max(rates, default=0.0)
 
 
@@ -523,12 +565,32 @@ def _correct(obs: Observation, target: Target, memory: Memory, model: PerfModel 
     ttft_pred = prefill_latency(planning, load, max(target.prefill, 1), target.percentile)
     itl_pred = decode_latency(planning, load, max(target.decode, 1), target.itl_target)
     # learn only where it matters for sizing: near the target (far below it, fixed overheads such as
-    # network and routing would be mistaken for a slower GPU)
-    if not math.isfinite(ttft_pred) or max(ttft_obs or 0.0, ttft_pred) < LEARN_ABOVE * target.ttft_target:
-        ttft_obs = None
-    if not math.isfinite(itl_pred) or max(itl_obs or 0.0, itl_pred) < LEARN_ABOVE * target.itl_target:
-        itl_obs = None
-    return replace(memory, correction=corr.observe(ttft_obs, ttft_pred, itl_obs, itl_pred))
+    # network and routing would be mistaken for a slower GPU). Overheads only ever add latency, so far
+    # below the target an interval faster than predicted still undoes a learnt slowdown (down to the
+    # model, not past it): else one noisy interval of a heavy-tailed mix (a 100k-token prompt in a
+    # 30 s window) teaches a slowdown that the over-sized deployment it causes can never unlearn, as
+    # its latency stays far below the target
+    floors = {}
+    for phase, observed, predicted, slo in (("prefill", ttft_obs, ttft_pred, target.ttft_target),
+                                            ("decode", itl_obs, itl_pred, target.itl_target)):
+        if math.isfinite(predicted) and max(observed or 0.0, predicted) >= LEARN_ABOVE * slo:
+            floors[phase] = 0.0
+        elif (math.isfinite(predicted) and observed is not None and observed < predicted
+              and getattr(corr, phase) > 1.0):
+            floors[phase] = 1.0
+    # one interval's percentile of a heavy-tailed mix is noisy: it moves the correction by at most
+    # LEARN_STEP (before smoothing), so a run of intervals, not one, is what makes the model slower
+    learnt = corr.observe(_within(ttft_obs, ttft_pred) if "prefill" in floors else None, ttft_pred,
+                          _within(itl_obs, itl_pred) if "decode" in floors else None, itl_pred)
+    learnt = replace(learnt, prefill=max(learnt.prefill, floors.get("prefill", 0.0)),
+                     decode=max(learnt.decode, floors.get("decode", 0.0)))
+    return replace(memory, correction=learnt)
+
+
+def _within(observed: float | None, predicted: float) -> float | None:
+    if observed is None or not math.isfinite(predicted) or predicted <= 0:
+        return observed
+    return min(max(observed, predicted / LEARN_STEP), predicted * LEARN_STEP)
 
 
 def _finite(v: float | None) -> float | None:

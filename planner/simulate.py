@@ -272,6 +272,12 @@ class Interval:
     itl_p: float | None
     attainment: float | None   # of the requests finished in the interval
     reason: str = ""
+    # what the planner sized for and what waited (the bench's per-interval trace: why a row misses)
+    sized_rate: float | None = None
+    prefill_queue: float = 0.0
+    decode_queue: float = 0.0
+    ready_prefill: int = 0
+    ready_decode: int = 0
 
 
 @dataclass
@@ -316,10 +322,11 @@ class SimResult:
                 "max_prefill": max((i.prefill for i in self.intervals), default=0),
                 "max_decode": max((i.decode for i in self.intervals), default=0)}
 
-    def write(self, directory: str | Path, plot: bool = True) -> dict[str, Path]:
+    def write(self, directory: str | Path, plot: bool = True, name: str | None = None) -> dict[str, Path]:
+        """``<name or trace>-<policy>``.csv (per interval), .json (summary) and .png under ``directory``."""
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
-        stem = f"{self.trace}-{self.policy}"
+        stem = f"{name or self.trace}-{self.policy}"
         paths = {"intervals": d / f"{stem}.csv", "summary": d / f"{stem}.json"}
         with paths["intervals"].open("w") as f:
             cols = list(asdict(self.intervals[0]).keys()) if self.intervals else []
@@ -562,7 +569,10 @@ class Simulation:
             t=now, prefill=p, decode=d, gpus=p * self.cfg.prefill_tp + d * self.cfg.decode_tp,
             request_rate=obs.request_rate or 0.0, ttft_p=obs.ttft, itl_p=obs.itl,
             attainment=self._acc_met / self._acc_done if self._acc_done else None,
-            reason=decisions[-1].reason if decisions else ""))
+            reason=decisions[-1].reason if decisions else "",
+            sized_rate=decisions[-1].prediction.get("sizedRate") if decisions else None,
+            prefill_queue=obs.prefill_queue or 0.0, decode_queue=obs.decode_queue or 0.0,
+            ready_prefill=sum(r.ready(now) for r in live_p), ready_decode=sum(r.ready(now) for r in live_d)))
         self._acc_arrivals, self._acc_ttft, self._acc_itl = [], [], []
         self._acc_met = self._acc_done = self._acc_prompt = self._acc_cached = 0
         self._acc_seconds = 0.0

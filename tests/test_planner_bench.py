@@ -18,7 +18,8 @@ POLICIES = {"planner", "static-peak", "reactive", "dynamo"}
 
 
 def test_planner_bench_quick_runs_every_workload_and_policy(tmp_path):
-    run = subprocess.run([sys.executable, str(REPO / "bench" / "planner_compare.py"), "--quick", "--out", str(tmp_path)],
+    run = subprocess.run([sys.executable, str(REPO / "bench" / "planner_compare.py"), "--quick", "--traces",
+                          "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr
     doc = json.loads((tmp_path / "results.json").read_text())
@@ -38,3 +39,13 @@ def test_planner_bench_quick_runs_every_workload_and_policy(tmp_path):
     table = (tmp_path / "table.md").read_text()
     assert table.startswith("| workload |") and all(f"| {w} |" in table for w in WORKLOADS)
     assert "Dynamo-style" in run.stdout
+    # --traces: every policy's per-interval trace, the planner's with what it sized for and what waited
+    for w in WORKLOADS:
+        lines = (tmp_path / "traces" / f"{w}-300s-seed0" / f"{w}-planner.csv").read_text().splitlines()
+        head = lines[0].split(",")
+        assert {"t", "request_rate", "sized_rate", "prefill", "decode", "ready_prefill", "ready_decode",
+                "prefill_queue", "decode_queue", "ttft_p", "itl_p"} <= set(head), head
+        rows = [dict(zip(head, line.split(","))) for line in lines[1:]]
+        assert len(rows) >= 300 // 30 and all(r["sized_rate"] for r in rows), w
+        # the planner sizes for at least the rate it forecast, never less than it saw
+        assert all(float(r["sized_rate"]) >= float(r["request_rate"]) - 1e-6 for r in rows), w

@@ -386,3 +386,42 @@ def test_no_learning_from_a_load_step():
     assert mem.correction == pm.OnlineCorrection()
     _, mem = dc.decide(steady, t, dc.Memory(rate=(3.0,)), MODEL, now=0)   # steady at 3
     assert mem.correction.prefill > 1.0
+
+
+def test_burst_headroom_is_over_each_roles_work_not_the_request_rate():
+    """A tenant mix that shifts to long prompts at a steady request rate (RAG traffic stepping up under
+    steady chat) is a rise of prefill work: once seen, prefill holds headroom for it; decode, whose
+    output tokens/s did not move, does not."""
+    t = target(prefill=2, decode=2, cooldown=0, interval=30, startup=90)
+    mem = dc.Memory()
+    mix = [2000.0] * 10 + [6000.0] * 3 + [2000.0] * 3
+    for i, inp in enumerate(mix):
+        d, mem = dc.decide(obs(rate=4.0, inp=inp, inp_p=inp * 1.5, out=300, ttft=0.3, itl=0.02, t=30 * i), t, mem,
+                           MODEL, now=30 * i)
+    p = d.prediction
+    assert p["requestRate"] == pytest.approx(4.0)
+    assert p["sizedDecodeRate"] == pytest.approx(4.0)       # output tokens/s never rose
+    # prefill is sized for a rise of prompt tokens/s like the one seen (3x the work; never past the most seen)
+    assert p["sizedPrefillRate"] > 1.5 * p["requestRate"]
+    assert p["sizedRate"] == p["sizedPrefillRate"]
+    # the rate-only headroom saw nothing to hold
+    assert dc.burst_headroom(mem.rate, mem.forecast, 4, 30.0)[0] == 0.0
+
+
+def test_one_noisy_slow_interval_is_unlearnt_far_below_target():
+    """A heavy-tailed mix's p90 swings: one interval at several times the predicted TTFT moves the
+    correction by at most LEARN_STEP (before smoothing), and the faster-than-predicted intervals that
+    follow, far below the target, bring it back to the model (never below it, where fixed overheads
+    could not be told from a faster engine)."""
+    t = target(prefill=2, decode=2, cooldown=0, ttft_target=4.0)
+    load = dc.Load(3.0, 8000, 12000, 150)
+    predicted = dc.prefill_latency(MODEL, load, 2, 90)
+    o = obs(rate=3.0, inp=8000, inp_p=12000, out=150, itl=0.02)
+    _, mem = dc.decide(replace(o, ttft=max(10 * predicted, 3.0)), t, dc.Memory(rate=(3.0,)), MODEL, now=0)
+    assert 1.0 < mem.correction.prefill <= dc.LEARN_STEP ** mem.correction.alpha + 1e-9
+    for i in range(1, 15):   # the engine as fast as the model says, far below the 4 s target
+        _, mem = dc.decide(replace(o, ttft=predicted * 0.9), t, mem, MODEL, now=30 * i)
+    assert mem.correction.prefill == pytest.approx(1.0)
+    # far below target a faster-than-predicted interval does not teach a correction below the model
+    _, mem = dc.decide(replace(o, ttft=predicted * 0.5), t, dc.Memory(rate=(3.0,)), MODEL, now=0)
+    assert mem.correction.prefill == 1.0
