@@ -104,18 +104,23 @@ class Endpoint:
 class LocalCluster:
     def __init__(self, name: str = "default", state_dir: Path | None = None, audit_writes: bool = False,
                  real_node: bool = False, audit_reads_of: str | None = None,
-                 audit_groups: tuple[str, ...] = ()):
+                 audit_groups: tuple[str, ...] = (), node_lease_seconds: int = 40):
         """`audit_writes`: log every write request (create/update/patch/delete) to <state>/audit.log,
         so benchmarks can count what a client writes; `audit_reads_of`: also log the get/list/watch
         requests of this user (their URIs show selectors and page sizes); `audit_groups`: every request of a
         member of these groups (e.g. system:serviceaccounts:<namespace>), with its verb, resource and
         response code, so a test can compare what an account did with what its role grants. `real_node`: also run one real
-        node (node.py: containerd, kubelet, kube-proxy) that runs pods for real; one per machine at a time."""
+        node (node.py: containerd, kubelet, kube-proxy) that runs pods for real; one per machine at a time.
+        `node_lease_seconds`: the simulated nodes' lease (kwok renews it every quarter of that; the node
+        lifecycle controller's grace period follows it). Thousands of nodes at the kubelet's 40 s send
+        hundreds of lease writes a second, more than an API server on two cores can take alongside the
+        workload; a fleet benchmark lengthens it, as large clusters' control planes get more cores instead."""
         self.name = name
         self.audit_writes = audit_writes
         self.audit_reads_of = audit_reads_of
         self.audit_groups = tuple(audit_groups)
         self.real_node = real_node
+        self.node_lease_seconds = node_lease_seconds
         self.dir = Path(state_dir) if state_dir else cache_root() / "clusters" / name
         self.pki = PKI(self.dir / "pki")
         self.logs = self.dir / "logs"
@@ -348,8 +353,11 @@ class LocalCluster:
             if self.audit_writes else ""
         groups = (f"  - level: Metadata\n    userGroups: {json.dumps(list(self.audit_groups))}\n"
                   if self.audit_groups else "")
+        # node heartbeats are most of a simulated fleet's writes and no test audits them
+        heartbeats = ("  - level: None\n    namespaces: [kube-node-lease]\n"
+                      "    resources: [{group: coordination.k8s.io, resources: [leases]}]\n")
         policy.write_text("apiVersion: audit.k8s.io/v1\nkind: Policy\nomitStages: [RequestReceived]\nrules:\n"
-                          + groups + reads + writes + "  - level: None\n")
+                          + heartbeats + groups + reads + writes + "  - level: None\n")
         return [f"--audit-policy-file={policy}", f"--audit-log-path={self.audit_log}", "--audit-log-format=json",
                 "--audit-log-maxsize=0"]
 
@@ -365,6 +373,7 @@ class LocalCluster:
             f"--cluster-signing-cert-file={pki / 'ca.crt'}", f"--cluster-signing-key-file={pki / 'ca.key'}",
             f"--service-cluster-ip-range={SERVICE_CIDR}", "--allocate-node-cidrs=false",
             f"--feature-gates={FEATURE_GATES}", "--v=1",
+            *([f"--node-monitor-grace-period={self.node_lease_seconds}s"] if self.node_lease_seconds > 40 else []),
         ])
         self._wait("kube-controller-manager /healthz",
                    lambda: self._http_ok(f"https://127.0.0.1:{p['controller_manager']}/healthz"),
@@ -385,7 +394,7 @@ class LocalCluster:
     def _start_kwok(self, state: dict[str, Any], bins: Path, timeout: float) -> None:
         from .nodepools import write_kwok_config
 
-        config = write_kwok_config(self.dir / "kwok.yaml")
+        config = write_kwok_config(self.dir / "kwok.yaml", self.node_lease_seconds)
         self._spawn(state, "kwok", [
             str(bins / "kwok"), f"--kubeconfig={self.kubeconfig}", f"--config={config}",
             "--manage-all-nodes=false", "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",

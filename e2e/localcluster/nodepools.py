@@ -268,7 +268,7 @@ def _stage(name: str, kind: str, match: list[dict[str, Any]], template: str | No
     return {"apiVersion": "kwok.x-k8s.io/v1alpha1", "kind": "Stage", "metadata": {"name": name}, "spec": spec}
 
 
-def write_kwok_config(path: Path) -> Path:
+def write_kwok_config(path: Path, node_lease_seconds: int = 40) -> Path:
     not_ready = {"key": '.status.conditions.[] | select( .type == "Ready" ) | .status',
                  "operator": "NotIn", "values": ["True"]}
     ready = dict(not_ready, operator="In")
@@ -277,7 +277,7 @@ def write_kwok_config(path: Path) -> Path:
     docs = [
         {"apiVersion": "config.kwok.x-k8s.io/v1alpha1", "kind": "KwokConfiguration",
          # kwok applies no defaults to a configuration file's options: set them all.
-         "options": {"nodeLeaseDurationSeconds": 40, "nodeLeaseParallelism": 8, "podPlayStageParallelism": 8,
+         "options": {"nodeLeaseDurationSeconds": node_lease_seconds, "nodeLeaseParallelism": 8, "podPlayStageParallelism": 8,
                      "nodePlayStageParallelism": 8, "podsOnNodeSyncParallelism": 4}},
         _stage("node-initialize", "Node", [not_ready], _NODE_READY),
         _stage("node-heartbeat", "Node", [ready, {"key": ".status.phase", "operator": "In", "values": ["Running"]}],
