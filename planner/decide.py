@@ -62,6 +62,7 @@ class Observation:
     itl: float | None = None
     input_tokens_mean: float | None = None
     input_tokens_p: float | None = None
+    input_tokens_tail: float | None = None  # at serving.TAIL_PERCENTILE (99): the heavy tail of the mix
     output_tokens_mean: float | None = None
     output_tokens_p: float | None = None
     prefix_hit_ratio: float = 0.0
@@ -85,7 +86,8 @@ class Observation:
 
     def inputs(self) -> dict[str, float]:
         out = {}
-        for key in ("request_rate", "ttft", "itl", "input_tokens_mean", "input_tokens_p", "output_tokens_mean",
+        for key in ("request_rate", "ttft", "itl", "input_tokens_mean", "input_tokens_p", "input_tokens_tail",
+                    "output_tokens_mean",
                     "output_tokens_p", "prefix_hit_ratio", "prefill_queue", "decode_queue", "prefill_running",
                     "decode_running", "decode_kv_usage"):
             v = getattr(self, key)
@@ -162,6 +164,7 @@ class Load:
     input_p: float              # prompt tokens at the SLO percentile
     output_mean: float          # generated tokens
     prefix_hit: float = 0.0     # fraction of prompt tokens already cached
+    input_tail: float | None = None  # prompt tokens at serving.TAIL_PERCENTILE (None: fit at input_p only)
 
 
 @dataclass(frozen=True)
@@ -171,6 +174,7 @@ class Memory:
     rate: tuple[float, ...] = ()
     input_mean: tuple[float, ...] = ()
     input_p: tuple[float, ...] = ()
+    input_tail: tuple[float, ...] = ()
     output_mean: tuple[float, ...] = ()
     prefix_hit: tuple[float, ...] = ()
     correction: OnlineCorrection = field(default_factory=OnlineCorrection)
@@ -194,6 +198,7 @@ class Memory:
         return replace(self, rate=push(self.rate, obs.request_rate),
                        input_mean=push(self.input_mean, obs.input_tokens_mean),
                        input_p=push(self.input_p, obs.input_tokens_p),
+                       input_tail=push(self.input_tail, obs.input_tokens_tail),
                        output_mean=push(self.output_mean, obs.output_tokens_mean),
                        prefix_hit=push(self.prefix_hit, obs.prefix_hit_ratio))
 
@@ -242,7 +247,7 @@ class RoleModels:
 # The arithmetic is the shared serving model's (.serving); these adapt it to the planner's Load.
 
 def _work(models: RoleModels, load: Load, percentile: float) -> serving.PrefillWork:
-    mix = serving.PromptMix(load.input_mean, max(load.input_p, load.input_mean), percentile)
+    mix = serving.PromptMix(load.input_mean, max(load.input_p, load.input_mean), percentile, load.input_tail)
     return serving.prefill_work(models.prefill, mix, load.prefix_hit, models.decode.tp)
 
 
@@ -370,7 +375,9 @@ def decide(obs: Observation, target: Target, memory: Memory, model: PerfModel | 
     if len(memory.input_mean) > 1:  # token mixes: smoothed, but not below the last value
         in_mean = max(_predict("moving-average", memory.input_mean, 0), in_mean)
         out_mean = max(_predict("moving-average", memory.output_mean, 0), out_mean)
-    load = Load(rate, in_mean, in_p, out_mean, hit)
+    # one interval's p99 is its few longest prompts: averaged over the recent intervals, not the last one
+    tail = _predict("moving-average", memory.input_tail, 0) if memory.input_tail else None
+    load = Load(rate, in_mean, in_p, out_mean, hit, tail)
     # headroom for the kind of rise this load has shown, per role in its own work (a replica asked for
     # now serves a start-up later, so a rise within that time is served by what runs already)
     memory, sized_rate_p, sized_rate_d = _sized_rates(obs, memory, load, horizon, target)
@@ -486,7 +493,8 @@ def _sized_rates(obs: Observation, memory: Memory, load: Load, horizon: int,
     per_d = load.output_mean
     # one interval's work is a compound Poisson sum: its variance per request is E[tokens^2], which a
     # heavy-tailed prompt mix makes large (swings of that size are noise, not a burst to hold capacity for)
-    mix = serving.PromptMix(load.input_mean, max(load.input_p, load.input_mean), target.percentile)
+    mix = serving.PromptMix(load.input_mean, max(load.input_p, load.input_mean), target.percentile,
+                            load.input_tail)
     unit_p = max(load.input_mean * math.exp(mix.sigma ** 2), 1.0) * (per_p / max(load.input_mean, 1.0))
     keep = len(memory.rate)
     sized = []
@@ -554,7 +562,7 @@ def _correct(obs: Observation, target: Target, memory: Memory, model: PerfModel 
     corr = memory.correction
     planning = RoleModels.of(model).corrected(corr.prefill, corr.decode)
     load = Load(obs.request_rate, obs.input_tokens_mean, obs.input_tokens_p or obs.input_tokens_mean,
-                obs.output_tokens_mean, obs.prefix_hit_ratio)
+                obs.output_tokens_mean, obs.prefix_hit_ratio, obs.input_tokens_tail)
     if (obs.decode_queue or 0.0) >= 1.0:  # memory-bound decode: neither latency measures the model
         ttft_obs = itl_obs = None
     previous = memory.rate[-1] if memory.rate else None

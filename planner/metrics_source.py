@@ -37,6 +37,7 @@ from disagg.api import metrics as m
 
 from .decide import Observation
 from .reasons import PROMETHEUS_UNREACHABLE, QUERY_ERROR
+from .serving import TAIL_PERCENTILE
 
 SCRAPES_PER_WINDOW = 4
 DEFAULT_SCRAPE_INTERVAL = 15.0  # seconds: the chart's pod monitors' default
@@ -140,6 +141,8 @@ def queries(namespace: str, name: str, percentile: float, window_seconds: float,
         "engine_itl": engine_quantile(m.VLLM_ITL_SECONDS, "decode"),
         "input_tokens_mean": _mean(m.ROUTER_INPUT_TOKENS, sel, w),
         "input_tokens_p": _quantile(q, m.ROUTER_INPUT_TOKENS, sel, w),
+        # the prompt mix's tail beside the SLO's percentile (a Pareto or multi-tenant tail the p90 hides)
+        "input_tokens_tail": _quantile(TAIL_PERCENTILE / 100.0, m.ROUTER_INPUT_TOKENS, sel, w),
         "output_tokens_mean": _mean(m.ROUTER_OUTPUT_TOKENS, sel, w),
         "output_tokens_p": _quantile(q, m.ROUTER_OUTPUT_TOKENS, sel, w),
         "prefix_hit_ratio": (f"sum(rate({m.ROUTER_CACHED_PROMPT_TOKENS}{{{sel}}}[{w}])) / "
@@ -255,6 +258,7 @@ class PrometheusSource:
         return Observation(
             time=now, request_rate=rate, ttft=ttft, itl=itl,
             input_tokens_mean=values["input_tokens_mean"], input_tokens_p=values["input_tokens_p"],
+            input_tokens_tail=values["input_tokens_tail"],
             output_tokens_mean=values["output_tokens_mean"], output_tokens_p=values["output_tokens_p"],
             prefix_hit_ratio=min(max(hit, 0.0), 1.0) if hit is not None else 0.0,
             prefill_queue=values["prefill_queue"], decode_queue=values["decode_queue"],

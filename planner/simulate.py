@@ -546,6 +546,7 @@ class Simulation:
             time=now, request_rate=len(arr) / self.cfg.interval,
             ttft=_pct(self._acc_ttft, self.cfg.percentile), itl=_pct(self._acc_itl, self.cfg.percentile),
             input_tokens_mean=sum(ins) / len(ins) if ins else None, input_tokens_p=_pct(ins, self.cfg.percentile),
+            input_tokens_tail=_pct(ins, serving.TAIL_PERCENTILE),
             output_tokens_mean=sum(outs) / len(outs) if outs else None,
             output_tokens_p=_pct(outs, self.cfg.percentile),
             prefix_hit_ratio=self._acc_cached / self._acc_prompt if self._acc_prompt else 0.0,

@@ -71,7 +71,7 @@ def test_observation_reads_every_series(exporter, source):
     assert o.request_rate == pytest.approx(10, rel=0.35)
     assert 0.2 < o.ttft <= 0.4 and 0.01 < o.itl <= 0.03  # inside the observed value's bucket
     assert o.input_tokens_mean == pytest.approx(2000, rel=0.01) and o.output_tokens_mean == pytest.approx(200, rel=0.01)
-    assert 1024 < o.input_tokens_p <= 2048
+    assert 1024 < o.input_tokens_p <= 2048 and 1024 < o.input_tokens_tail <= 2048  # p90 and p99 alike
     assert o.prefix_hit_ratio == pytest.approx(0.25, abs=0.02)
     assert o.prefill_queue == 0 and o.decode_running == 1 and o.decode_kv_usage == 0.5
 

@@ -102,6 +102,31 @@ def test_prompt_mix_keeps_its_mean_and_percentile():
     assert sv.PromptMix.fixed(3000).lengths() == (3000,)
 
 
+def test_a_pareto_tail_is_fitted_from_the_p99_where_the_p90_hides_it():
+    """Issue 13's Pareto prompts (alpha 1.4 from 3k tokens, cut at 100k, 20% of 1-32 tokens): fitted at
+    the p90 alone the prefill service time's cv^2 is a tenth of the prompts' own; with the p99 the wider
+    fit is taken, close to it. A p99 the p90's fit already explains changes nothing."""
+    import random
+
+    rng = random.Random(0)
+    prompts = sorted(rng.randint(1, 32) if rng.random() < 0.2 else min(3000 / rng.random() ** (1 / 1.4), 100_000)
+                     for _ in range(20000))
+    n, mean = len(prompts), sum(prompts) / len(prompts)
+    p90, p99 = prompts[int(0.9 * n)], prompts[int(0.99 * n)]
+    service = [LLAMA.ttft(x) for x in prompts]
+    s_mean = sum(service) / n
+    true_cv2 = sum(s * s for s in service) / n / s_mean ** 2 - 1
+    at_p90 = sv.prefill_work(LLAMA, sv.PromptMix(mean, p90, 90))
+    with_tail = sv.prefill_work(LLAMA, sv.PromptMix(mean, p90, 90, tail=p99))
+    assert at_p90.cv2 < true_cv2 / 4
+    assert with_tail.cv2 == pytest.approx(true_cv2, rel=0.5) and with_tail.mean == pytest.approx(s_mean, rel=0.25)
+    # a lognormal's own p99 adds nothing to its p90's fit
+    mix = sv.PromptMix(18300, 39000, 90)
+    own_p99 = sorted(mix.lengths())[int(0.99 * sv.MIX_POINTS)]
+    assert sv.PromptMix(18300, 39000, 90, tail=own_p99 * 0.9).sigma == mix.sigma
+    assert sv.PromptMix(18300, 39000, 90, tail=5 * own_p99).sigma > mix.sigma
+
+
 def test_heavy_tails_need_more_prefill_than_their_mean_prompt():
     """Same mean prompt, a heavier tail: more service variance and a costlier mean (attention is quadratic),
     so more replicas for the same TTFT (issue 13: at ~4 requests/s of this mix, 3 prefill replicas ran TTFT
