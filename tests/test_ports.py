@@ -1,6 +1,5 @@
 """Ports for local processes (disagg.workers.ports): outside the kernel's ephemeral range, reserved
-between this project's processes until the one that chose them exits, never a port in use; and a
-local process that lost a port race before it was ready is started once more."""
+between this project's processes until the one that chose them exits, never a port in use."""
 
 from __future__ import annotations
 
@@ -12,10 +11,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-import pytest
-
 from disagg.workers import ports
-from disagg.workers.local import PORT_TAKEN, LocalProcess, free_port
+from disagg.workers.local import free_port
 
 
 class _Picks:
@@ -75,43 +72,3 @@ def test_a_port_something_listens_on_is_passed_over(monkeypatch):
         fcntl.lockf(ports._lock_fd(), fcntl.LOCK_UN, 1, taken, os.SEEK_SET)
         monkeypatch.setattr(ports, "_random", _Picks([taken]))
         assert free_port() != taken
-
-
-def _flaky_server(tmp_path: Path, port: int, losses: int) -> LocalProcess:
-    """A process that exits with the port-race message its first ``losses`` runs, then serves /health."""
-    script = tmp_path / "flaky.py"
-    script.write_text(f"""
-import http.server, pathlib, sys
-runs = pathlib.Path({str(tmp_path / 'runs')!r})
-runs.write_text(runs.read_text() + "x" if runs.exists() else "x")
-if len(runs.read_text()) <= {losses}:
-    print("OSError: [Errno 98] {PORT_TAKEN}", flush=True)
-    sys.exit(1)
-class H(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response(200); self.end_headers()
-    def log_message(self, *a):
-        pass
-http.server.HTTPServer(("127.0.0.1", {port}), H).serve_forever()
-""")
-    return LocalProcess("flaky", [sys.executable, str(script)], {}, f"http://127.0.0.1:{port}", tmp_path)
-
-
-def test_a_process_that_lost_a_port_race_is_started_once_more(tmp_path):
-    p = _flaky_server(tmp_path, free_port(), losses=1).start()
-    try:
-        p.wait_ready(60)
-        assert p.port_race_restarts == 1
-        assert PORT_TAKEN in (tmp_path / "flaky.port-taken.log").read_text()
-    finally:
-        p.stop()
-
-
-def test_a_second_lost_port_race_is_reported(tmp_path):
-    p = _flaky_server(tmp_path, free_port(), losses=2).start()
-    try:
-        with pytest.raises(RuntimeError, match=PORT_TAKEN):
-            p.wait_ready(60)
-        assert p.port_race_restarts == 1
-    finally:
-        p.stop()

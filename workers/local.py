@@ -63,24 +63,14 @@ def wait_metric(url: str, name: str, at_least: float, timeout: float = 30) -> fl
         time.sleep(0.5)
 
 
-# What a process that lost a port race prints (Python's OSError, ZMQ's: EADDRINUSE's strerror; uvicorn
-# writes it in lower case)
-PORT_TAKEN = "Address already in use"
-
-
 class LocalProcess:
-    """A local process with its log in ``log_dir``. Started once more (same command) if it exits before
-    it is ready with "Address already in use" in its log: the ports this project chooses are reserved
-    (:mod:`disagg.workers.ports`), but vLLM still picks internal ones itself (its distributed-init port,
-    bind(0) then bound by its worker process seconds later), and an engine that lost that race is a
-    matter of the machine, not of what a test checks. Once only, and its wait starts over: a second
-    loss is reported."""
+    """A local process with its log in ``log_dir``; the ports it binds come from
+    :func:`~disagg.workers.ports.free_port` (reserved, not raced)."""
 
     def __init__(self, name: str, argv: list[str], env: dict[str, str], url: str, log_dir: Path):
         self.name, self.argv, self.env, self.url = name, argv, env, url
         self.log_path = log_dir / f"{name}.log"
         self.proc: subprocess.Popen | None = None
-        self.port_race_restarts = 0
 
     def start(self) -> LocalProcess:
         log = open(self.log_path, "wb")
@@ -94,13 +84,6 @@ class LocalProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                if self.port_race_restarts == 0 and PORT_TAKEN.lower() in self._log().lower():
-                    self.port_race_restarts += 1
-                    # the lost run's log kept beside the new one
-                    self.log_path.replace(self.log_path.with_suffix(".port-taken.log"))
-                    self.start()
-                    deadline = time.monotonic() + timeout      # a whole start-up again
-                    continue
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; log tail:\n{self.tail()}")
             try:
                 with urllib.request.urlopen(f"{self.url}{path}", timeout=2) as r:
@@ -111,14 +94,11 @@ class LocalProcess:
             time.sleep(0.5)
         raise TimeoutError(f"{self.name} not ready after {timeout}s; log tail:\n{self.tail()}")
 
-    def _log(self) -> str:
+    def tail(self, lines: int = 40) -> str:
         try:
-            return self.log_path.read_text(errors="replace")
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return ""
-
-    def tail(self, lines: int = 40) -> str:
-        return "\n".join(self._log().splitlines()[-lines:])
 
     def kill(self) -> None:
         """Abrupt death (SIGKILL to the process group), as a crashed pod."""

@@ -15,6 +15,11 @@ file in the temporary directory: held by the process that chose it until that pr
 kernel drops the locks of a dead process, so nothing stale stays), never handed out twice by one
 process. A port is taken only if it can be bound right now (something with a fixed port is running).
 Where the lock file or the range is not usable, it falls back to the kernel's choice (bind to 0).
+
+That covers every TCP port a local vLLM worker binds: vLLM 0.32 here picks none of its own (its
+distributed init is a file store, its engine sockets ipc:// paths; only data parallel or a TCP store
+would take ports from vLLM's own bind(0)). So no restart on "Address already in use" either, which
+would also hide a regression in this module.
 """
 
 from __future__ import annotations
