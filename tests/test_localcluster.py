@@ -47,6 +47,27 @@ def test_gpu_pod_runs_and_oversized_pod_stays_pending(api_client, namespace):
     assert core.read_namespaced_pod("too-big", namespace).status.phase == "Pending"
 
 
+def _ready(p):
+    return any(c.type == "Ready" and c.status == "True" for c in p.status.conditions or [])
+
+
+def test_a_running_pod_marked_not_ready_by_the_node_controller_is_ready_again(api_client, namespace):
+    """What the node lifecycle controller does when a node's heartbeat looks late (a loaded control plane's
+    informers lag): Ready=False on a running pod. A live kubelet reports it ready again; kwok must too, or
+    the pod's Deployment stays unavailable for good (seen at 3,000 nodes in bench/operator_scale.py)."""
+    core = _core(api_client)
+    core.create_namespaced_pod(namespace, pod("marked", gpus=1))
+    running = wait_for(lambda: (p := core.read_namespaced_pod("marked", namespace)).status.phase == "Running"
+                       and _ready(p) and p, 60, "pod Running and Ready")
+    conditions = [{"type": c.type, "status": "False" if c.type == "Ready" else c.status,
+                   **({"reason": "NodeNotReady"} if c.type == "Ready" else {})} for c in running.status.conditions]
+    marked = core.patch_namespaced_pod_status("marked", namespace, {"status": {"conditions": conditions}})
+    assert not _ready(marked)
+    again = wait_for(lambda: (p := core.read_namespaced_pod("marked", namespace)) and _ready(p) and p, 60,
+                     "the pod Ready again")
+    assert again.status.phase == "Running" and again.status.pod_ip == running.status.pod_ip
+
+
 def _pod_group(name, min_count):
     return {"apiVersion": "scheduling.k8s.io/v1beta1", "kind": "PodGroup", "metadata": {"name": name},
             "spec": {"schedulingPolicy": {"gang": {"minCount": min_count}}}}

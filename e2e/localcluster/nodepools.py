@@ -231,6 +231,16 @@ phase: Running
 startTime: {{ $now | Quote }}
 """
 
+# A running pod the node lifecycle controller marked NotReady (its node's heartbeat looked late, as
+# happens when a loaded control plane's informers lag) is reported ready again, as a kubelet whose
+# node is alive does; without this it stayed NotReady for good and its Deployment never recovered.
+_POD_READY_AGAIN = """\
+{{ $now := Now }}
+conditions:
+- {type: ContainersReady, status: "True", lastTransitionTime: {{ $now | Quote }}}
+- {type: Ready, status: "True", lastTransitionTime: {{ $now | Quote }}}
+"""
+
 _POD_FAULT = """\
 {{ $now := Now }}
 {{ $fault := index .metadata.annotations "%s" }}
@@ -284,6 +294,9 @@ def write_kwok_config(path: Path, node_lease_seconds: int = 40) -> Path:
                _NODE_READY, delay_ms=300_000),
         _stage("pod-ready", "Pod", [alive, {"key": ".status.phase", "operator": "In", "values": ["Pending"]},
                                     {"key": fault_key, "operator": "DoesNotExist"}, not_ready], _POD_RUNNING),
+        _stage("pod-ready-again", "Pod", [alive, {"key": ".status.phase", "operator": "In", "values": ["Running"]},
+                                          {"key": fault_key, "operator": "DoesNotExist"}, not_ready],
+               _POD_READY_AGAIN),
         _stage("pod-fault", "Pod", [alive, {"key": fault_key, "operator": "Exists"},
                                     {"key": '.status.containerStatuses.[].state.waiting.reason',
                                      "operator": "DoesNotExist"}], _POD_FAULT),
