@@ -170,3 +170,47 @@ def test_sighup_while_starting_stops_the_children(worker_python, tiny_model, tmp
 ])
 def test_metrics_text_is_read_with_prometheus_clients_parser(text, want):
     assert parse_metrics(text) == want
+
+
+_HANGS_ONCE = """
+import http.server, pathlib, sys, time
+marker = pathlib.Path(sys.argv[1])
+print("starting", flush=True)
+if not marker.exists():
+    marker.write_text("hung once")
+    time.sleep(3600)  # a start-up that hangs: no further log line, never ready
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[2])), Health).serve_forever()
+"""
+
+
+def test_a_process_whose_start_up_hangs_is_started_once_more(tmp_path):
+    """LocalProcess's stall restart (vLLM engines use it): no log line for stall_restart_s while not
+    ready -> killed and started again once, the hung run's log kept; a process that keeps hanging
+    still fails (no endless restarts)."""
+    from disagg.workers.local import LocalProcess
+
+    port = free_port()
+    argv = [sys.executable, "-c", _HANGS_ONCE, str(tmp_path / "marker"), str(port)]
+    p = LocalProcess("hangs-once", argv, {}, f"http://127.0.0.1:{port}", tmp_path, stall_restart_s=2)
+    try:
+        p.start().wait_ready(timeout=60)
+        assert p.restarts == 1
+        assert (tmp_path / "hangs-once.stalled.log").read_text().strip() == "starting"
+    finally:
+        p.stop(grace=2)
+
+    (tmp_path / "always").mkdir()
+    hangs = LocalProcess("hangs", [sys.executable, "-c", "print('starting', flush=True); import time; "
+                                   "time.sleep(3600)"], {}, f"http://127.0.0.1:{free_port()}", tmp_path / "always",
+                         stall_restart_s=1)
+    try:
+        with pytest.raises(TimeoutError, match="not ready after 4s"):
+            hangs.start().wait_ready(timeout=4)
+        assert hangs.restarts == 1
+    finally:
+        hangs.stop(grace=2)

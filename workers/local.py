@@ -67,10 +67,18 @@ class LocalProcess:
     """A local process with its log in ``log_dir``; the ports it binds come from
     :func:`~disagg.workers.ports.free_port` (reserved, not raced)."""
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], url: str, log_dir: Path):
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], url: str, log_dir: Path,
+                 stall_restart_s: float | None = None):
+        """`stall_restart_s`: while waiting to be ready, a process whose log has not grown for this long
+        is killed and started once more (its log kept as <name>.stalled.log). For vLLM engines: a CPU
+        engine's worker process has hung in start-up, at load average 2, with no log line for minutes
+        after its first (a clean-clone CI run of 2026-12-02); a second start is the cheap way through,
+        and the kept log the evidence. Slow start-ups still print, so they are not restarted."""
         self.name, self.argv, self.env, self.url = name, argv, env, url
         self.log_path = log_dir / f"{name}.log"
         self.proc: subprocess.Popen | None = None
+        self.stall_restart_s = stall_restart_s
+        self.restarts = 0
 
     def start(self) -> LocalProcess:
         log = open(self.log_path, "wb")
@@ -82,6 +90,7 @@ class LocalProcess:
 
     def wait_ready(self, timeout: float = 300, path: str = "/health") -> LocalProcess:
         deadline = time.monotonic() + timeout
+        log_size, grew_at = -1, time.monotonic()
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; log tail:\n{self.tail()}")
@@ -91,8 +100,30 @@ class LocalProcess:
                         return self
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
+            if self.stall_restart_s and not self.restarts:
+                size = self._log_size()
+                if size != log_size:
+                    log_size, grew_at = size, time.monotonic()
+                elif time.monotonic() - grew_at > self.stall_restart_s:
+                    self._restart_stalled()
+                    deadline, log_size, grew_at = time.monotonic() + timeout, -1, time.monotonic()
             time.sleep(0.5)
         raise TimeoutError(f"{self.name} not ready after {timeout}s; log tail:\n{self.tail()}")
+
+    def _log_size(self) -> int:
+        try:
+            return self.log_path.stat().st_size
+        except OSError:
+            return -1
+
+    def _restart_stalled(self) -> None:
+        self.kill()
+        stalled = self.log_path.with_name(f"{self.name}.stalled.log")
+        self.log_path.replace(stalled)
+        print(f"{self.name}: no log line for {self.stall_restart_s:.0f}s while starting; killed and started "
+              f"once more (its log: {stalled})", file=sys.stderr, flush=True)
+        self.restarts += 1
+        self.start()
 
     def tail(self, lines: int = 40) -> str:
         try:
@@ -133,7 +164,13 @@ def worker(name: str, settings: WorkerSettings, python: str, log_dir: Path) -> L
     argv = [sys.executable, "-P", "-m", "disagg.workers", "serve", "--python", python]
     # the entrypoint reads DISAGG_* and builds the vLLM command itself
     build(settings, python)  # validates the settings here, before a process starts
-    return LocalProcess(name, argv, env, f"http://127.0.0.1:{settings.port}", log_dir)
+    return LocalProcess(name, argv, env, f"http://127.0.0.1:{settings.port}", log_dir,
+                        stall_restart_s=ENGINE_STALL_S)
+
+
+# No log line for this long while a vLLM engine starts: hung, not slow. The longest silent step of a
+# normal start, importing torch and vLLM in the engine's worker process, took 25 s at load average 2.
+ENGINE_STALL_S = 180
 
 
 def cpu_settings(role: str, model: str, cores: str, **kw) -> WorkerSettings:
