@@ -45,10 +45,10 @@ PROMPTS = ["def parse_args(argv): return the namespace of", "The quick brown fox
 CHATS = [[{"role": "user", "content": "Say hello to the parser."}],
          [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Wrap this text " * 10}]]
 MAX_TOKENS = 12
-# How long the failure tests' setup waits for decode-b, started minutes before (`decode_b`): a start-up
-# takes ~1 min on a quiet machine, 4-5 at a load average of 20-60 here. The first failure test, whose
-# setup this is, has its own pytest limit (FIRST_FAILURE_TEST_TIMEOUT) so a slow start-up reaches
-# this wait's message, with decode-b's log, rather than pytest's 600 s cut.
+# How long the failure tests' setup waits for decode-b, started alone after the tests on the pair
+# (`decode_b`): a start-up takes ~1 min on a quiet machine, 4-5 at a load average of 20-60 here. The
+# first failure test, whose setup this is, has its own pytest limit (FIRST_FAILURE_TEST_TIMEOUT) so a
+# slow start-up reaches this wait's message, with decode-b's log, rather than pytest's 600 s cut.
 DECODE_B_WAIT_S = 1200
 FIRST_FAILURE_TEST_TIMEOUT = DECODE_B_WAIT_S + 600
 
@@ -80,19 +80,21 @@ def reference(tiny_model, worker_python, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def decode_b(tiny_model, worker_python, tmp_path_factory):
-    """A second decode worker (core 0) that only the failure tests' router knows, started before anything
-    else (`pd` asks for it before `reference`): it starts beside the reference server, two engines at
-    once as the pair after them, so its start-up is off the module's critical path (started after the
-    pair, it was: ~4 min of a run's 8 here); `failures` waits for it. Not with the pair: three engines
-    starting at once on two loaded cores missed the 300 s wait."""
+    """A second decode worker (core 0) that only the failure tests' router knows. Started alone, once the
+    tests on the pair have run (the first failure test asks for it): vLLM CPU engines started beside
+    other starting engines hung in start-up here (a clean-clone run of 2026-12-02: the reference server
+    beside decode-b; then the pair while decode-b still started), where the pair alone never did."""
     p = worker("decode-b", cpu_settings("decode", tiny_model, "0"), worker_python,
                tmp_path_factory.mktemp("decode-b")).start()
-    yield p
-    p.stop()
+    try:
+        p.wait_ready(DECODE_B_WAIT_S)
+        yield p
+    finally:
+        p.stop()
 
 
 @pytest.fixture(scope="module")
-def pd(decode_b, reference, tiny_model, worker_python, tmp_path_factory):
+def pd(reference, tiny_model, worker_python, tmp_path_factory):
     """prefill (core 0) + decode (core 1) + the router, disaggregating every request."""
     logs = tmp_path_factory.mktemp("pd")
     prefill_s = cpu_settings("prefill", tiny_model, "0")
@@ -123,7 +125,7 @@ def pd(decode_b, reference, tiny_model, worker_python, tmp_path_factory):
         stop_all(list(procs.values()))
 
 
-# its setup starts the engines (reference and decode-b, then the pair), each wait bounded by wait_ready's
+# its setup starts the engines (the reference, then the pair), each wait bounded by wait_ready's
 # 300 s, so a slow start-up fails with that engine's log rather than pytest's 600 s cut
 @pytest.mark.timeout(1200)
 def test_openai_client_gets_the_aggregated_servers_text(pd, reference):
@@ -272,7 +274,6 @@ def failures(pd, decode_b, tmp_path_factory):
     (logs / "router.json").write_text(json.dumps(config))
     r = router(logs / "router.json", port, logs)
     try:
-        decode_b.wait_ready(DECODE_B_WAIT_S)
         r.start().wait_ready()
         yield {"router": r, "proxy": proxy, "prefill": pd["prefill"],
                "decodes": {p.url: p for p in (pd["decode"], decode_b)}}
