@@ -125,3 +125,25 @@ def test_cpu_build_binds_openmp_to_the_cores_it_may_use():
     assert [int(c) for c in cores.split(",")] == sorted(os.sched_getaffinity(0))
     assert build(WorkerSettings(role="decode", model="/m", cpu=True, cpu_cores="1")).env[
         "VLLM_CPU_OMP_THREADS_BIND"] == "1"
+
+
+def test_cpu_build_gives_nixls_progress_thread_a_poll_timeout(monkeypatch):
+    """NIXL's progress thread busy-polls by default; on the CPU build the engine gets a timeout and the
+    folder whose sitecustomize applies it, ahead of any PYTHONPATH it had. GPU workers keep NIXL's
+    default unless the setting asks; an aggregated server (no NIXL) gets neither."""
+    import os
+
+    from disagg.workers.command import CPU_NIXL_PROGRESS_DELAY_US, ENGINE_SITE_DIR
+
+    monkeypatch.setenv("PYTHONPATH", "/opt/extra")
+    env = build(WorkerSettings(role="prefill", model="/m", cpu=True)).env
+    assert env["DISAGG_NIXL_PROGRESS_DELAY_US"] == str(CPU_NIXL_PROGRESS_DELAY_US)
+    assert env["PYTHONPATH"].split(os.pathsep) == [ENGINE_SITE_DIR, "/opt/extra"]
+    assert os.path.isfile(os.path.join(ENGINE_SITE_DIR, "sitecustomize.py"))
+    gpu = build(WorkerSettings(role="prefill", model="/m")).env
+    assert "DISAGG_NIXL_PROGRESS_DELAY_US" not in gpu and "PYTHONPATH" not in gpu
+    assert build(WorkerSettings(role="decode", model="/m", nixl_progress_delay_us=250)).env[
+        "DISAGG_NIXL_PROGRESS_DELAY_US"] == "250"
+    assert "PYTHONPATH" not in build(WorkerSettings(role="decode", model="/m", cpu=True, kv_transfer=False)).env
+    assert "PYTHONPATH" not in build(WorkerSettings(role="decode", model="/m", cpu=True,
+                                                    nixl_progress_delay_us=0)).env

@@ -25,6 +25,12 @@ KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer"}
 # Shared memory (posix, sysv: "sm" adds them) carries only active messages in UCX, so it would
 # never carry a read here; self: an agent's transfers to itself.
 CPU_UCX_TLS = "tcp,self,cma"
+# NIXL's UCX progress thread polls with this timeout on the CPU build instead of busy-polling (see
+# engine_site/sitecustomize.py): an idle engine's spinning thread starved engines starting beside it.
+CPU_NIXL_PROGRESS_DELAY_US = 1000
+# On every engine's PYTHONPATH when the delay is set: its sitecustomize applies the delay in each of
+# the engine's processes (API server, engine core, spawned workers).
+ENGINE_SITE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "engine_site")
 
 
 @dataclass(frozen=True)
@@ -97,5 +103,11 @@ def build(s: WorkerSettings, python: str = "python") -> Command:
         env["VLLM_CPU_OMP_THREADS_BIND"] = s.cpu_cores or allowed_cores()
         env["VLLM_CPU_CI_ENV"] = "1"       # skip graph compilation at start-up
         env.setdefault("UCX_TLS", CPU_UCX_TLS)
+    delay = s.nixl_progress_delay_us
+    if delay is None:
+        delay = CPU_NIXL_PROGRESS_DELAY_US if s.cpu else 0
+    if s.kv_transfer and delay:
+        env["DISAGG_NIXL_PROGRESS_DELAY_US"] = str(delay)
+        env["PYTHONPATH"] = os.pathsep.join([ENGINE_SITE_DIR, *filter(None, [os.environ.get("PYTHONPATH")])])
     argv += s.engine_args
     return Command(argv=argv, env=env)

@@ -44,6 +44,11 @@ class WorkerSettings(BaseModel):
     nixl_backends: list[str] = Field(default_factory=lambda: ["UCX"], min_length=1)
     ucx_tls: str | None = Field(None, description="UCX transports (UCX_TLS); on CPU it must include tcp.")
     kv_lease_seconds: int = Field(30, ge=1, description="How long a prefill keeps KV that nobody pulled.")
+    nixl_progress_delay_us: int | None = Field(
+        None, ge=0, description="Poll timeout (µs) of NIXL's UCX progress thread (it still wakes at once on UCX "
+                                "events). nixl 1.5 busy-polls (0), one core per idle engine; default: 1000 on the CPU "
+                                "build, where that core is the compute's, NIXL's own 0 otherwise "
+                                "(workers/engine_site/sitecustomize.py).")
     cpu: bool = Field(False, description="vLLM's CPU build: float32, eager mode, explicit OpenMP binding.")
     cpu_cores: str | None = Field(None, description="Cores this instance's OpenMP threads bind to, e.g. '0' or "
                                                     "'2-3' (VLLM_CPU_OMP_THREADS_BIND); distinct per instance.")
