@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -215,6 +216,8 @@ def main() -> int:
     ap.add_argument("--nodes", type=int, default=3000)
     ap.add_argument("--deployments", type=int, default=300)
     ap.add_argument("--idle", type=int, default=60)
+    ap.add_argument("--tracemalloc", type=int, default=0, metavar="FRAMES",
+                    help="trace the operator's Python allocations (adds to its RSS); reports in operator-memory.txt")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="disagg-bench-"))
     (work / "pools.yaml").write_text(yaml.safe_dump(pools(args.nodes)))
@@ -258,8 +261,13 @@ def main() -> int:
         kubeconfig = operator_kubeconfig(cluster, api, work / "operator.kubeconfig")
         log = open(work / "operator.log", "w")
         audit_start = cluster.audit_log.stat().st_size
+        # where its memory goes (operator/memory.py): a report when empty, when full and at exit
+        memory_report = work / "operator-memory.txt"
+        env = {**os.environ, "KUBECONFIG": str(kubeconfig), "DISAGG_OPERATOR_MEMORY": str(memory_report)}
+        if args.tracemalloc:
+            env["DISAGG_OPERATOR_TRACEMALLOC"] = str(args.tracemalloc)
         operator = subprocess.Popen([sys.executable, "-m", "disagg.operator", "--liveness",
-                                     f"http://127.0.0.1:{free_port()}/healthz"], env={**os.environ, "KUBECONFIG": str(kubeconfig)},
+                                     f"http://127.0.0.1:{free_port()}/healthz"], env=env,
                                     stdout=log, stderr=subprocess.STDOUT)
         core.create_namespace({"metadata": {"name": "ops"}})
         wait_for(lambda: core.list_namespaced_service_account("ops").items, 60, "ops SA")
@@ -267,6 +275,7 @@ def main() -> int:
         wait_for(lambda: any(e.get("verb") == "watch" for e in audit_events(cluster.audit_log, audit_start)), 60,
                  "the operator's watches")
         rss_empty = rss_mib(operator.pid)
+        operator.send_signal(signal.SIGUSR1)
         t = time.monotonic()
         for i in range(args.deployments):
             custom.create_namespaced_custom_object(GROUP, VERSION, "ops", PLURAL, disagg_deployment(i))
@@ -283,11 +292,15 @@ def main() -> int:
         # come a refresh before Progressing turns False, and old gang objects are pruned after that)
         wait_for(lambda: all_converged(custom, args.deployments), 600, "every status settled", interval=1)
         rss_full = rss_mib(operator.pid)
+        operator.send_signal(signal.SIGUSR1)
         time.sleep(5)
         offset = cluster.audit_log.stat().st_size
         time.sleep(args.idle)
-        writes = [e for e in audit_events(cluster.audit_log, offset)
-                  if e.get("verb") in ("create", "update", "patch", "delete", "deletecollection")]
+        idle = audit_events(cluster.audit_log, offset)
+        writes = [e for e in idle if e.get("verb") in ("create", "update", "patch", "delete", "deletecollection")]
+        # every request while settled (reads are audited for the operator's user), per second, by verb
+        idle_rates = {verb: round(n / args.idle, 2) for verb, n in sorted(Counter(e.get("verb") for e in idle
+                                                                                   ).items())}
 
         # ---- churn on the operator's deployments
         t_op_churn = churn_operator(custom, core, args.deployments, want)
@@ -305,6 +318,8 @@ def main() -> int:
             "operator_rss_mib_no_deployments": round(rss_empty, 1),
             "operator_rss_mib_per_100_deployments": round((rss_full - rss_empty) / (args.deployments / 100), 1),
             f"operator_writes_in_{args.idle}s_idle": len(writes),
+            f"operator_requests_per_second_in_{args.idle}s_idle": idle_rates,
+            "operator_memory_report": str(memory_report),
             "idle_write_examples": [f"{w['verb']} {w['objectRef'].get('resource')}/{w['objectRef'].get('name')}"
                                     for w in writes[:5]],
             "operator_list_and_watch_requests": reads,

@@ -13,6 +13,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--namespace", action="append", help="watch only these namespaces (repeatable)")
     parser.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", help="liveness endpoint URL")
     args = parser.parse_args(argv)
+    from . import memory
+
+    memory.install()  # opt-in (DISAGG_OPERATOR_MEMORY / DISAGG_OPERATOR_TRACEMALLOC): before the imports it traces
     from . import handlers  # noqa: F401  (registers the handlers)
 
     asyncio.run(kopf.operator(clusterwide=not args.namespace, namespaces=args.namespace or (),

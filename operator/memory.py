@@ -1,0 +1,106 @@
+"""Where the operator's memory goes, on request: an opt-in report written on SIGUSR1 and at exit.
+
+    DISAGG_OPERATOR_MEMORY=/path/report.txt      cheap: RSS, glibc heap, threads, live objects by type
+    DISAGG_OPERATOR_TRACEMALLOC=<frames>         also trace Python allocations (costs memory and CPU)
+
+Each report is appended to the file, so one run's reports (say, empty, full and at exit) sit side by
+side. The numbers that tell fragmentation from live objects: RSS against glibc's in-use bytes (mallinfo2
+``uordblks``) and free bytes kept in its arenas (``fordblks``: freed but not returned, one set of arenas per
+thread that ever malloc'd), and, with tracing on, against the bytes Python objects hold now.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import gc
+import os
+import signal
+import sys
+import threading
+import time
+import tracemalloc
+from collections import Counter
+from pathlib import Path
+
+REPORT_ENV = "DISAGG_OPERATOR_MEMORY"
+TRACE_ENV = "DISAGG_OPERATOR_TRACEMALLOC"
+TOP = 30
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+        "keepcost")]
+
+
+def proc_status(fields: tuple[str, ...] = ("VmRSS", "VmHWM", "RssAnon", "Threads")) -> dict[str, int]:
+    """Fields of /proc/self/status (kB, except Threads)."""
+    out = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in fields:
+            out[key] = int(value.split()[0])
+    return out
+
+
+def mallinfo() -> dict[str, int] | None:
+    """glibc's heap counters in bytes (None off glibc or before 2.33)."""
+    try:
+        fn = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.restype = _MallInfo2
+    info = fn()
+    return {"arena": info.arena, "mmapped": info.hblkhd, "in_use": info.uordblks + info.hblkhd,
+            "free_in_arenas": info.fordblks}
+
+
+def report(reason: str) -> str:
+    mib = 1024 * 1024
+    status = proc_status()
+    lines = [f"== operator memory, {reason}, {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}",
+             f"rss {status.get('VmRSS', 0) / 1024:.1f} MiB, peak {status.get('VmHWM', 0) / 1024:.1f} MiB, "
+             f"anon {status.get('RssAnon', 0) / 1024:.1f} MiB, threads {status.get('Threads', 0)} "
+             f"(python {threading.active_count()})"]
+    heap = mallinfo()
+    if heap:
+        lines.append("glibc heap: " + ", ".join(f"{k} {v / mib:.1f} MiB" for k, v in heap.items()))
+    if tracemalloc.is_tracing():
+        current, peak = tracemalloc.get_traced_memory()
+        lines.append(f"python objects (tracemalloc): {current / mib:.1f} MiB now, {peak / mib:.1f} MiB peak; "
+                     f"tracemalloc's own {tracemalloc.get_tracemalloc_memory() / mib:.1f} MiB")
+        snapshot = tracemalloc.take_snapshot().filter_traces(
+            [tracemalloc.Filter(False, tracemalloc.__file__), tracemalloc.Filter(False, "<frozen importlib._bootstrap>")])
+        lines.append(f"top {TOP} allocation sites (file:line, size, count):")
+        for stat in snapshot.statistics("lineno")[:TOP]:
+            frame = stat.traceback[0]
+            lines.append(f"  {stat.size / 1024:10.1f} KiB {stat.count:8d}  {frame.filename}:{frame.lineno}")
+        lines.append(f"top {TOP} by file:")
+        for stat in snapshot.statistics("filename")[:TOP]:
+            lines.append(f"  {stat.size / 1024:10.1f} KiB {stat.count:8d}  {stat.traceback[0].filename}")
+    counts = Counter(type(o).__qualname__ for o in gc.get_objects())
+    lines.append(f"live gc-tracked objects: {sum(counts.values())}; top {TOP} types:")
+    lines += [f"  {n:9d}  {name}" for name, n in counts.most_common(TOP)]
+    return "\n".join(lines) + "\n"
+
+
+def _write(path: str, reason: str) -> None:
+    try:
+        with open(path, "a") as f:
+            f.write(report(reason))
+    except Exception as e:  # a diagnostic must never take the operator down
+        print(f"memory report to {path} failed: {e!r}", file=sys.stderr)
+
+
+def install() -> None:
+    """Start tracing and register the report (SIGUSR1, exit) when the environment asks for them."""
+    frames = os.environ.get(TRACE_ENV)
+    if frames:
+        tracemalloc.start(int(frames) if frames.isdigit() else 1)
+    path = os.environ.get(REPORT_ENV)
+    if not path:
+        return
+    # the handler runs on the main thread between bytecodes (asyncio's loop is there too): no lock held
+    signal.signal(signal.SIGUSR1, lambda *_: _write(path, "SIGUSR1"))
+    atexit.register(_write, path, "exit")
