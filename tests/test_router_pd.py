@@ -81,13 +81,10 @@ def reference(tiny_model, worker_python, tmp_path_factory):
 @pytest.fixture(scope="module")
 def decode_b(tiny_model, worker_python, tmp_path_factory):
     """A second decode worker (core 0) that only the failure tests' router knows. Started alone, once the
-    tests on the pair have run (the first failure test asks for it): vLLM CPU engines started beside
-    other starting engines hung in start-up here (a clean-clone run of 2026-12-02: the reference server
-    beside decode-b; then the pair while decode-b still started), where the pair alone never did."""
-    if os.environ.get("DISAGG_PD_FAILURES") != "1":
-        pytest.skip("opt-in (DISAGG_PD_FAILURES=1) again: a third vLLM CPU engine started beside the pair hung "
-                    "in start-up twice in a row on 2026-12-02 (no log line after its OpenMP binding), also "
-                    "when started alone; until that hang is understood it would fail make test")
+    tests on the pair have run (the first failure test asks for it), so its start-up competes with no
+    other. (Engines that started beside others used to "hang" here: the idle engines' NIXL progress
+    threads busy-polled a core each and starved the starting one, pinned to a busy core, of CPU; the
+    engines' sitecustomize now gives that thread a poll timeout, tests/test_nixl_progress.py.)"""
     p = worker("decode-b", cpu_settings("decode", tiny_model, "0"), worker_python,
                tmp_path_factory.mktemp("decode-b")).start()
     try:

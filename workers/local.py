@@ -70,10 +70,11 @@ class LocalProcess:
     def __init__(self, name: str, argv: list[str], env: dict[str, str], url: str, log_dir: Path,
                  stall_restart_s: float | None = None):
         """`stall_restart_s`: while waiting to be ready, a process whose log has not grown for this long
-        is killed and started once more (its log kept as <name>.stalled.log). For vLLM engines: a CPU
-        engine's worker process has hung in start-up, at load average 2, with no log line for minutes
-        after its first (a clean-clone CI run of 2026-12-02); a second start is the cheap way through,
-        and the kept log the evidence. Slow start-ups still print, so they are not restarted."""
+        is killed and started once more (its log kept as <name>.stalled.log). For vLLM engines, a safety
+        net: engines starting beside idle ones printed nothing for minutes here, starved of CPU by the
+        idle engines' busy-polling NIXL threads (fixed in workers/engine_site); should a start-up stall
+        again, a second start is the cheap way through and the kept log the evidence. Slow start-ups
+        still print, so they are not restarted."""
         self.name, self.argv, self.env, self.url = name, argv, env, url
         self.log_path = log_dir / f"{name}.log"
         self.proc: subprocess.Popen | None = None
