@@ -180,7 +180,8 @@ async def relay(resp: aiohttp.ClientResponse, worker: str, end: StreamEnd, *, st
                                 f"{event[6:206].decode(errors='replace')}"
                     end.failure = event + b"\n\n" + _DONE + b"\n\n"
                     break
-                usage_only = _USAGE_ONLY.search(event) is not None
+                # the regex only where it can match: a plain substring test rules out nearly every token event
+                usage_only = b"[]" in event and _USAGE_ONLY.search(event) is not None
                 if tokens is not None and (tokens.reshaping or not usage_only):
                     event = tokens.scan(event)
                 if usage_only:
