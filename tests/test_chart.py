@@ -219,6 +219,8 @@ def test_operator_pod_runs_the_images_entrypoints_with_values(helm):
         "template"]["spec"]["containers"][0]
     assert "--namespace=a" in planner["args"] and "--namespace=b" in planner["args"]
     assert {"name": "DISAGG_OPERATOR_METRICS_PORT", "value": "8000"} in op["env"]
+    # glibc's malloc arenas capped (operator/memory.py; bench/operator_scale.py runs it the same way)
+    assert {"name": "MALLOC_ARENA_MAX", "value": "2"} in op["env"]
     # each its own ServiceAccount
     assert pod["serviceAccountName"] == "disagg"
     assert planner_pod["serviceAccountName"] == "disagg-planner"
