@@ -8,8 +8,11 @@ the next needs (a live prefill until the last, at least one live decode):
 
 - A decode worker killed (SIGKILL) mid-stream: the router continues the client's stream on the other decode
   worker from the token ids generated so far; at temperature 0 the client's text is the uninterrupted
-  run's, its usage counts every token once, and the migration is counted. Made deterministic by counting:
-  the decode is killed once the client holds KILL_AFTER tokens of a stream MAX_TOKENS long (ignore_eos).
+  run's, its usage counts every token once, and the migration is counted. Made deterministic by counting
+  where the router reads: a proxy in front of each decode worker relays its stream and, once armed, kills
+  the worker after relaying KILL_AFTER token chunks and cuts the stream there (a trigger on the client's
+  side raced the engine: without busy-polling NIXL threads slowing it, a decode finished its whole stream
+  before the client had read KILL_AFTER tokens, and nothing was left to migrate).
 - A prefill worker hung (SIGSTOP) right after it answered: the request completes with the same text and
   never hangs. Whether the decode's pull needs the stopped engine varies (seen: it waited, and the router
   gave it up when its probes found the prefill unhealthy, prefill_lost; and it went through); a decode
@@ -26,6 +29,7 @@ import concurrent.futures
 import json
 import os
 import signal
+import socket
 import threading
 import urllib.error
 import urllib.request
@@ -254,6 +258,79 @@ class _KillingProxy:
         self.server.server_close()
 
 
+class _DecodeProxy:
+    """HTTP in front of a decode worker, relaying each response line by line as it comes. Once armed with
+    a count, it relays that many token chunks of the next stream, then kills the worker (SIGKILL), cuts
+    the stream, and disarms its peers (the continuation goes through one of them): the router has seen
+    exactly that many tokens, however far the engine had got."""
+
+    def __init__(self, worker):
+        self.worker, self.after, self.fired = worker, None, threading.Event()
+        self.peers: list[_DecodeProxy] = [self]
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _relay(self, body: bytes | None):
+                req = urllib.request.Request(f"{proxy.worker.url}{self.path}", data=body, method=self.command,
+                                             headers={"Content-Type": "application/json"})
+                try:
+                    r = urllib.request.urlopen(req, timeout=300 if body else 5)
+                except urllib.error.HTTPError as e:
+                    r = e
+                except OSError:
+                    self.send_error(502, "decode unreachable")
+                    return
+                with r:
+                    self.send_response(r.status)
+                    self.send_header("Content-Type", r.headers.get("Content-Type", "application/json"))
+                    self.end_headers()          # HTTP/1.0, no length: the body ends when the connection does
+                    tokens = 0
+                    for line in r:
+                        self.wfile.write(line)
+                        self.wfile.flush()
+                        if proxy.after is None or not line.startswith(b"data: {"):
+                            continue
+                        if json.loads(line[6:]).get("choices"):
+                            tokens += 1
+                            if tokens == proxy.after:
+                                for peer in proxy.peers:
+                                    peer.after = None
+                                proxy.worker.kill()
+                                proxy.fired.set()
+                                self.connection.shutdown(socket.SHUT_RDWR)
+                                return
+
+            def do_GET(self):
+                self._relay(None)
+
+            def do_POST(self):
+                self._relay(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+
+            def log_message(self, *args):
+                pass
+
+        class Server(ThreadingHTTPServer):
+            daemon_threads = True
+
+            def handle_error(self, request, client_address):
+                pass            # the router went away first, or the cut stream's socket: nothing to tell
+
+        self.server = Server(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def arm(self, after: int) -> None:
+        self.fired.clear()
+        self.after = after
+
+    def disarm(self) -> None:
+        self.after = None
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
 @pytest.fixture(scope="module")
 def failures(pd, decode_b, tmp_path_factory):
     """A second router over the same prefill (through a :class:`_KillingProxy`) and both decode workers:
@@ -262,6 +339,9 @@ def failures(pd, decode_b, tmp_path_factory):
     logs = tmp_path_factory.mktemp("pd-failures")
     first = json.loads(Path(pd["router"].argv[-1]).read_text())     # the first router's configuration
     proxy = _KillingProxy(pd["prefill"].url)
+    decode_proxies = [_DecodeProxy(w) for w in (pd["decode"], decode_b)]
+    for d in decode_proxies:
+        d.peers = decode_proxies
     port = free_port()
     config = {"model": first["model"], "tokenizer": first["tokenizer"], "block_size": first["block_size"],
               "port": port, "host": "127.0.0.1", "health_interval_s": 1,
@@ -271,21 +351,22 @@ def failures(pd, decode_b, tmp_path_factory):
               # a slow prefill on a loaded 2-core machine must not turn into a (correct) fallback
               "prefill_timeout_s": 120,
               "prefill": [{"url": proxy.url}],
-              "decode": [{"url": pd["decode"].url}, {"url": decode_b.url}]}
+              "decode": [{"url": d.url} for d in decode_proxies]}
     (logs / "router.json").write_text(json.dumps(config))
     r = router(logs / "router.json", port, logs)
     try:
         r.start().wait_ready()
-        yield {"router": r, "proxy": proxy, "prefill": pd["prefill"],
-               "decodes": {p.url: p for p in (pd["decode"], decode_b)}}
+        yield {"router": r, "proxy": proxy, "prefill": pd["prefill"], "decode_proxies": decode_proxies,
+               "decodes": {d.url: d.worker for d in decode_proxies}}
     finally:
         r.stop()
         proxy.close()
+        for d in decode_proxies:
+            d.close()
 
 
-def _stream(url: str, on_chunk=None) -> tuple[dict, str, list[dict]]:
-    """One streamed completion of FAILURE_PROMPT at temperature 0: (route headers, text, chunks);
-    ``on_chunk(route, n)`` after the n-th token chunk."""
+def _stream(url: str) -> tuple[dict, str, list[dict]]:
+    """One streamed completion of FAILURE_PROMPT at temperature 0: (route headers, text, chunks)."""
     body = {"model": "tiny", "prompt": FAILURE_PROMPT, "max_tokens": MAX_TOKENS_LONG, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
@@ -302,8 +383,6 @@ def _stream(url: str, on_chunk=None) -> tuple[dict, str, list[dict]]:
             chunks.append(event)
             if event["choices"]:
                 text.append(event["choices"][0]["text"])
-                if on_chunk:
-                    on_chunk(route, len(text))
     return route, "".join(text), chunks
 
 
@@ -331,16 +410,17 @@ def test_a_decode_killed_mid_stream_is_continued_with_the_same_text(failures):
     assert {k: chunks[-1]["usage"][k] for k in usage} == usage
     series = f'{m.ROUTER_MIGRATIONS}{{outcome="{m.MIGRATION_MIGRATED}"}}'
     before = scrape(url).get(series, 0)
-    killed = []
-
-    def kill_at(route: dict, n: int) -> None:
-        if n == KILL_AFTER:
-            victim = failures["decodes"][route["x-disagg-decode"]]
-            victim.kill()
-            killed.append(victim)
-
-    _, text, chunks = _stream(url, kill_at)
-    assert len(killed) == 1 and killed[0].proc.poll() is not None      # it was killed mid-stream
+    proxies = failures["decode_proxies"]
+    for d in proxies:
+        d.arm(KILL_AFTER)
+    try:
+        route, text, chunks = _stream(url)
+    finally:
+        for d in proxies:
+            d.disarm()
+    killed = [d for d in proxies if d.fired.is_set()]
+    assert len(killed) == 1 and killed[0].worker.proc.poll() is not None   # it was killed mid-stream
+    assert failures["decodes"][route["x-disagg-decode"]] is killed[0].worker
     assert text == want
     ids = {c["id"] for c in chunks}
     assert len(ids) == 1
