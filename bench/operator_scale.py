@@ -263,7 +263,9 @@ def main() -> int:
         audit_start = cluster.audit_log.stat().st_size
         # where its memory goes (operator/memory.py): a report when empty, when full and at exit
         memory_report = work / "operator-memory.txt"
-        env = {**os.environ, "KUBECONFIG": str(kubeconfig), "DISAGG_OPERATOR_MEMORY": str(memory_report)}
+        # MALLOC_ARENA_MAX as the chart's operator Deployment sets it
+        env = {**os.environ, "KUBECONFIG": str(kubeconfig), "DISAGG_OPERATOR_MEMORY": str(memory_report),
+               "MALLOC_ARENA_MAX": "2"}
         if args.tracemalloc:
             env["DISAGG_OPERATOR_TRACEMALLOC"] = str(args.tracemalloc)
         operator = subprocess.Popen([sys.executable, "-m", "disagg.operator", "--liveness",
@@ -272,7 +274,7 @@ def main() -> int:
         core.create_namespace({"metadata": {"name": "ops"}})
         wait_for(lambda: core.list_namespaced_service_account("ops").items, 60, "ops SA")
         # started: its watches are open (the audit log shows them)
-        wait_for(lambda: any(e.get("verb") == "watch" for e in audit_events(cluster.audit_log, audit_start)), 60,
+        wait_for(lambda: any(e.get("verb") == "watch" for e in audit_events(cluster.audit_log, audit_start)), 180,
                  "the operator's watches")
         rss_empty = rss_mib(operator.pid)
         operator.send_signal(signal.SIGUSR1)
@@ -326,10 +328,14 @@ def main() -> int:
         }, indent=2))
         return 0
     finally:
-        if operator:
-            operator.terminate()
-            operator.wait(30)
-        cluster.down()
+        try:
+            if operator:
+                operator.terminate()
+                operator.wait(60)
+        except subprocess.TimeoutExpired:
+            operator.kill()
+        finally:
+            cluster.down()
 
 
 if __name__ == "__main__":

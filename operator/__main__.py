@@ -15,7 +15,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     from . import memory
 
-    memory.install()  # opt-in (DISAGG_OPERATOR_MEMORY / DISAGG_OPERATOR_TRACEMALLOC): before the imports it traces
+    memory.install()  # opt-in report (DISAGG_OPERATOR_MEMORY); tracing starts in handlers.startup
     from . import handlers  # noqa: F401  (registers the handlers)
 
     asyncio.run(kopf.operator(clusterwide=not args.namespace, namespaces=args.namespace or (),

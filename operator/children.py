@@ -5,6 +5,7 @@ DisaggDeployment controls them."""
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -64,7 +65,8 @@ class Clients:
         try:
             if api_version == "v1":
                 read = getattr(self.core, f"read_namespaced_{_snake(kind)}")
-                return self.api.sanitize_for_serialization(read(name, namespace))
+                # raw JSON, as the custom-object calls return it: no model classes built and thrown away
+                return json.loads(read(name, namespace, _preload_content=False).data)
             group, version = api_version.split("/")
             return self.custom.get_namespaced_custom_object(group, version, namespace, PLURALS[(api_version, kind)],
                                                             name)
@@ -163,12 +165,15 @@ def delete_owned(clients: Clients, api_version: str, kind: str, namespace: str, 
     return True
 
 
-def prune_gangs(clients: Clients, namespace: str, dd_name: str, keep: set[str], current_gang: str) -> list[str]:
-    """Delete this deployment's gang objects that are no longer desired, once no pod of an old gang remains."""
+def prune_gangs(clients: Clients, namespace: str, dd_name: str, keep: set[str], current_gang: str) -> list[str] | None:
+    """Delete this deployment's gang objects that are no longer desired, once no pod of an old gang remains.
+    Returns what it deleted, or None while a pod of an old gang remains (nothing was checked: ask again)."""
+    # one pod is answer enough, and as raw JSON (the client's pod models are costly to build)
     old_pods = clients.core.list_namespaced_pod(
-        namespace, label_selector=f"{LABEL_DEPLOYMENT}={dd_name},{LABEL_GANG},{LABEL_GANG}!={current_gang}").items
-    if old_pods:
-        return []
+        namespace, label_selector=f"{LABEL_DEPLOYMENT}={dd_name},{LABEL_GANG},{LABEL_GANG}!={current_gang}",
+        limit=1, _preload_content=False)
+    if json.loads(old_pods.data).get("items"):
+        return None
     deleted = []
     for api_version, kind in GANG_KINDS:
         for obj in clients.list(api_version, kind, namespace, f"{LABEL_DEPLOYMENT}={dd_name}") or []:

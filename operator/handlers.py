@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import kopf
@@ -20,7 +21,7 @@ from disagg.api.v1alpha1 import GPU_RESOURCE, KIND, PLURAL, VERSION, DisaggDeplo
 
 from . import capacity, children, render
 from . import gang as gangs
-from . import metrics, revisions
+from . import memory, metrics, revisions
 from . import status as statuses
 from .fleet import PAGE, Fleet
 
@@ -36,7 +37,7 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
 
 
 @kopf.on.startup()
-def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     # kopf's own per-handler events are noise; the operator posts its decisions itself.
     settings.posting.level = logging.WARNING
     # An event is a record, best effort: kopf posts them one after another and by default retries a failed
@@ -53,6 +54,10 @@ def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     # reconciles are sync (the kubernetes client) and mostly wait on the API server: more threads
     # than cores lets a burst of new deployments overlap those waits
     settings.execution.max_workers = 16
+    # ...and the status loops' asyncio.to_thread calls share that pool, instead of a second one of
+    # asyncio's own: fewer threads, so fewer of glibc's per-thread malloc arenas (MALLOC_ARENA_MAX in the
+    # chart caps them too), each holding on to what it once held
+    asyncio.get_running_loop().set_default_executor(settings.execution.executor)
     watch_only_owned(settings)
     memo.clients = children.Clients.create()
     memo.fleet = Fleet(memo.clients)
@@ -62,6 +67,7 @@ def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     memo.revisions = {}
     memo.drift_seen = {}  # (kind, namespace, child) -> its generation (uid once deleted) last restored
     metrics.serve()
+    memory.start_tracing()  # opt-in (operator/memory.py)
 
 
 # What the operator made carries both labels; the label filters on the handlers below only act after
@@ -138,7 +144,7 @@ def reconcile(body: kopf.Body, uid: str, name: str, namespace: str, memo: kopf.M
                    message=f"KV revision {render.kv_revision(dd)} has no ready prefill and decode yet: the old "
                            "revision's pods stay until it has")
     keep = {m["metadata"]["name"] for m in manifests}
-    for gone in children.prune_gangs(clients, namespace, name, keep, gang.name):
+    for gone in children.prune_gangs(clients, namespace, name, keep, gang.name) or []:
         kopf.info(body, reason="GangObjectDeleted", message=f"deleted {gone}: no pod of it remains")
     _wake(memo, namespace, name)
 
@@ -296,22 +302,28 @@ def _restore(clients: children.Clients, namespace: str, dd_name: str,
 async def status_loop(name: str, namespace: str, body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonStopped,
                       pods_by_deployment: kopf.Index, deployments_by_deployment: kopf.Index, **_: Any) -> None:
     key = (namespace, name)
-    trigger = memo.triggers.setdefault(key, asyncio.Event())
+    trigger = memo.triggers[key] = asyncio.Event()
+    state = LoopState()
+    deleted = False
     try:
         while not stopped:
             trigger.clear()
             pods = list(pods_by_deployment.get(key, []))
             deps = list(deployments_by_deployment.get(key, []))
             try:
-                if await asyncio.to_thread(_lift_hold, memo, namespace, name, pods):
+                if memo.revisions.get(key, (None, False))[1] and await asyncio.to_thread(
+                        _lift_hold, memo, namespace, name, pods):
                     kopf.event(body, type="Normal", reason="RolloutHoldLifted",
                               message="the new KV revision has a ready prefill and decode: the old pods may go")
                 applied = memo.applied.get(key)
+                # kopf's live body (kept current by the DisaggDeployment watch) instead of a GET per refresh
+                snapshot = {k: body.get(k) for k in ("apiVersion", "kind", "metadata", "spec", "status")}
                 settled, events = await asyncio.to_thread(refresh, memo.clients, namespace, name, pods, deps, applied,
-                                                           memo.fleet)
+                                                           memo.fleet, snapshot, state)
             except ApiException as e:
                 if e.status == 404:
-                    return  # deleted
+                    deleted = True
+                    return
                 log.warning("status refresh of %s/%s failed: %s", namespace, name, e.reason)
                 settled, events = False, []
             except Exception:  # a transient fault must not stop status reporting for this deployment
@@ -322,7 +334,15 @@ async def status_loop(name: str, namespace: str, body: kopf.Body, memo: kopf.Mem
             if await _woken(trigger, stopped, timeout=60 if settled else 5):
                 await asyncio.sleep(0.2)  # let a burst of pod events settle into one refresh
     finally:
-        memo.triggers.pop(key, None)
+        # a DisaggDeployment deleted and created again under its name has a new daemon (and trigger) by now
+        if memo.triggers.get(key) is trigger:
+            memo.triggers.pop(key, None)
+        if deleted or (stopped.reason and stopped.reason & kopf.DaemonStoppingReason.RESOURCE_DELETED):
+            # nothing keyed by its name may outlive it (reconcile writes these again for a re-created one)
+            memo.applied.pop(key, None)
+            memo.revisions.pop(key, None)
+            for drift in [k for k in memo.drift_seen if k[1] == namespace and k[2].startswith(f"{name}-")]:
+                memo.drift_seen.pop(drift, None)
         metrics.observe_status(namespace, name, None)
 
 
@@ -341,15 +361,36 @@ async def _woken(trigger: asyncio.Event, stopped: kopf.DaemonStopped, timeout: f
     return trigger.is_set() and not stopped
 
 
+@dataclass
+class LoopState:
+    """What one DisaggDeployment's status loop remembers between refreshes."""
+
+    # the parsed spec and the resourceVersion it was parsed from (a spec is validated once, not per refresh)
+    parsed: tuple[str, DisaggDeployment] | None = None
+    # (resourceVersion of the body it was computed from, status written): until the watch delivers that
+    # write, the live body still shows the status before it, and the write must not be repeated
+    written: tuple[str, dict[str, Any]] | None = None
+    pruned_for: str | None = None   # the gang whose predecessors' objects have been pruned
+
+
 def refresh(clients: children.Clients, namespace: str, name: str, pods: list[statuses.PodView],
             deps: list[tuple[str, statuses.DeploymentView]],
-            applied: tuple[int, str | None] | None, fleet: Fleet) -> tuple[bool, list[tuple[str, str, str]]]:
-    """Recompute and (if changed) write status. Returns (settled, events)."""
-    obj = clients.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
-    try:
-        dd = DisaggDeployment.model_validate({k: obj[k] for k in ("apiVersion", "kind", "metadata", "spec")})
-    except ValidationError:
-        return True, []
+            applied: tuple[int, str | None] | None, fleet: Fleet, obj: dict[str, Any] | None = None,
+            state: LoopState | None = None) -> tuple[bool, list[tuple[str, str, str]]]:
+    """Recompute and (if changed) write status. Returns (settled, events). `obj`: the DisaggDeployment as
+    kopf last saw it (else it is read); `state`: the loop's memory across refreshes."""
+    if obj is None or not obj.get("metadata"):
+        obj = clients.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+    state = state or LoopState()
+    version = obj["metadata"].get("resourceVersion", "")
+    if state.parsed and state.parsed[0] == version:
+        dd = state.parsed[1]
+    else:
+        try:
+            dd = DisaggDeployment.model_validate({k: obj[k] for k in ("apiVersion", "kind", "metadata", "spec")})
+        except ValidationError:
+            return True, []
+        state.parsed = (version, dd)
     obs = statuses.Observed(pods=pods, deployments={role: view for role, view in deps})
     if applied:
         obs.applied_generation, obs.apply_error = applied
@@ -361,6 +402,8 @@ def refresh(clients: children.Clients, namespace: str, name: str, pods: list[sta
         # Only for a gang that has waited a while: listing every node and pod is not free at fleet scale.
         obs.gang_fits, obs.gang_message = _capacity(fleet, dd)
     previous = obj.get("status") or {}
+    if state.written and state.written[0] == version:
+        previous = state.written[1]   # the watch has not brought our last write back yet
     status, events = statuses.compute(dd, obj["metadata"]["generation"], previous, obs, render.endpoint(dd))
     if statuses.changed(previous, status):
         # server-side apply of the operator's own fields only: conditions are a map keyed by type, so
@@ -371,16 +414,22 @@ def refresh(clients: children.Clients, namespace: str, name: str, pods: list[sta
             {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "metadata": {"name": name, "namespace": namespace},
              "status": mine}, field_manager=children.FIELD_MANAGER, force=True, _content_type=children.APPLY)
         metrics.status_writes.inc()
+        state.written = (version, {**previous, **status})
         _observe_gang_wait(previous, status)
     metrics.observe_status(namespace, name, status)
     settled = status["phase"] == "Ready" and all(
         c["status"] == "False" for c in status["conditions"] if c["type"] in ("Progressing", "Degraded"))
     current = gangs.render(name, dd.spec)
-    if settled and current.objects and not any(p.gang and p.gang != current.name for p in pods):
-        # a rollout onto a new gang has finished: delete the old gang's objects
+    if settled and current.objects and state.pruned_for != current.name \
+            and not any(p.gang and p.gang != current.name for p in pods):
+        # a rollout onto a new gang has finished: delete the old gang's objects (once per gang, not per
+        # settled refresh: these are four list calls)
         keep = {o["metadata"]["name"] for o in current.objects}
-        for gone in children.prune_gangs(clients, namespace, name, keep, current.name):
+        pruned = children.prune_gangs(clients, namespace, name, keep, current.name)
+        for gone in pruned or []:
             events.append(("Normal", "GangObjectDeleted", f"deleted {gone}: no pod of it remains"))
+        if pruned is not None:
+            state.pruned_for = current.name
     return settled, events
 
 

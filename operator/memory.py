@@ -1,7 +1,8 @@
 """Where the operator's memory goes, on request: an opt-in report written on SIGUSR1 and at exit.
 
     DISAGG_OPERATOR_MEMORY=/path/report.txt      cheap: RSS, glibc heap, threads, live objects by type
-    DISAGG_OPERATOR_TRACEMALLOC=<frames>         also trace Python allocations (costs memory and CPU)
+    DISAGG_OPERATOR_TRACEMALLOC=<frames>         also trace Python allocations made after start-up
+                                                 (costs memory and CPU)
 
 Each report is appended to the file, so one run's reports (say, empty, full and at exit) sit side by
 side. The numbers that tell fragmentation from live objects: RSS against glibc's in-use bytes (mallinfo2
@@ -17,6 +18,7 @@ import gc
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 import tracemalloc
@@ -56,6 +58,35 @@ def mallinfo() -> dict[str, int] | None:
             "free_in_arenas": info.fordblks}
 
 
+def pymalloc() -> dict[str, int]:
+    """Python's small-object allocator (pymalloc), which takes its arenas straight from mmap, outside
+    glibc's counters: arenas held, bytes in live blocks, bytes free inside them (fragmentation).
+    sys._debugmallocstats writes to file descriptor 2, so that is pointed at a file for the moment
+    (a line another thread logs meanwhile lands there too: a diagnostic's price). Empty while tracemalloc
+    traces: its hooks stand in front of pymalloc, and CPython then prints nothing."""
+    with tempfile.TemporaryFile() as tmp:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        try:
+            os.dup2(tmp.fileno(), 2)
+            sys._debugmallocstats()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        tmp.seek(0)
+        text = tmp.read().decode(errors="replace")
+    wanted = {"# arenas allocated current": "arenas", "# bytes in allocated blocks": "in_use",
+              "# bytes in available blocks": "free_in_pools"}
+    out = {}
+    for line in text.splitlines():
+        label, _, value = line.partition("=")
+        if label.strip() in wanted:
+            out[wanted[label.strip()]] = int(value.strip().replace(",", ""))
+        elif "bytes/arena" in line:
+            out["arena_bytes"] = int(value.strip().replace(",", ""))
+    return out
+
+
 def report(reason: str) -> str:
     mib = 1024 * 1024
     status = proc_status()
@@ -66,6 +97,11 @@ def report(reason: str) -> str:
     heap = mallinfo()
     if heap:
         lines.append("glibc heap: " + ", ".join(f"{k} {v / mib:.1f} MiB" for k, v in heap.items()))
+    small = pymalloc()
+    if small:
+        lines.append(f"pymalloc: {small.get('arenas', 0)} arenas, {small.get('arena_bytes', 0) / mib:.1f} MiB; "
+                     f"in blocks {small.get('in_use', 0) / mib:.1f} MiB, free in its pools "
+                     f"{small.get('free_in_pools', 0) / mib:.1f} MiB")
     if tracemalloc.is_tracing():
         current, peak = tracemalloc.get_traced_memory()
         lines.append(f"python objects (tracemalloc): {current / mib:.1f} MiB now, {peak / mib:.1f} MiB peak; "
@@ -76,6 +112,11 @@ def report(reason: str) -> str:
         for stat in snapshot.statistics("lineno")[:TOP]:
             frame = stat.traceback[0]
             lines.append(f"  {stat.size / 1024:10.1f} KiB {stat.count:8d}  {frame.filename}:{frame.lineno}")
+        if tracemalloc.get_traceback_limit() > 1:   # who called: the heaviest stacks, outermost frame first
+            lines.append("top 10 allocation stacks:")
+            for stat in snapshot.statistics("traceback")[:10]:
+                lines.append(f"  {stat.size / 1024:.1f} KiB in {stat.count} blocks")
+                lines += [f"      {frame.filename}:{frame.lineno}" for frame in stat.traceback]
         lines.append(f"top {TOP} by file:")
         for stat in snapshot.statistics("filename")[:TOP]:
             lines.append(f"  {stat.size / 1024:10.1f} KiB {stat.count:8d}  {stat.traceback[0].filename}")
@@ -93,11 +134,17 @@ def _write(path: str, reason: str) -> None:
         print(f"memory report to {path} failed: {e!r}", file=sys.stderr)
 
 
-def install() -> None:
-    """Start tracing and register the report (SIGUSR1, exit) when the environment asks for them."""
+def start_tracing() -> None:
+    """Trace Python allocations from here on when the environment asks for it. Called once the
+    operator has imported everything: tracing the imports (the kubernetes client's thousands of
+    model classes) made its start-up minutes long on a busy machine, and what grows comes later."""
     frames = os.environ.get(TRACE_ENV)
-    if frames:
+    if frames and not tracemalloc.is_tracing():
         tracemalloc.start(int(frames) if frames.isdigit() else 1)
+
+
+def install() -> None:
+    """Register the report (SIGUSR1, exit) when the environment asks for it."""
     path = os.environ.get(REPORT_ENV)
     if not path:
         return

@@ -14,6 +14,7 @@ CHILD = textwrap.dedent("""
     import os, signal, sys
     from disagg.operator import memory
     memory.install()
+    memory.start_tracing()
     hoard = [bytearray(1024) for _ in range(20000)]   # ~20 MiB held at one line
     os.kill(os.getpid(), signal.SIGUSR1)
     print("signalled", flush=True)
@@ -34,12 +35,12 @@ def test_report_on_signal_and_at_exit_names_the_allocation_site(tmp_path: Path) 
     # the hoard's line is the top allocation site, at about its size
     top = next(line for line in first.splitlines() if line.startswith("  ") and "KiB" in line)
     size_kib = float(top.split()[0])
-    assert top.rstrip().endswith("<string>:5"), top
+    assert top.rstrip().endswith("<string>:6"), top
     assert 20000 <= size_kib <= 25000, top
 
 
 def test_no_report_and_no_tracing_unless_asked(tmp_path: Path) -> None:
-    code = ("import tracemalloc, signal; from disagg.operator import memory; memory.install(); "
+    code = ("import tracemalloc, signal; from disagg.operator import memory; memory.install(); memory.start_tracing(); "
             "print(tracemalloc.is_tracing(), signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL)")
     out = subprocess.run([sys.executable, "-c", code], env={"PATH": "/usr/bin:/bin"}, capture_output=True,
                          text=True, timeout=120)
@@ -51,3 +52,8 @@ def test_glibc_heap_counters_are_read() -> None:
     heap = memory.mallinfo()
     assert heap is not None and heap["in_use"] > 0
     assert memory.proc_status()["VmRSS"] > 0
+
+
+def test_pymalloc_counters_are_read() -> None:
+    small = memory.pymalloc()
+    assert small["arenas"] > 0 and small["in_use"] > 0 and small["arena_bytes"] >= small["in_use"]
