@@ -4,7 +4,12 @@ and write the performance profile the planner plans with (a file, or a ConfigMap
 Prefill: ``batch`` prompts of ``tokens`` random token ids sent together with ``max_tokens=1``; the point's
 seconds are the slowest time to first token (the batch finishes together). Random ids per request keep
 the prefix cache out of it. Decode: ``concurrency`` streams of ``decode_tokens`` tokens after a
-``context``-token prompt; the point's seconds are the median inter-token latency, at the mean context.
+``context``-token prompt; the point's seconds are the mean inter-token latency, at the mean context, as
+the engine measured it (vLLM's ``vllm:inter_token_latency_seconds``, from its engine core's timestamps,
+read from ``/metrics`` before and after); from the client's chunk arrival times only where the server
+exports no such histogram. The client's view misleads when the server's frontend falls behind its
+engine: it sends the tokens in bursts, and a 5 ms decode step was measured as 12-21 us (a CPU vLLM
+whose frontend shared a core with its engine, 2026-12-02).
 With ``repeats`` > 1 each point is measured that many times and its median kept: on a shared or noisy
 machine one sample can be off by a factor (seen on a busy 2-core CPU host: a 32-token prefill slower
 than a 768-token one).
@@ -22,6 +27,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from disagg.api.metrics import VLLM_ITL_SECONDS
 
 from .perfmodel import PROFILE_KEY, Profile
 
@@ -58,6 +67,23 @@ def mean_itl(times: list[float], tokens: int) -> float | None:
     return (times[-1] - times[0]) / (tokens - 1) if tokens > 1 and len(times) > 1 else None
 
 
+def itl_totals(url: str) -> tuple[float, float] | None:
+    """(sum, count) of the server's inter-token latency histogram (every series), or None where its
+    /metrics has none."""
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except (OSError, ValueError):
+        return None
+    totals = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in (f"{VLLM_ITL_SECONDS}_sum", f"{VLLM_ITL_SECONDS}_count"):
+                key = sample.name.rsplit("_", 1)[1]
+                totals[key] = totals.get(key, 0.0) + sample.value
+    return (totals["sum"], totals["count"]) if len(totals) == 2 else None
+
+
 def measure(url: str, model: str, prompt_tokens: tuple[int, ...] = (128, 512, 2048, 8192),
             batches: tuple[int, ...] = (1, 4), concurrencies: tuple[int, ...] = (1, 4, 16, 32),
             context: int = 1024, decode_tokens: int = 64, vocab: int = 1000, seed: int = 0,
@@ -75,8 +101,12 @@ def measure(url: str, model: str, prompt_tokens: tuple[int, ...] = (128, 512, 20
 
     def decode_once(c: int) -> float:
         prompts = [prompt(context) for _ in range(c)]
+        before = itl_totals(url)
         with ThreadPoolExecutor(c) as pool:
             runs = list(pool.map(lambda p: stream_tokens(url, model, p, decode_tokens, timeout), prompts))
+        after = itl_totals(url) if before else None
+        if before and after and after[1] > before[1]:
+            return (after[0] - before[0]) / (after[1] - before[1])
         return statistics.median([v for v in (mean_itl(*run) for run in runs) if v is not None])
 
     n_runs = max(repeats, 1)

@@ -22,12 +22,16 @@ DECODE_BASE, DECODE_PER_STREAM = 0.02, 0.01           # 20 ms + 10 ms per concur
 
 class Worker:
     """A completions endpoint whose prefill (serialised, like a GPU's compute) and decode (slower with
-    more concurrent streams) obey the constants above."""
+    more concurrent streams) obey the constants above. With ``bursts``, it also behaves like a vLLM whose
+    frontend falls behind its engine: each stream's tokens reach the client in one burst at its end, and
+    the decode steps are seen only in the inter-token latency histogram it exports on /metrics (as vLLM
+    does, from the engine's own clock)."""
 
-    def __init__(self):
+    def __init__(self, bursts: bool = False):
         self.lock = threading.Lock()
         self.compute = threading.Lock()
         self.streams = 0
+        self.itl_sum, self.itl_count = 0.0, 0
         worker = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -35,6 +39,21 @@ class Worker:
 
             def log_message(self, *args):
                 pass
+
+            def do_GET(self):
+                if not bursts:
+                    self.send_error(404)
+                    return
+                with worker.lock:
+                    body = ("# TYPE vllm:inter_token_latency_seconds histogram\n"
+                            f"vllm:inter_token_latency_seconds_sum{{engine=\"0\"}} {worker.itl_sum}\n"
+                            f"vllm:inter_token_latency_seconds_count{{engine=\"0\"}} {worker.itl_count}\n"
+                            ).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -47,15 +66,23 @@ class Worker:
                 with worker.lock:
                     worker.streams += 1
                 try:
+                    held = []
                     for i in range(body["max_tokens"]):
                         if i:
                             with worker.lock:
                                 n = worker.streams
+                            step = time.perf_counter()
                             time.sleep(DECODE_BASE + DECODE_PER_STREAM * n)
+                            with worker.lock:
+                                worker.itl_sum += time.perf_counter() - step
+                                worker.itl_count += 1
                         chunk = {"choices": [{"text": "x", "index": 0}]}
-                        self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
-                        self.wfile.flush()
-                    self.wfile.write(b"data: [DONE]\n\n")
+                        held.append(f"data: {json.dumps(chunk)}\n\n".encode())
+                        if not bursts or i == 0 and body["max_tokens"] == 1:
+                            self.wfile.write(b"".join(held))
+                            self.wfile.flush()
+                            held = []
+                    self.wfile.write(b"".join(held) + b"data: [DONE]\n\n")
                 finally:
                     with worker.lock:
                         worker.streams -= 1
@@ -73,6 +100,20 @@ def worker():
     w = Worker()
     yield w
     w.close()
+
+
+def test_decode_steps_come_from_the_engines_histogram_when_the_client_sees_bursts():
+    """A frontend that falls behind its engine sends a stream's tokens in one burst: chunk arrival times
+    would make its decode steps ~0. The profile reads the engine's inter-token latency histogram."""
+    w = Worker(bursts=True)
+    try:
+        profile = measure(w.url, "tiny", prompt_tokens=(64, 128, 256), batches=(1,), concurrencies=(1, 2, 4),
+                          context=32, decode_tokens=6, timeout=60)
+    finally:
+        w.close()
+    for c in (1, 2, 4):
+        want = DECODE_BASE + DECODE_PER_STREAM * c
+        assert profile.decode_seconds(c, c * 35) == pytest.approx(want, rel=0.5), c
 
 
 def test_profile_recovers_the_workers_latencies(worker):
