@@ -24,7 +24,7 @@ from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 
-from . import capacity
+from . import capacity, memory
 from .children import Clients
 
 # Pods that hold GPUs: bound to a node and not finished.
@@ -58,7 +58,9 @@ class Fleet:
     def _list(self) -> list[capacity.NodeFree]:
         core = self._clients.core
         used = capacity.used_gpus(pages(core.list_pod_for_all_namespaces, self._page, field_selector=BOUND_PODS))
-        return capacity.free_gpus(pages(core.list_node, self._page), used)
+        free = capacity.free_gpus(pages(core.list_node, self._page), used)
+        memory.trim()  # the pages' text and objects are freed now: return that heap to the system at once
+        return free
 
 
 def pages(list_call: Callable[..., Any], limit: int, **kwargs: Any) -> Iterator[dict]:

@@ -28,6 +28,7 @@ from .fleet import PAGE, Fleet
 log = logging.getLogger("disagg.operator")
 # A gang unplaced for this long gets its capacity explained (free GPUs per domain).
 CAPACITY_AFTER_SECONDS = 5
+TRIM_SECONDS = 60
 
 
 @kopf.on.login()
@@ -68,6 +69,9 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     memo.drift_seen = {}  # (kind, namespace, child) -> its generation (uid once deleted) last restored
     metrics.serve()
     memory.start_tracing()  # opt-in (operator/memory.py)
+    # freed heap pages back to the system once a minute: bursts (fleet lists, many deployments created
+    # at once) otherwise leave RSS at their peak for good
+    memory.trim_every(TRIM_SECONDS)
 
 
 # What the operator made carries both labels; the label filters on the handlers below only act after

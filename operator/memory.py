@@ -134,6 +134,28 @@ def _write(path: str, reason: str) -> None:
         print(f"memory report to {path} failed: {e!r}", file=sys.stderr)
 
 
+def trim() -> bool:
+    """Give the free pages inside glibc's heap back to the system (malloc_trim). A list of a
+    fleet's nodes, a burst of reconciles or of TLS connections leaves freed chunks scattered through
+    the heap, which glibc keeps resident (the report's free_in_arenas); trimming costs a walk of the
+    heap, milliseconds. False off glibc."""
+    try:
+        return bool(ctypes.CDLL(None).malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
+def trim_every(seconds: float) -> threading.Thread:
+    """Trim in the background every `seconds` (a daemon thread: nothing to stop at exit)."""
+    def loop() -> None:
+        while True:
+            time.sleep(seconds)
+            trim()
+    thread = threading.Thread(target=loop, name="malloc-trim", daemon=True)
+    thread.start()
+    return thread
+
+
 def start_tracing() -> None:
     """Trace Python allocations from here on when the environment asks for it. Called once the
     operator has imported everything: tracing the imports (the kubernetes client's thousands of
