@@ -196,45 +196,21 @@ FAILURE_PROMPT = "A journey of a thousand miles begins with a single step " * 5
 MAX_TOKENS_LONG, KILL_AFTER = 160, 16
 
 
-class _KillingProxy:
-    """HTTP in front of the prefill worker: passes requests through; once armed with an action (kill or
-    stop the prefill worker) and a prompt, it runs the action after the worker answered that prompt's
-    prefill and before the router gets the answer, so the decode is handed KV held by a dead or hung
-    engine. Quiet: a thread printing a traceback (a probe the router gave up on, answered late) while
-    pytest formats a failure has crashed pytest (CPython 3.11's ast module keeps one recursion counter
-    for all threads: 'AST constructor recursion depth mismatch'), losing the failure's message."""
+class _Proxy:
+    """A loopback HTTP server in front of a worker: each request goes to ``handle(request, body)``.
+    Quiet: a thread printing a traceback (a probe the router gave up on, answered late) while pytest
+    formats a failure has crashed pytest (CPython 3.11's ast module keeps one recursion counter for all
+    threads: 'AST constructor recursion depth mismatch'), losing the failure's message."""
 
-    def __init__(self, target: str):
-        self.target, self.action, self.prompt, self.done = target, None, None, threading.Event()
+    def __init__(self):
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
-            def _pass(self, body: bytes | None):
-                req = urllib.request.Request(f"{proxy.target}{self.path}", data=body, method=self.command,
-                                             headers={"Content-Type": "application/json"})
-                try:
-                    # a probe (GET) gives up after 2 s; a prefill may be slow on a loaded machine
-                    with urllib.request.urlopen(req, timeout=300 if body else 5) as r:
-                        status, data = r.status, r.read()
-                except urllib.error.HTTPError as e:
-                    status, data = e.code, e.read()
-                except OSError:
-                    status, data = 502, b'{"error": {"message": "prefill unreachable"}}'
-                if status == 200 and body and proxy.action and json.loads(body).get("prompt") == proxy.prompt:
-                    action, proxy.action = proxy.action, None
-                    action()
-                    proxy.done.set()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
             def do_GET(self):
-                self._pass(None)
+                proxy.handle(self, None)
 
             def do_POST(self):
-                self._pass(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                proxy.handle(self, self.rfile.read(int(self.headers.get("Content-Length", 0))))
 
             def log_message(self, *args):
                 pass
@@ -243,81 +219,96 @@ class _KillingProxy:
             daemon_threads = True
 
             def handle_error(self, request, client_address):
-                pass            # the router went away first (a probe timed out): nothing to tell
+                pass            # the router went away first (a probe timed out, a stream cut): nothing to tell
 
         self.server = Server(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
-    def arm(self, action, prompt: str) -> None:
-        self.done.clear()
-        self.prompt, self.action = prompt, action
+    def handle(self, request: BaseHTTPRequestHandler, body: bytes | None) -> None:
+        raise NotImplementedError
+
+    @staticmethod
+    def upstream(url: str, request: BaseHTTPRequestHandler, body: bytes | None):
+        """The worker's response to the same request (a probe, GET, gives up after 5 s; a generation may
+        be slow on a loaded machine); an HTTPError is a response too."""
+        req = urllib.request.Request(f"{url}{request.path}", data=body, method=request.command,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            return urllib.request.urlopen(req, timeout=300 if body else 5)
+        except urllib.error.HTTPError as e:
+            return e
 
     def close(self):
         self.server.shutdown()
         self.server.server_close()
 
 
-class _DecodeProxy:
-    """HTTP in front of a decode worker, relaying each response line by line as it comes. Once armed with
-    a count, it relays that many token chunks of the next stream, then kills the worker (SIGKILL), cuts
-    the stream, and disarms its peers (the continuation goes through one of them): the router has seen
+class _KillingProxy(_Proxy):
+    """In front of the prefill worker: passes requests through; once armed with an action (kill or stop
+    the prefill worker) and a prompt, it runs the action after the worker answered that prompt's prefill
+    and before the router gets the answer, so the decode is handed KV held by a dead or hung engine."""
+
+    def __init__(self, target: str):
+        self.target, self.action, self.prompt, self.done = target, None, None, threading.Event()
+        super().__init__()
+
+    def handle(self, request: BaseHTTPRequestHandler, body: bytes | None) -> None:
+        try:
+            with self.upstream(self.target, request, body) as r:
+                status, data = r.status, r.read()
+        except OSError:
+            status, data = 502, b'{"error": {"message": "prefill unreachable"}}'
+        if status == 200 and body and self.action and json.loads(body).get("prompt") == self.prompt:
+            action, self.action = self.action, None
+            action()
+            self.done.set()
+        request.send_response(status)
+        request.send_header("Content-Type", "application/json")
+        request.send_header("Content-Length", str(len(data)))
+        request.end_headers()
+        request.wfile.write(data)
+
+    def arm(self, action, prompt: str) -> None:
+        self.done.clear()
+        self.prompt, self.action = prompt, action
+
+
+class _DecodeProxy(_Proxy):
+    """In front of a decode worker, relaying each response line by line as it comes. Once armed with a
+    count, it relays that many token chunks of the next stream, then kills the worker (SIGKILL), cuts the
+    stream, and disarms its peers (the continuation goes through one of them): the router has seen
     exactly that many tokens, however far the engine had got."""
 
     def __init__(self, worker):
         self.worker, self.after, self.fired = worker, None, threading.Event()
         self.peers: list[_DecodeProxy] = [self]
-        proxy = self
+        super().__init__()
 
-        class Handler(BaseHTTPRequestHandler):
-            def _relay(self, body: bytes | None):
-                req = urllib.request.Request(f"{proxy.worker.url}{self.path}", data=body, method=self.command,
-                                             headers={"Content-Type": "application/json"})
-                try:
-                    r = urllib.request.urlopen(req, timeout=300 if body else 5)
-                except urllib.error.HTTPError as e:
-                    r = e
-                except OSError:
-                    self.send_error(502, "decode unreachable")
+    def handle(self, request: BaseHTTPRequestHandler, body: bytes | None) -> None:
+        try:
+            r = self.upstream(self.worker.url, request, body)
+        except OSError:
+            request.send_error(502, "decode unreachable")
+            return
+        with r:
+            request.send_response(r.status)
+            request.send_header("Content-Type", r.headers.get("Content-Type", "application/json"))
+            request.end_headers()          # HTTP/1.0, no length: the body ends when the connection does
+            tokens = 0
+            for line in r:
+                request.wfile.write(line)
+                request.wfile.flush()
+                if self.after is None or not line.startswith(b"data: {") or not json.loads(line[6:]).get("choices"):
+                    continue
+                tokens += 1
+                if tokens == self.after:
+                    for peer in self.peers:
+                        peer.after = None
+                    self.worker.kill()
+                    self.fired.set()
+                    request.connection.shutdown(socket.SHUT_RDWR)
                     return
-                with r:
-                    self.send_response(r.status)
-                    self.send_header("Content-Type", r.headers.get("Content-Type", "application/json"))
-                    self.end_headers()          # HTTP/1.0, no length: the body ends when the connection does
-                    tokens = 0
-                    for line in r:
-                        self.wfile.write(line)
-                        self.wfile.flush()
-                        if proxy.after is None or not line.startswith(b"data: {"):
-                            continue
-                        if json.loads(line[6:]).get("choices"):
-                            tokens += 1
-                            if tokens == proxy.after:
-                                for peer in proxy.peers:
-                                    peer.after = None
-                                proxy.worker.kill()
-                                proxy.fired.set()
-                                self.connection.shutdown(socket.SHUT_RDWR)
-                                return
-
-            def do_GET(self):
-                self._relay(None)
-
-            def do_POST(self):
-                self._relay(self.rfile.read(int(self.headers.get("Content-Length", 0))))
-
-            def log_message(self, *args):
-                pass
-
-        class Server(ThreadingHTTPServer):
-            daemon_threads = True
-
-            def handle_error(self, request, client_address):
-                pass            # the router went away first, or the cut stream's socket: nothing to tell
-
-        self.server = Server(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def arm(self, after: int) -> None:
         self.fired.clear()
@@ -325,10 +316,6 @@ class _DecodeProxy:
 
     def disarm(self) -> None:
         self.after = None
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
 
 
 @pytest.fixture(scope="module")
