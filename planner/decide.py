@@ -44,6 +44,7 @@ UNATTAINABLE_SLACK = 1.25   # when a prompt alone misses the TTFT target, allow 
 NEAR_TARGET = 0.8           # no role shrinks while its observed latency is above this share of its target
 BURST_MEMORY = 3600.0       # seconds a rise of the load above its forecast is kept as headroom
 BURST_NOISE = 2.0           # ... less this many Poisson standard deviations of one interval's rate
+CAPACITY_ALPHA = 0.5        # weight of a new saturated interval in the learnt capacity (service-time scale)
 
 
 
@@ -71,6 +72,18 @@ class Observation:
     prefill_running: float | None = None    # requests being prefilled
     decode_running: float | None = None     # requests decoding
     decode_kv_usage: float | None = None    # 0..1, mean over decode replicas
+    # replicas serving (engines reporting metrics), per role; None: not known (then all, when Ready)
+    prefill_ready: float | None = None
+    decode_ready: float | None = None
+    # capacity measured while saturated: over the replicas that had requests waiting throughout the window,
+    # what each one did (a queue that never empties runs its replicas flat out, so this is their real
+    # service rate, whatever the model says); None when no replica was saturated throughout
+    prefill_saturated_tokens: float | None = None   # uncached prompt tokens/s per saturated prefill replica
+    decode_saturated_tokens: float | None = None    # output tokens/s per saturated decode replica
+    decode_saturated_batch: float | None = None     # requests decoding (mean) per saturated decode replica
+    # how fast each waiting queue grew over the last short window (requests/s; the fast path reads it)
+    prefill_queue_growth: float | None = None
+    decode_queue_growth: float | None = None
     # means over the interval (the simulator fills them; the Dynamo-style baseline reads them, as
     # Dynamo's planner reads average TTFT, ITL and request duration; decide() reads percentiles)
     ttft_mean: float | None = None
@@ -89,7 +102,9 @@ class Observation:
         for key in ("request_rate", "ttft", "itl", "input_tokens_mean", "input_tokens_p", "input_tokens_tail",
                     "output_tokens_mean",
                     "output_tokens_p", "prefix_hit_ratio", "prefill_queue", "decode_queue", "prefill_running",
-                    "decode_running", "decode_kv_usage"):
+                    "decode_running", "decode_kv_usage", "prefill_ready", "decode_ready",
+                    "prefill_saturated_tokens", "decode_saturated_tokens", "decode_saturated_batch",
+                    "prefill_queue_growth", "decode_queue_growth"):
             v = getattr(self, key)
             if v is not None and math.isfinite(v):
                 out[_camel(key)] = round(float(v), 6)
@@ -188,6 +203,9 @@ class Memory:
     forecast_decode_work: tuple[float, ...] = ()
     last_scale_up_prefill: float | None = None
     last_scale_up_decode: float | None = None
+    # each role's service-time scale (real / model) learnt from saturated intervals (None: never saturated)
+    capacity_prefill: float | None = None
+    capacity_decode: float | None = None
 
     def remember(self, obs: Observation, keep: int = HISTORY) -> Memory:
         def push(series: tuple[float, ...], value: float | None) -> tuple[float, ...]:
@@ -352,8 +370,9 @@ def decide(obs: Observation, target: Target, memory: Memory, model: PerfModel | 
     # plan with what was learnt up to the last interval; this interval's lesson applies from the next
     # (so one sample cannot both trigger and size a change, and the decision stays monotone in load)
     corr = memory.correction
-    planning = RoleModels.of(model).corrected(corr.prefill, corr.decode)
+    planning = _planning(model, memory)
     memory = _correct(obs, target, memory, model, _finite(ttft_obs), _finite(itl_obs))
+    memory = learn_capacity(obs, target, memory, model)
     season = season_intervals or target.season
     memory = memory.remember(obs, max(HISTORY, 2 * season + 2))
 
@@ -397,16 +416,23 @@ def decide(obs: Observation, target: Target, memory: Memory, model: PerfModel | 
     # a correction below 1 says the engine's latency tail is shorter than the model's queueing predicts; it
     # lowers the predicted TTFT, never the capacity the utilisation cap reserves (a queue past its capacity
     # grows without bound, and one latency ratio cannot tell faster service from a gentler tail)
-    capacity = RoleModels.of(model).corrected(max(corr.prefill, 1.0), max(corr.decode, 1.0))
+    # (a capacity measured while saturated replaces that floor: it is the service rate itself)
+    capacity = _capacity(model, memory)
     need_p, ttft_pred = size_prefill(planning, load_p, target.ttft_target, target.percentile, p_limit, capacity)
     need_d, itl_pred = size_decode(planning, load_d, target.itl_target, target.percentile, d_limit)
     # the observed latency has the last word when it breaks the target the model claims is met
-    # (TTFT is prefill's unless requests wait for decode admission; then decode needs room first)
+    # (TTFT is prefill's unless requests wait for decode admission; then decode needs room first); but
+    # only on a role whose replicas all serve: while asked-for replicas start, the latency measures the
+    # old size, and one more each interval stacked up past the need (flash: decode 1 -> 5 where 2 serve
+    # the crowd). A model that is wrong about the hardware is corrected by the capacity measured while
+    # saturated (learn_capacity), not by this rule.
     decode_waiting = (obs.decode_queue or 0.0) >= 1.0
     if (ttft_obs is not None and ttft_obs > target.ttft_target and need_p <= target.prefill
+            and _all_ready(obs.prefill_ready, target.prefill, target)
             and not decode_waiting and (obs.prefill_queue is None or obs.prefill_queue >= target.prefill)):
         need_p = target.prefill + 1
-    if ((itl_obs is not None and itl_obs > target.itl_target) or decode_waiting) and need_d <= target.decode:
+    if (((itl_obs is not None and itl_obs > target.itl_target) or decode_waiting) and need_d <= target.decode
+            and _all_ready(obs.decode_ready, target.decode, target)):
         need_d = target.decode + 1
     need_p = min(max(need_p, target.floor_prefill), p_limit)
     need_d = min(max(need_d, target.floor_decode), d_limit)
@@ -472,11 +498,133 @@ def decide(obs: Observation, target: Target, memory: Memory, model: PerfModel | 
                   "sizedPrefillRate": round(sized_rate_p, 6), "sizedDecodeRate": round(sized_rate_d, 6),
                   "inputTokens": round(in_mean, 3), "outputTokens": round(out_mean, 3),
                   "prefillCorrection": round(corr.prefill, 4), "decodeCorrection": round(corr.decode, 4)}
+    for key, value in (("prefillCapacityScale", memory.capacity_prefill),
+                       ("decodeCapacityScale", memory.capacity_decode)):
+        if value is not None:
+            prediction[key] = round(value, 4)
     if math.isfinite(ttft_pred):
         prediction["ttftSeconds"] = round(ttft_pred, 6)
     if math.isfinite(itl_pred):
         prediction["itlSeconds"] = round(itl_pred, 6)
     return Decision(rp, rd, reason, message, True, obs.inputs(), prediction), memory
+
+
+def _all_ready(ready: float | None, replicas: int, target: Target) -> bool:
+    """Every replica of a role serves (from the engines reporting metrics; else from the deployment's Ready)."""
+    return ready >= replicas if ready is not None else target.ready
+
+
+def _planning(model: PerfModel | RoleModels, memory: Memory) -> RoleModels:
+    """The model the planner sizes with: the latency correction, never faster than the capacity measured
+    while saturated (a queue that never drains measures the service time itself)."""
+    corr = memory.correction
+    return RoleModels.of(model).corrected(max(corr.prefill, memory.capacity_prefill or 0.0),
+                                          max(corr.decode, memory.capacity_decode or 0.0))
+
+
+def _capacity(model: PerfModel | RoleModels, memory: Memory) -> RoleModels:
+    """The model whose mean service time the utilisation cap reserves: the measured capacity where a role
+    was seen saturated, else never faster than the model."""
+    corr = memory.correction
+    return RoleModels.of(model).corrected(
+        max(corr.prefill, memory.capacity_prefill if memory.capacity_prefill is not None else 1.0),
+        max(corr.decode, memory.capacity_decode if memory.capacity_decode is not None else 1.0))
+
+
+def learn_capacity(obs: Observation, target: Target, memory: Memory, model: PerfModel | RoleModels) -> Memory:
+    """Learn each role's service-time scale (real / model) from what its saturated replicas did.
+
+    A replica with requests waiting throughout the window ran flat out: its uncached prompt tokens/s
+    (prefill) or output tokens/s at its batch (decode) is its capacity, whatever the latency says. The
+    model's prediction of the same quantity for the observed mix, at scale 1, over the observation is
+    the scale; smoothed over saturated intervals (:data:`CAPACITY_ALPHA`) and clamped like the latency
+    correction. Unlike that correction it needs no steady load and no latency near the target: it is
+    measured exactly when the queue builds, which is when an optimistic model costs the most."""
+    if obs.input_tokens_mean is None or obs.output_tokens_mean is None:
+        return memory
+    models = RoleModels.of(model)
+    corr = memory.correction
+    scales: dict[str, float] = {}
+    if obs.prefill_saturated_tokens and obs.prefill_saturated_tokens > 0:
+        load = Load(obs.request_rate or 0.0, obs.input_tokens_mean, obs.input_tokens_p or obs.input_tokens_mean,
+                    obs.output_tokens_mean, obs.prefix_hit_ratio, obs.input_tokens_tail)
+        work = _work(models, load, target.percentile)
+        uncached = obs.input_tokens_mean * (1.0 - min(max(obs.prefix_hit_ratio, 0.0), 0.99))
+        if work.mean > 0 and uncached > 0:
+            scales["prefill"] = uncached / work.mean / obs.prefill_saturated_tokens
+    if (obs.decode_saturated_tokens and obs.decode_saturated_tokens > 0 and obs.decode_saturated_batch
+            and obs.decode_saturated_batch >= 1):
+        ctx = obs.input_tokens_mean + obs.output_tokens_mean / 2.0
+        predicted = models.decode.decode_throughput(obs.decode_saturated_batch, ctx)
+        if predicted > 0:
+            scales["decode"] = predicted / obs.decode_saturated_tokens
+    out = {}
+    for role, scale in scales.items():
+        scale = min(max(scale, corr.lo), corr.hi)
+        old = getattr(memory, f"capacity_{role}")
+        out[f"capacity_{role}"] = scale if old is None else math.exp(
+            (1 - CAPACITY_ALPHA) * math.log(old) + CAPACITY_ALPHA * math.log(scale))
+    return replace(memory, **out) if out else memory
+
+
+def react(obs: Observation, target: Target, memory: Memory, model: PerfModel | RoleModels,
+          now: float) -> tuple[Decision | None, Memory]:
+    """The fast path between decisions: scale a role up at once when its waiting queue grows faster than
+    its ready replicas drain it (``obs`` carries the queues and their growth over a short window), sized
+    so the ready replicas plus the new ones carry the arrivals (drain + growth) and clear what waits
+    within one start-up and interval. Only ever up; replicas already asked for count; None when nothing
+    needs doing. The full decision (:func:`decide`) and its scale-down rules are unchanged: a replica
+    added here starts the role's cooldown like any scale-up."""
+    if obs.error or not target.ready or target.rolling:
+        return None, memory
+    planning = _planning(model, memory)
+    capacity = _capacity(model, memory)
+    if not memory.input_mean or not memory.output_mean:
+        return None, memory
+    load = Load(memory.rate[-1] if memory.rate else 0.0, memory.input_mean[-1],
+                memory.input_p[-1] if memory.input_p else memory.input_mean[-1], memory.output_mean[-1],
+                memory.prefix_hit[-1] if memory.prefix_hit else 0.0,
+                memory.input_tail[-1] if memory.input_tail else None)
+    horizon = target.startup + target.interval
+    asks = {}
+    for role, queue, growth, ready, current in (
+            ("prefill", obs.prefill_queue, obs.prefill_queue_growth, obs.prefill_ready, target.prefill),
+            ("decode", obs.decode_queue, obs.decode_queue_growth, obs.decode_ready, target.decode)):
+        serving_now = ready if ready is not None else current
+        if queue is None or growth is None or growth <= 0:
+            continue
+        # requests/s one replica drains (at the planned batch for decode: what sizing plans for)
+        per = (_prefill_capacity(capacity, load, 1, target.percentile) if role == "prefill"
+               else _decode_capacity(planning, load, 1, target.itl_target))
+        if not (per > 0 and math.isfinite(per)):
+            continue
+        # a queue the ready replicas drain within the TTFT target is the queueing the model plans for (a
+        # heavy-tailed prompt holding a replica for seconds piles up a few; the next decision sees it)
+        if queue < target.ttft_target * max(serving_now, 1) * per:
+            continue
+        need = math.ceil((serving_now * per + growth + queue / horizon) / per - 1e-9)
+        if need > current:
+            asks[role] = need
+    if not asks:
+        return None, memory
+    p_limit = max(min(target.prefill_max, MAX_REPLICAS), target.floor_prefill)
+    d_limit = max(min(target.decode_max, MAX_REPLICAS), target.floor_decode)
+    p = min(max(asks.get("prefill", target.prefill), target.prefill), p_limit)
+    d = min(max(asks.get("decode", target.decode), target.decode), d_limit)
+    p, d, limited = fit_budget(p, d, target)
+    p, d = max(p, min(target.prefill, p_limit)), max(d, min(target.decode, d_limit))
+    if p <= target.prefill and d <= target.decode:
+        return None, memory
+    if p > target.prefill:
+        memory = replace(memory, last_scale_up_prefill=now)
+    if d > target.decode:
+        memory = replace(memory, last_scale_up_decode=now)
+    reason = BUDGET_LIMITED if limited else SCALED
+    message = (f"queue growing: prefill {target.prefill}->{p} (waiting {obs.prefill_queue or 0:.0f}, "
+               f"+{obs.prefill_queue_growth or 0:.2g}/s), decode {target.decode}->{d} "
+               f"(waiting {obs.decode_queue or 0:.0f}, +{obs.decode_queue_growth or 0:.2g}/s)")
+    return Decision(RoleDecision(p, asks.get("prefill", p), reason), RoleDecision(d, asks.get("decode", d), reason),
+                    reason, message, True, obs.inputs()), memory
 
 
 def _sized_rates(obs: Observation, memory: Memory, load: Load, horizon: int,

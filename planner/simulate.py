@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from .decide import (HISTORY, Decision, Load, Memory, Observation, RoleModels, Target, decide, size_decode,
+from .decide import (HISTORY, Decision, Load, Memory, Observation, RoleModels, Target, decide, react, size_decode,
                      size_prefill)
 from . import serving
 from .perfmodel import PerfModel
@@ -64,6 +64,9 @@ class SimConfig:
     reality: float = 1.0               # true latency / planning model's latency
     metrics_outages: tuple[tuple[float, float], ...] = ()  # [start, end) with no metrics
     drain_limit: float = 900.0         # stop this long after the last arrival
+    # between decisions, a policy that reacts to queue growth (the planner's fast path) sees the queues this
+    # often (the metrics' scrape interval: a real planner cannot see them sooner); 0: never
+    fast_check: float = 15.0
 
     def target(self, prefill: int, decode: int, ready: bool = True) -> Target:
         return Target(prefill=prefill, decode=decode, ttft_target=self.ttft_target, itl_target=self.itl_target,
@@ -96,11 +99,20 @@ class PlannerPolicy:
         self.memory = Memory()
         self.season = season_intervals
         self.decisions: list[Decision] = []
+        self.reactions: list[tuple[float, Decision]] = []
 
     def plan(self, obs: Observation, target: Target, now: float) -> tuple[int, int]:
         d, self.memory = decide(obs, target, self.memory, RoleModels(self.prefill_model, self.decode_model), now,
                                 self.season)
         self.decisions.append(d)
+        return d.prefill.replicas, d.decode.replicas
+
+    def react(self, obs: Observation, target: Target, now: float) -> tuple[int, int] | None:
+        """The fast path between decisions (:func:`react`): new sizes, or None."""
+        d, self.memory = react(obs, target, self.memory, RoleModels(self.prefill_model, self.decode_model), now)
+        if d is None:
+            return None
+        self.reactions.append((now, d))
         return d.prefill.replicas, d.decode.replicas
 
 
@@ -388,6 +400,15 @@ class Simulation:
         self.met = 0
         self.finished = 0
         self.intervals: list[Interval] = []
+        # what the saturation measurement reads (per interval): did the role's queue ever empty, how many
+        # replicas served at its start, the work its ready replicas did (uncached prompt tokens; output
+        # tokens and request-seconds decoding)
+        self._emptied = {"prefill": True, "decode": True}
+        self._ready_start = {"prefill": 0, "decode": 0}
+        self._acc_prefill_tokens = 0.0
+        self._acc_decode_tokens = 0.0
+        self._acc_decode_batch_s = 0.0
+        self._last_queues = (0.0, 0.0, 0.0)   # (time, prefill queue, decode queue) at the last look
 
     # -- plumbing
     def _at(self, t: float, kind: str, *payload) -> None:
@@ -448,6 +469,8 @@ class Simulation:
             req.cached = self._cached_tokens(req)
             tokens += req.r.input_tokens - req.cached
             batch.append(req)
+        if not queue:
+            self._emptied["prefill"] = True
         rep.busy = True
         rep.running = len(batch)
         t = self.prefill_model.prefill_time([(b.r.input_tokens - b.cached, b.cached) for b in batch])
@@ -458,6 +481,7 @@ class Simulation:
         for req in batch:
             self._acc_prompt += req.r.input_tokens
             self._acc_cached += req.cached
+            self._acc_prefill_tokens += req.r.input_tokens - req.cached
             for b in req.r.blocks:
                 self.cache[b] = True
                 self.cache.move_to_end(b)
@@ -487,6 +511,8 @@ class Simulation:
             for a in rep.active:
                 a.remaining -= steps
                 a.ctx += steps
+            self._acc_decode_tokens += steps * len(rep.active)
+            self._acc_decode_batch_s += (now - rep.last) * len(rep.active)
         rep.last = now
         still = []
         for a in rep.active:
@@ -505,6 +531,8 @@ class Simulation:
             rep.reserved += a.reserve
             rep.active.append(a)
             admitted.append(a)
+            if not queue:
+                self._emptied["decode"] = True
         rep.version += 1
         if rep.active:
             rep.step = self.decode_model.decode_step_time(len(rep.active), sum(a.ctx for a in rep.active))
@@ -542,6 +570,13 @@ class Simulation:
             return Observation.unavailable(now, "simulated metrics outage")
         ins = sorted(r.input_tokens for r in arr)
         outs = sorted(r.output_tokens for r in arr)
+        ready = {role: sum(r.ready(now) for r in self.replicas[role]) for role in ("prefill", "decode")}
+        # the saturation measurement: only when the role's queue never emptied and the same replicas served
+        # the whole interval (as a Prometheus query over replicas whose waiting gauge stayed >= 1)
+        sat = {role: not self._emptied[role] and ready[role] > 0 and ready[role] == self._ready_start[role]
+               for role in ("prefill", "decode")}
+        span = self.cfg.interval
+        growth = self._queue_growth(now)
         return Observation(
             time=now, request_rate=len(arr) / self.cfg.interval,
             ttft=_pct(self._acc_ttft, self.cfg.percentile), itl=_pct(self._acc_itl, self.cfg.percentile),
@@ -555,7 +590,39 @@ class Simulation:
             decode_queue=float(len(self.decode_queue)),
             decode_running=float(sum(len(r.active) for r in self.replicas["decode"] if r.end is None)),
             ttft_mean=_mean(self._acc_ttft), itl_mean=_mean(self._acc_itl),
-            request_seconds_mean=self._acc_seconds / self._acc_done if self._acc_done else None)
+            request_seconds_mean=self._acc_seconds / self._acc_done if self._acc_done else None,
+            prefill_ready=float(ready["prefill"]), decode_ready=float(ready["decode"]),
+            prefill_saturated_tokens=self._acc_prefill_tokens / (span * ready["prefill"]) if sat["prefill"] else None,
+            decode_saturated_tokens=self._acc_decode_tokens / (span * ready["decode"]) if sat["decode"] else None,
+            decode_saturated_batch=self._acc_decode_batch_s / (span * ready["decode"]) if sat["decode"] else None,
+            prefill_queue_growth=growth[0], decode_queue_growth=growth[1])
+
+    def _queue_growth(self, now: float) -> tuple[float | None, float | None]:
+        """Each queue's growth (requests/s) since the last look (a plan or a fast check)."""
+        t0, p0, d0 = self._last_queues
+        p, d = float(len(self.prefill_queue)), float(len(self.decode_queue))
+        self._last_queues = (now, p, d)
+        if now <= t0:
+            return None, None
+        return (p - p0) / (now - t0), (d - d0) / (now - t0)
+
+    def _react(self, now: float) -> None:
+        """A fast check between decisions: the queues and their growth, for a policy that reacts to them."""
+        react_ = getattr(self.policy, "react", None)
+        if react_ is None or any(s <= now < e for s, e in self.cfg.metrics_outages):
+            return
+        live_p, live_d = self._live("prefill"), self._live("decode")
+        growth = self._queue_growth(now)
+        obs = Observation(time=now, prefill_queue=float(len(self.prefill_queue)),
+                          decode_queue=float(len(self.decode_queue)),
+                          prefill_ready=float(sum(r.ready(now) for r in live_p)),
+                          decode_ready=float(sum(r.ready(now) for r in live_d)),
+                          prefill_queue_growth=growth[0], decode_queue_growth=growth[1])
+        ready = all(r.ready_at <= now for r in live_p + live_d)
+        sized = react_(obs, self.cfg.target(len(live_p), len(live_d), ready=ready), now)
+        if sized is not None:
+            self._scale("prefill", sized[0], now)
+            self._scale("decode", sized[1], now)
 
     def _plan(self, now: float) -> None:
         obs = self._observe(now)
@@ -577,6 +644,9 @@ class Simulation:
         self._acc_arrivals, self._acc_ttft, self._acc_itl = [], [], []
         self._acc_met = self._acc_done = self._acc_prompt = self._acc_cached = 0
         self._acc_seconds = 0.0
+        self._acc_prefill_tokens = self._acc_decode_tokens = self._acc_decode_batch_s = 0.0
+        self._emptied = {"prefill": not self.prefill_queue, "decode": not self.decode_queue}
+        self._ready_start = {role: sum(r.ready(now) for r in self.replicas[role]) for role in ("prefill", "decode")}
 
     def run(self) -> SimResult:
         cfg = self.cfg
@@ -612,6 +682,13 @@ class Simulation:
                 self._plan(t)
                 if t < end_arrivals or self.finished < len(self.trace.requests):
                     self._at(t + cfg.interval, "plan")
+                    # fast checks between this decision and the next
+                    k = 1
+                    while cfg.fast_check > 0 and k * cfg.fast_check < cfg.interval - 1e-9:
+                        self._at(t + k * cfg.fast_check, "check")
+                        k += 1
+            elif kind == "check":
+                self._react(t)
         end = self.now
         gpu_s = 0.0
         for role, tp in (("prefill", cfg.prefill_tp), ("decode", cfg.decode_tp)):

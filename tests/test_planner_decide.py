@@ -425,3 +425,84 @@ def test_one_noisy_slow_interval_is_unlearnt_far_below_target():
     # far below target a faster-than-predicted interval does not teach a correction below the model
     _, mem = dc.decide(replace(o, ttft=predicted * 0.5), t, dc.Memory(rate=(3.0,)), MODEL, now=0)
     assert mem.correction.prefill == 1.0
+
+
+# ---------------------------------------------------------------- capacity from saturation, the fast path
+
+def _saturated_prefill_tokens(scale, o):
+    """Uncached prompt tokens/s one prefill replica does at ``scale`` x the model's service time."""
+    load = dc.Load(o.request_rate, o.input_tokens_mean, o.input_tokens_p, o.output_tokens_mean, o.prefix_hit_ratio)
+    work = dc._work(dc.RoleModels.of(MODEL), load, 90.0)
+    return o.input_tokens_mean * (1 - o.prefix_hit_ratio) / work.mean / scale
+
+
+def test_capacity_measured_while_saturated_is_learnt_and_sizes_a_slower_reality():
+    base = obs(rate=6.0, ttft=0.4, itl=0.02)
+    # hardware 1.5x slower than the model: the saturated replicas do 1/1.5 of the predicted work
+    slow = replace(base, prefill_saturated_tokens=_saturated_prefill_tokens(1.5, base),
+                   decode_saturated_batch=40.0,
+                   decode_saturated_tokens=MODEL.decode_throughput(40.0, 4000 + 150) / 1.5)
+    m = dc.learn_capacity(slow, target(), dc.Memory(), MODEL)
+    assert m.capacity_prefill == pytest.approx(1.5, rel=1e-6) and m.capacity_decode == pytest.approx(1.5, rel=1e-6)
+    # smoothed: a second saturated interval at 1.0 moves it part of the way back, not all
+    m2 = dc.learn_capacity(replace(slow, prefill_saturated_tokens=_saturated_prefill_tokens(1.0, base)),
+                           target(), m, MODEL)
+    assert 1.0 < m2.capacity_prefill < 1.5
+    # nothing saturated: nothing learnt
+    assert dc.learn_capacity(base, target(), dc.Memory(), MODEL).capacity_prefill is None
+    # the slower capacity sizes more replicas for the same load, from the next decision on
+    t = target(prefill=1, decode=1)
+    for rate in (14.0, 20.0):
+        plain, _ = dc.decide(obs(rate=rate, ttft=0.4, itl=0.02, t=30), t, dc.Memory(), MODEL, now=30)
+        learnt, _ = dc.decide(obs(rate=rate, ttft=0.4, itl=0.02, t=30), t, m, MODEL, now=30)
+        assert learnt.prefill.needed > plain.prefill.needed and learnt.decode.needed >= plain.decode.needed
+    assert learnt.prediction["prefillCapacityScale"] == pytest.approx(1.5, rel=1e-3)
+
+
+def test_observed_latency_adds_a_replica_only_when_the_roles_replicas_all_serve():
+    t = target(prefill=2, decode=2)
+    breach = obs(rate=0.5, ttft=3.0, itl=0.2, prefill_queue=5.0, decode_queue=0.0)
+    d, _ = dc.decide(replace(breach, prefill_ready=2.0, decode_ready=2.0), t, dc.Memory(), MODEL, now=0)
+    assert d.prefill.replicas == 3 and d.decode.replicas == 3
+    # one of each still starting: the latency measures the old size; the model's ask stands alone
+    d, _ = dc.decide(replace(breach, prefill_ready=1.0, decode_ready=1.0), t, dc.Memory(), MODEL, now=0)
+    assert d.prefill.replicas == 2 and d.decode.replicas == 2
+
+
+def _memory_after(o, t):
+    _, m = dc.decide(o, t, dc.Memory(), MODEL, now=0)
+    return m
+
+
+def test_fast_path_scales_up_on_a_growing_queue_and_ignores_a_short_one():
+    t = target(prefill=1, decode=1)
+    m = _memory_after(obs(rate=4.0, ttft=0.3, itl=0.02), t)
+    per = dc._prefill_capacity(dc._capacity(MODEL, m), dc.Load(4.0, 4000, 6000, 300), 1, 90.0)
+    # a queue of many seconds' work, growing: one replica drains `per`/s, arrivals are `per + growth`
+    q = dc.Observation(time=15, prefill_queue=10 * per, prefill_queue_growth=per, prefill_ready=1.0,
+                       decode_queue=0.0, decode_queue_growth=0.0, decode_ready=1.0)
+    d, m2 = dc.react(q, t, m, MODEL, now=15)
+    assert d is not None and d.prefill.replicas >= 2 and d.decode.replicas == 1 and d.reason == dc.SCALED
+    assert m2.last_scale_up_prefill == 15 and m2.last_scale_up_decode == m.last_scale_up_decode
+    # replicas already asked for count: nothing more while they start
+    more, _ = dc.react(q, target(prefill=d.prefill.replicas, decode=1), m2, MODEL, now=30)
+    assert more is None
+    # a queue the ready replica drains within the TTFT target, a shrinking one, or none: nothing
+    for quiet in (replace(q, prefill_queue=0.5 * per), replace(q, prefill_queue_growth=-1.0),
+                  replace(q, prefill_queue=None)):
+        assert dc.react(quiet, t, m, MODEL, now=15)[0] is None
+    # never while not Ready or rolling out (the full decision owns those), never past maxReplicas
+    assert dc.react(q, target(prefill=1, decode=1, ready=False), m, MODEL, now=15)[0] is None
+    capped, _ = dc.react(replace(q, prefill_queue=1000 * per), target(prefill=1, decode=1, prefill_max=3), m,
+                         MODEL, now=15)
+    assert capped.prefill.replicas == 3
+
+
+def test_fast_path_grows_decode_when_requests_wait_for_admission():
+    t = target(prefill=1, decode=1)
+    m = _memory_after(obs(rate=4.0, ttft=0.3, itl=0.02), t)
+    per = dc._decode_capacity(dc._planning(MODEL, m), dc.Load(4.0, 4000, 6000, 300), 1, 0.05)
+    q = dc.Observation(time=15, prefill_queue=0.0, prefill_queue_growth=0.0, prefill_ready=1.0,
+                       decode_queue=5 * per, decode_queue_growth=0.2 * per, decode_ready=1.0)
+    d, _ = dc.react(q, t, m, MODEL, now=15)
+    assert d is not None and d.decode.replicas >= 2 and d.prefill.replicas == 1

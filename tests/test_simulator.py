@@ -228,3 +228,26 @@ def test_dynamo_style_policy_follows_a_step_in_the_simulator():
     late = [i for i in r.intervals if 150 + SMALL.startup + 2 * SMALL.interval <= i.t <= 300]
     assert late and max(i.prefill + i.decode for i in late) > max(i.prefill + i.decode for i in early)
     assert r.summary()["goodput_per_gpu_hour"] == pytest.approx(r.met / r.gpu_hours, rel=0.01)
+
+
+def test_planner_learns_capacity_while_saturated_and_reacts_to_queue_growth_between_decisions():
+    # a step to a level never seen, on hardware 1.5x slower than the model it plans with: the planner's
+    # fast path acts on the growing queue before the next decision, and the saturated intervals teach it
+    # the real service time (the latency far below target before the step taught it nothing)
+    trace = traces.step([6.0, 24.0], 240.0, seed=3)
+    cfg = sm.SimConfig(ttft_target=1.0, itl_target=0.04, reality=1.5, initial_prefill=1, initial_decode=1,
+                       fast_check=10.0)
+    policy = sm.PlannerPolicy(cfg)
+    r = sm.simulate(trace, policy, cfg)
+    assert r.finished == r.arrived
+    assert policy.reactions, "no reaction to the growing queue"
+    first = policy.reactions[0][0]
+    assert 240.0 < first and first % cfg.interval != 0  # between decisions, after the step
+    learnt = [d.prediction.get("prefillCapacityScale") or d.prediction.get("decodeCapacityScale")
+              for d in policy.decisions]
+    scales = [s for s in learnt if s is not None]
+    assert scales and max(scales) > 1.2  # the service time it measured is slower than the model's
+    # without the fast path the same run reacts only at decisions
+    slow = sm.PlannerPolicy(replace(cfg, fast_check=0.0))
+    sm.simulate(trace, slow, replace(cfg, fast_check=0.0))
+    assert not slow.reactions
