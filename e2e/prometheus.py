@@ -247,6 +247,12 @@ class MetricsExporter:
         self.waiting = Gauge(m.VLLM_NUM_REQUESTS_WAITING, "waiting", labels + ["role"], registry=r)
         self.running = Gauge(m.VLLM_NUM_REQUESTS_RUNNING, "running", labels + ["role"], registry=r)
         self.kv = Gauge(m.VLLM_KV_CACHE_USAGE, "kv usage", labels + ["role"], registry=r)
+        # what the engines served: prompt tokens (and prefix-cache hits) at prefill, generated tokens at decode
+        self.engine_prompt = Counter(m.VLLM_PROMPT_TOKENS, "engine prompt tokens", labels + ["role"], registry=r)
+        self.engine_hits = Counter(m.VLLM_PREFIX_CACHE_HITS, "engine prefix cache hits", labels + ["role"],
+                                   registry=r)
+        self.engine_generated = Counter(m.VLLM_GENERATION_TOKENS, "engine generated tokens", labels + ["role"],
+                                        registry=r)
         self.traffic = Traffic()
         self.port = free_port()
         self.server, self._thread = start_http_server(self.port, addr="127.0.0.1", registry=r)
@@ -276,6 +282,9 @@ class MetricsExporter:
                 self.out.labels(**lab).observe(t.output_tokens)
                 self.prompt.labels(**lab).inc(t.input_tokens)
                 self.cached.labels(**lab).inc(t.input_tokens * t.cached_fraction)
+                self.engine_prompt.labels(**lab, role="prefill").inc(t.input_tokens)
+                self.engine_hits.labels(**lab, role="prefill").inc(t.input_tokens * t.cached_fraction)
+                self.engine_generated.labels(**lab, role="decode").inc(t.output_tokens)
             for role, waiting in (("prefill", t.prefill_waiting), ("decode", t.decode_waiting)):
                 self.waiting.labels(**lab, role=role).set(waiting)
                 self.running.labels(**lab, role=role).set(1)

@@ -23,6 +23,13 @@ Windows: ``rate()`` needs two samples inside its window, so a window shorter tha
 empty now and then, and one of under four goes empty whenever a scrape is late or missed. The planner's
 window is its interval, but never under :data:`SCRAPES_PER_WINDOW` scrape intervals (:func:`query_window`);
 the scrape interval is the planner's ``--scrape-interval`` (the chart passes its pod monitors' interval).
+
+Capacity while saturated (:func:`disagg.planner.decide.learn_capacity`): per worker (``instance``), a
+replica whose ``num_requests_waiting`` stayed at 1 or more over the whole window (``min_over_time``) ran
+flat out; the mean over those replicas of their uncached prompt tokens/s (prompt tokens less prefix-cache
+hits, prefill) or their generation tokens/s and running requests (decode) is what one replica really
+serves. The fast path (:meth:`PrometheusSource.observe_queues`) reads the waiting queues and their growth
+(``deriv``) over :data:`FAST_SCRAPES` scrape intervals.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from .reasons import PROMETHEUS_UNREACHABLE, QUERY_ERROR
 from .serving import TAIL_PERCENTILE
 
 SCRAPES_PER_WINDOW = 4
+FAST_SCRAPES = 3                # the fast path's window for a queue's growth (deriv needs two samples)
 DEFAULT_SCRAPE_INTERVAL = 15.0  # seconds: the chart's pod monitors' default
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d|w|y)")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, "y": 31536000}
@@ -94,6 +102,9 @@ class NotPrometheus(Exception):
 class MetricsSource(Protocol):
     def observe(self, namespace: str, name: str, percentile: float, window_seconds: float) -> Observation: ...
 
+    # optional (the fast path between decisions): the waiting queues, their growth and the ready replicas
+    # def observe_queues(self, namespace: str, name: str, window_seconds: float) -> Observation: ...
+
 
 @dataclass(frozen=True)
 class Labels:
@@ -128,6 +139,18 @@ def queries(namespace: str, name: str, percentile: float, window_seconds: float,
         return (f"histogram_quantile({q}, sum by (le) (rate("
                 f"{vllm(metric + '_bucket', role_value)}[{w}])))")
 
+    def saturated(role_value: str) -> str:
+        # the workers of the role whose queue never emptied over the window (one series each)
+        return f"(min by (instance) (min_over_time({vllm(m.VLLM_NUM_REQUESTS_WAITING, role_value)}[{w}])) >= 1)"
+
+    def per_saturated(expr: str, role_value: str) -> str:
+        # the mean over saturated workers of a per-worker expression; empty when none was saturated
+        return (f"sum(({expr}) and on (instance) {saturated(role_value)}) / "
+                f"count({saturated(role_value)})")
+
+    def per_worker_rate(metric: str, role_value: str) -> str:
+        return f"sum by (instance) (rate({vllm(metric + '_total', role_value)}[{w}]))"
+
     return {
         "request_rate": f"sum(rate({m.ROUTER_REQUESTS}{{{sel}}}[{w}]))",
         "ttft": _quantile(q, m.ROUTER_TTFT_SECONDS, sel, w),
@@ -152,7 +175,34 @@ def queries(namespace: str, name: str, percentile: float, window_seconds: float,
         "prefill_running": f"sum({vllm(m.VLLM_NUM_REQUESTS_RUNNING, 'prefill')})",
         "decode_running": f"sum({vllm(m.VLLM_NUM_REQUESTS_RUNNING, 'decode')})",
         "decode_kv_usage": f"avg({vllm(m.VLLM_KV_CACHE_USAGE, 'decode')})",
+        # replicas serving: the engines reporting
+        "prefill_ready": f"count(sum by (instance) ({vllm(m.VLLM_NUM_REQUESTS_RUNNING, 'prefill')}))",
+        "decode_ready": f"count(sum by (instance) ({vllm(m.VLLM_NUM_REQUESTS_RUNNING, 'decode')}))",
+        # what a saturated replica serves (learn_capacity)
+        "prefill_saturated_tokens": per_saturated(
+            f"{per_worker_rate(m.VLLM_PROMPT_TOKENS, 'prefill')} - "
+            f"{per_worker_rate(m.VLLM_PREFIX_CACHE_HITS, 'prefill')}", "prefill"),
+        "decode_saturated_tokens": per_saturated(per_worker_rate(m.VLLM_GENERATION_TOKENS, "decode"), "decode"),
+        "decode_saturated_batch": per_saturated(
+            f"sum by (instance) (avg_over_time({vllm(m.VLLM_NUM_REQUESTS_RUNNING, 'decode')}[{w}]))", "decode"),
     }
+
+
+def queue_queries(namespace: str, name: str, window_seconds: float, labels: Labels = Labels()) -> dict[str, str]:
+    """The fast path's PromQL: each role's waiting queue now, its growth (requests/s) over the window and
+    the replicas serving."""
+    sel = f'{labels.namespace}="{namespace}",{labels.deployment}="{name}"'
+    w = f"{max(int(round(window_seconds)), 1)}s"
+    out = {}
+    for role_value in ("prefill", "decode"):
+        both = f"{m.VLLM_NUM_REQUESTS_WAITING}|{m.VLLM_NUM_REQUESTS_WAITING.replace(':', '_')}"
+        waiting = f'{{__name__=~"{both}",{sel},{labels.role}="{role_value}"}}'
+        running = (f'{{__name__=~"{m.VLLM_NUM_REQUESTS_RUNNING}|{m.VLLM_NUM_REQUESTS_RUNNING.replace(":", "_")}",'
+                   f'{sel},{labels.role}="{role_value}"}}')
+        out[f"{role_value}_queue"] = f"sum({waiting})"
+        out[f"{role_value}_queue_growth"] = f"sum(deriv({waiting}[{w}]))"
+        out[f"{role_value}_ready"] = f"count(sum by (instance) ({running}))"
+    return out
 
 
 # needed whenever there is traffic; the rest is used when present
@@ -263,4 +313,21 @@ class PrometheusSource:
             prefix_hit_ratio=min(max(hit, 0.0), 1.0) if hit is not None else 0.0,
             prefill_queue=values["prefill_queue"], decode_queue=values["decode_queue"],
             prefill_running=values["prefill_running"], decode_running=values["decode_running"],
-            decode_kv_usage=values["decode_kv_usage"], missing=missing)
+            decode_kv_usage=values["decode_kv_usage"], prefill_ready=values["prefill_ready"],
+            decode_ready=values["decode_ready"], prefill_saturated_tokens=values["prefill_saturated_tokens"],
+            decode_saturated_tokens=values["decode_saturated_tokens"],
+            decode_saturated_batch=values["decode_saturated_batch"], missing=missing)
+
+    def observe_queues(self, namespace: str, name: str, window_seconds: float) -> Observation:
+        """The fast path's snapshot: waiting queues, their growth and the ready replicas (no traffic figures)."""
+        now = time.time()
+        values: dict[str, float | None] = {}
+        try:
+            for key, promql in queue_queries(namespace, name, window_seconds, self.labels).items():
+                values[key] = self._scalar(promql)
+        except QueryRefused as e:
+            return Observation.unavailable(now, f"{self.what} refused a queue query ({e})", QUERY_ERROR)
+        except Exception as e:  # (the next full decision reports an outage in status; this one only holds)
+            return Observation.unavailable(now, f"{self.what} unreachable ({type(e).__name__})",
+                                           PROMETHEUS_UNREACHABLE)
+        return Observation(time=now, **values)

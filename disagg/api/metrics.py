@@ -86,6 +86,7 @@ VLLM_NIXL_XFER_TIME_SECONDS = "vllm:nixl_xfer_time_seconds"        # histogram (
 VLLM_PREFIX_CACHE_QUERIES = "vllm:prefix_cache_queries"            # counter, tokens
 VLLM_PREFIX_CACHE_HITS = "vllm:prefix_cache_hits"                  # counter, tokens
 VLLM_PROMPT_TOKENS = "vllm:prompt_tokens"                          # counter
+VLLM_GENERATION_TOKENS = "vllm:generation_tokens"                  # counter
 VLLM_NUM_REQUESTS_RUNNING = "vllm:num_requests_running"            # gauge
 VLLM_NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"            # gauge
 VLLM_KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"                   # gauge, 0..1
