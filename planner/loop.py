@@ -3,6 +3,9 @@
 observe (Prometheus) -> decide (pure) -> apply (executor). Clients are made once at
 start-up and passed in; per-deployment memory (load history, online correction,
 cooldown clocks) lives in the loop object, keyed by the deployment's UID.
+
+Between decisions, every scrape interval, the fast path (:func:`disagg.planner.decide.react`) reads the
+waiting queues and scales a role up at once when its queue grows faster than its replicas drain it.
 """
 
 from __future__ import annotations
@@ -20,9 +23,9 @@ from disagg.api.v1alpha1 import PLURAL, VERSION, ConditionType, DisaggDeployment
 
 from . import perfmodel, slo
 from .apply import Executor
-from .decide import Decision, Memory, Observation, RoleModels, Target, decide
+from .decide import Decision, Memory, Observation, RoleModels, Target, decide, react
 from .endpoints import Allowlist, Endpoint
-from .metrics_source import DEFAULT_SCRAPE_INTERVAL, MetricsSource, query_window
+from .metrics_source import DEFAULT_SCRAPE_INTERVAL, FAST_SCRAPES, MetricsSource, query_window
 from .reasons import PROMETHEUS_NOT_ALLOWED
 
 log = logging.getLogger("disagg.planner")
@@ -77,6 +80,7 @@ def readiness(obj: dict[str, Any]) -> tuple[bool, bool]:
 class _State:
     memory: Memory = field(default_factory=Memory)
     last: float | None = None
+    last_fast: float | None = None     # the fast path's last look at the queues
 
 
 class PlannerLoop:
@@ -130,6 +134,31 @@ class PlannerLoop:
         self.executor.apply(obj, decision, target, slo.judge(obs, spec.slo, window))
         return decision
 
+    def react_one(self, obj: dict[str, Any], now: float | None = None) -> Decision | None:
+        """The fast path for one deployment between its decisions: read the queues, scale up if one grows
+        faster than its replicas drain it (applied at once), else nothing. Only after a first decision
+        (it sizes from that decision's memory) and only from a source that reads queues."""
+        now = self.clock() if now is None else now
+        meta = obj["metadata"]
+        state = self.state.get(meta["uid"])
+        if state is None or state.last is None:
+            return None
+        state.last_fast = now
+        spec = DisaggDeploymentSpec.model_validate(obj["spec"])
+        endpoint = self.endpoints.resolve(spec.planner.prometheus)
+        observe_queues = None if isinstance(endpoint, str) else getattr(self.source_for(endpoint), "observe_queues",
+                                                                        None)
+        if observe_queues is None:
+            return None
+        ready, rolling = readiness(obj)
+        target = Target.from_spec(spec, ready=ready, rolling=rolling)
+        obs = observe_queues(meta["namespace"], meta["name"], FAST_SCRAPES * self.scrape_interval)
+        decision, state.memory = react(obs, target, state.memory, self._models(obj, spec), now)
+        if decision is not None:  # (an unreadable Prometheus is left to the next decision to report)
+            log.info('{"deployment": "%s/%s", "fast_path": "%s"}', meta["namespace"], meta["name"], decision.message)
+            self.executor.apply(obj, decision, target)
+        return decision
+
     def report_one(self, obj: dict[str, Any], now: float | None = None) -> slo.Verdict:
         """Latency and SLOMet for a deployment with spec.slo and no planner."""
         now = self.clock() if now is None else now
@@ -158,6 +187,13 @@ class PlannerLoop:
             state = self.state.get(meta["uid"])
             interval = (obj["spec"].get("planner") or {}).get("intervalSeconds", 30)
             if state and state.last is not None and now - state.last < interval:
+                # between decisions: the fast path, every scrape interval (its reactions are not decisions)
+                enabled = (obj["spec"].get("planner") or {}).get("enabled")
+                if enabled and now - max(state.last, state.last_fast or state.last) >= self.scrape_interval:
+                    try:
+                        self.react_one(obj, now)
+                    except Exception as e:
+                        log.exception('{"deployment": "%s/%s", "error": "%s"}', meta["namespace"], meta["name"], e)
                 continue
             try:
                 if (obj["spec"].get("planner") or {}).get("enabled"):

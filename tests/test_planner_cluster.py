@@ -242,3 +242,44 @@ def test_a_prometheus_name_outside_the_allowlist_holds_and_names_the_field(clust
     assert cond["status"] == "False" and cond["reason"] == reasons.PROMETHEUS_NOT_ALLOWED
     assert "spec.planner.prometheus: 'elsewhere' is not an allowed Prometheus endpoint (allowed: test)" in \
         cond["message"]
+
+
+def test_between_decisions_a_growing_queue_scales_up_at_once(cluster, api_client, crd_installed, namespace,
+                                                             metrics_world, planner_api):
+    """The fast path: after a decision, a prefill queue that grows faster than its replicas drain it is
+    answered within a scrape interval or two, long before the next decision (the interval is 5 minutes)."""
+    from kubernetes import client
+
+    exporter, prom = metrics_world
+    doc = manifest(namespace)
+    doc["spec"]["planner"]["intervalSeconds"] = 300
+    out = _kubectl_apply(cluster, doc)
+    assert out.returncode == 0, out.stderr
+    # the operator's word that the deployment serves (no operator runs here): the fast path acts only then
+    obj = _get(api_client, namespace)
+    client.CustomObjectsApi(api_client).patch_namespaced_custom_object_status(
+        GROUP, VERSION, namespace, PLURAL, NAME,
+        {"status": {"observedGeneration": obj["metadata"]["generation"], "conditions": [
+            {"type": "Ready", "status": "True", "reason": "Test", "message": "serving",
+             "lastTransitionTime": "2026-01-01T00:00:00Z", "observedGeneration": obj["metadata"]["generation"]}]}})
+    exporter.traffic = replace(exporter.traffic, rate=4.0, ttft=0.3, itl=0.02, prefill_waiting=0, decode_waiting=0)
+    source = PrometheusSource.for_endpoint(allowlist(prom).endpoints[ENDPOINT], timeout=3)
+    wait_for(lambda: (lambda o: o.request_rate and o.ttft and o.ttft < 0.5 and o.prefill_queue == 0)(
+        source.observe(namespace, NAME, 90, 10)), 120, "steady traffic in Prometheus", interval=0.5)
+    scrape = parse_duration(prom.scrape_interval)
+    loop = PlannerLoop(planner_api, Executor(planner_api), lambda endpoint: source, allowlist(prom),
+                       namespace=namespace, scrape_interval=scrape)
+    [(_, _, first)] = loop.step(now=1000.0)
+    assert first.metrics_ok and (first.prefill.replicas, first.decode.replicas) == (1, 1)
+    clock = iter(1000.0 + scrape * k for k in range(1, 100_000))
+
+    def scaled():
+        # the queue keeps growing; each pass is one scrape interval later, well inside the interval
+        exporter.traffic = replace(exporter.traffic, prefill_waiting=exporter.traffic.prefill_waiting + 20)
+        assert loop.step(now=next(clock)) == []  # (reactions are not decisions)
+        return (lambda o: o if _replicas(o)[0] > 1 else None)(_get(api_client, namespace))
+
+    obj = wait_for(scaled, 120, "the fast path's scale-up", interval=0.5)
+    assert _replicas(obj)[1] == 1  # decode's queue did not grow: untouched
+    assert obj["status"]["planner"]["message"].startswith("queue growing: prefill 1->")
+    assert FIELD_MANAGER in replicas_owner(obj)
