@@ -93,13 +93,19 @@ def pods_settled(core: client.CoreV1Api, namespace: str, want: int) -> bool:
 
 
 _last_progress: dict[str, float] = {}
+_firsts: dict[str, float] = {}
 
 
-def _progress(line: str, key: str = "pods") -> None:
-    """A line a minute while waiting, so a run that times out shows how far it got."""
-    if time.monotonic() - _last_progress.get(key, 0.0) >= 60:
-        _last_progress[key] = time.monotonic()
-        print(f"  ... {line}", flush=True)
+def _first(what: str) -> None:
+    """When something first held in the phase being timed (its seconds are printed with the phase), so
+    a phase's time splits into the pods' and the status that reports them."""
+    _firsts.setdefault(what, time.monotonic())
+
+
+def _split(start: float) -> str:
+    pods = _firsts.pop("pods", None)
+    _firsts.clear()
+    return f" (every pod Ready at {pods - start:.1f}s)" if pods is not None else ""
 
 
 def baseline_settled(core: client.CoreV1Api, apps: client.AppsV1Api, want_pods: int, deployments: int) -> bool:
@@ -108,6 +114,7 @@ def baseline_settled(core: client.CoreV1Api, apps: client.AppsV1Api, want_pods: 
     bar a DisaggDeployment's Ready clears, since its status is read from its Deployments' status."""
     if not pods_settled(core, "baseline", want_pods):
         return False
+    _first("pods")
     deps = json.loads(apps.list_namespaced_deployment("baseline", _preload_content=False).data)["items"]
     done = sum(1 for d in deps if (d.get("status") or {}).get("observedGeneration") == d["metadata"]["generation"]
                and (d.get("status") or {}).get("readyReplicas", 0) == d["spec"]["replicas"]
@@ -250,8 +257,8 @@ def main() -> int:
         wait_for(lambda: baseline_settled(core, apps, want, 3 * args.deployments), 1800, "baseline ready",
                  interval=1)
         t_base = time.monotonic() - t
-        print(f"baseline: {3 * args.deployments} plain Deployments ({want} pods) ready in {t_base:.1f}s",
-              flush=True)
+        print(f"baseline: {3 * args.deployments} plain Deployments ({want} pods) ready in {t_base:.1f}s"
+              f"{_split(t)}", flush=True)
         t_base_churn = churn_plain(apps, core, args.deployments, want)
         print(f"baseline churn settled in {t_base_churn:.1f}s", flush=True)
         core.delete_namespace("baseline")
@@ -283,13 +290,16 @@ def main() -> int:
             custom.create_namespaced_custom_object(GROUP, VERSION, "ops", PLURAL, disagg_deployment(i))
 
         def all_ready() -> bool:
+            if "pods" not in _firsts and pods_settled(core, "ops", want):
+                _first("pods")
             items = custom.list_namespaced_custom_object(GROUP, VERSION, "ops", PLURAL)["items"]
-            return len(items) == args.deployments and all((o.get("status") or {}).get("phase") == "Ready"
-                                                          for o in items)
+            ready = sum(1 for o in items if (o.get("status") or {}).get("phase") == "Ready")
+            _progress(f"ops: {ready} of {args.deployments} DisaggDeployments Ready", key="deployments")
+            return len(items) == args.deployments and ready == args.deployments
         wait_for(all_ready, 1800, "every DisaggDeployment Ready", interval=1)
         t_op = time.monotonic() - t
-        print(f"operator: {args.deployments} DisaggDeployments ({want} pods, gangs) Ready in {t_op:.1f}s",
-              flush=True)
+        print(f"operator: {args.deployments} DisaggDeployments ({want} pods, gangs) Ready in {t_op:.1f}s"
+              f"{_split(t)}", flush=True)
         # ---- idle: no write may come from the operator, once every status has settled (Ready can
         # come a refresh before Progressing turns False, and old gang objects are pruned after that)
         wait_for(lambda: all_converged(custom, args.deployments), 600, "every status settled", interval=1)

@@ -16,7 +16,9 @@ def main(argv: list[str] | None = None) -> None:
     from . import memory
 
     memory.install()  # opt-in report (DISAGG_OPERATOR_MEMORY); tracing starts in handlers.startup
-    from . import handlers  # noqa: F401  (registers the handlers)
+    from . import handlers  # registers the handlers
+
+    handlers.NAMESPACES[:] = args.namespace or []
 
     asyncio.run(kopf.operator(clusterwide=not args.namespace, namespaces=args.namespace or (),
                               standalone=True, liveness_endpoint=args.liveness))

@@ -3,9 +3,9 @@
 Listing every node and bound pod per waiting gang per status refresh, through the
 kubernetes client's model classes, kept two cores busy at fleet scale (100 gangs
 waiting on a 1,000-node pool in bench/operator_scale.py: 3.3x the plain-Deployment
-baseline and 570 MiB). One raw-JSON list at most every ``max_age`` seconds serves
-them all; a message may be that much behind the cluster, which the next refresh
-corrects.
+baseline and 570 MiB). One raw-JSON list at most every ``max_age`` seconds (longer when
+lists are expensive) serves them all; a message may be that much behind the cluster,
+which the next refresh corrects.
 
 Free GPUs depend on every pod bound to a GPU node, the operator's or not, so this is
 the one list that cannot be scoped to what the operator owns. It is kept small
@@ -33,27 +33,53 @@ PAGE = 500
 
 
 class Fleet:
-    def __init__(self, clients: Clients, max_age: float = 5.0, page: int = PAGE):
+    """Free GPUs per node, listed at most every ``max_age`` seconds, and less often when a list is
+    expensive: its CPU time is kept under ``max_share`` of the time between lists (a 3,000-node fleet
+    costs ~1-2 CPU-seconds a list; listed every 5 s while hundreds of gangs wait to be scheduled, that
+    was a third of a core, taken from the reconciles and the status loops that make the gangs Ready).
+
+    One thread lists at a time. The others get the last counts meanwhile instead of waiting: they are
+    status refreshes sharing kopf's thread pool, and blocking them on the lock stalled every reconcile
+    queued behind them. Only the very first list is waited for."""
+
+    def __init__(self, clients: Clients, max_age: float = 5.0, page: int = PAGE, max_share: float = 0.1):
         self._clients = clients
         self._max_age = max_age
+        self._max_share = max_share
         self._page = page
-        self._lock = threading.Lock()       # one list at a time; the other waiters reuse its result
+        self._listing = threading.Lock()
         self._free: list[capacity.NodeFree] | None = None
         self._taken = 0.0
+        self._cost = 0.0   # CPU seconds the last list took
+
+    @property
+    def age_limit(self) -> float:
+        """How old the counts may get before the next caller lists again."""
+        return max(self._max_age, self._cost / self._max_share)
 
     def free_gpus(self) -> list[capacity.NodeFree]:
-        with self._lock:
-            if self._free is None or time.monotonic() - self._taken > self._max_age:
-                try:
-                    free = self._list()
-                except ApiException as e:
-                    if e.status != 410:
-                        raise
-                    # a continue token expired mid-list (the API server's snapshot is gone): the
-                    # counts folded so far are of another moment, so count again from the start
-                    free = self._list()
-                self._free, self._taken = free, time.monotonic()
-            return self._free
+        free = self._free
+        if free is not None and time.monotonic() - self._taken <= self.age_limit:
+            return free
+        if not self._listing.acquire(blocking=free is None):
+            return free   # another thread is listing: the last counts serve until it is done
+        try:
+            if self._free is not None and time.monotonic() - self._taken <= self.age_limit:
+                return self._free   # listed while this thread waited for the first list
+            started = time.thread_time()
+            try:
+                free = self._list()
+            except ApiException as e:
+                if e.status != 410:
+                    raise
+                # a continue token expired mid-list (the API server's snapshot is gone): the
+                # counts folded so far are of another moment, so count again from the start
+                free = self._list()
+            self._cost = time.thread_time() - started
+            self._free, self._taken = free, time.monotonic()
+            return free
+        finally:
+            self._listing.release()
 
     def _list(self) -> list[capacity.NodeFree]:
         core = self._clients.core

@@ -10,6 +10,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 import kopf
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
@@ -31,10 +32,33 @@ CAPACITY_AFTER_SECONDS = 5
 TRIM_SECONDS = 60
 
 
+# kopf's own HTTP connections (watches, its patches, events): at most this many besides the watches.
+# kopf's default pool is unbounded: 300 DisaggDeployments created at once opened ~300 TLS connections,
+# each with asyncio's 128 KiB read buffer, and the freed buffers stayed in the heap as fragments.
+API_CONNECTIONS = 16
+WATCHED_KINDS = 4   # DisaggDeployments, pods, Deployments, NetworkPolicies: one watch each per namespace
+
+
 @kopf.on.login()
-def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+async def login(**kwargs: Any) -> kopf.AiohttpSession | None:
     # In a pod: its ServiceAccount; elsewhere: $KUBECONFIG, read when the operator starts.
-    return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+    info = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+    return None if info is None else bounded_session(info, WATCHED_KINDS * max(1, len(NAMESPACES)) + API_CONNECTIONS)
+
+
+# the namespaces `python -m disagg.operator --namespace` restricts the watches to (empty: cluster-wide)
+NAMESPACES: list[str] = []
+
+
+def bounded_session(info: kopf.ConnectionInfo, limit: int) -> kopf.AiohttpSession:
+    """kopf's session for these credentials, with at most `limit` connections. The limit must stay
+    above the number of watches, which each hold one connection for as long as they stream; the rest
+    is what requests wait for in turn instead of opening more."""
+    session = aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=limit, ssl=info.as_ssl_context()),
+        headers=info.as_http_headers(), proxy=info.proxy_url, trust_env=info.trust_env)
+    return kopf.AiohttpSession(server=info.server, default_namespace=info.default_namespace,
+                               priority=info.priority, expiration=info.expiration, aiohttp_session=session)
 
 
 @kopf.on.startup()

@@ -1,0 +1,78 @@
+"""The fleet view's caching (operator/fleet.py): how often it lists and who waits for a list.
+
+The list itself runs against a real API server in tests/test_operator_mixed.py; here `_list` is
+replaced by a counter so that the timing rules can be checked without a clock race."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from disagg.operator import capacity
+from disagg.operator.fleet import Fleet
+
+
+class CountingFleet(Fleet):
+    def __init__(self, burn: float = 0.0, gate: threading.Event | None = None, **kw):
+        super().__init__(clients=None, **kw)  # type: ignore[arg-type]
+        self.lists = 0
+        self.burn = burn
+        self.gate = gate
+        self.entered = threading.Event()
+
+    def _list(self) -> list[capacity.NodeFree]:
+        self.lists += 1
+        self.entered.set()
+        if self.gate is not None:
+            assert self.gate.wait(30)
+        end = time.thread_time() + self.burn
+        while time.thread_time() < end:   # CPU, as parsing a large fleet's pages costs
+            pass
+        return [capacity.NodeFree(name=f"n{self.lists}", labels={}, taints=(), free_gpus=self.lists)]
+
+
+def test_an_expensive_list_is_repeated_less_often():
+    fleet = CountingFleet(burn=0.05, max_age=0.0, max_share=0.01)
+    first = fleet.free_gpus()
+    # 0.05 CPU-seconds at a 1% share: at least 5 s before the next list
+    assert fleet.age_limit >= 0.05 / 0.01
+    assert fleet.free_gpus() is first and fleet.lists == 1
+
+
+def test_a_cheap_list_keeps_the_configured_age():
+    fleet = CountingFleet(max_age=3600.0)
+    fleet.free_gpus()
+    assert fleet.age_limit == 3600.0
+
+
+def test_while_one_thread_lists_the_others_get_the_last_counts():
+    gate = threading.Event()
+    fleet = CountingFleet(max_age=0.0, max_share=1e9)   # always stale: every call wants a new list
+    gate.set()
+    old = fleet.free_gpus()
+    gate.clear()
+    fleet.gate, fleet.entered = gate, threading.Event()
+    lister = threading.Thread(target=fleet.free_gpus)
+    lister.start()
+    assert fleet.entered.wait(30)
+    # the second list is under way and blocked: another caller is answered at once, with the last counts
+    assert fleet.free_gpus() is old
+    gate.set()
+    lister.join(30)
+    assert fleet.lists == 2 and not lister.is_alive()
+
+
+def test_the_first_list_is_waited_for():
+    gate = threading.Event()
+    fleet = CountingFleet(gate=gate)
+    results = []
+    first = threading.Thread(target=lambda: results.append(fleet.free_gpus()))
+    first.start()
+    assert fleet.entered.wait(30)
+    second = threading.Thread(target=lambda: results.append(fleet.free_gpus()))
+    second.start()
+    gate.set()
+    first.join(30)
+    second.join(30)
+    # no counts existed yet, so the second caller waited and reused the first list
+    assert fleet.lists == 1 and len(results) == 2 and results[0] is results[1]
