@@ -21,6 +21,10 @@ Needs the bench extra (`make bench-deps`).
     .venv/bin/python bench/router_vs_vllm_router.py [--levels 1,64,256,1000,2000] [--tokens 64]
     .venv/bin/python bench/router_vs_vllm_router.py --engine vllm [--levels 1,8] [--tokens 32]
     .venv/bin/python bench/router_vs_vllm_router.py --levels 1 --interleave [--requests 1000]  # one-stream TTFT
+    # A/B of two versions of the router, taking turns (the order alternating level by level):
+    git archive <commit> router | tar -x -C "$DIR" && mv "$DIR/router" "$DIR/router_base"
+    .venv/bin/python bench/router_vs_vllm_router.py --baseline "$DIR/router_base" --targets router,router-base \
+        --levels 1000,1000,1000,1000 --alternate
 """
 
 from __future__ import annotations
@@ -170,7 +174,11 @@ def main() -> None:
                     help="at least this many requests per target and level (more when the level is wider)")
     ap.add_argument("--targets", default="direct,router,vllm-router",
                     help="any of direct, router, router-asyncio (the router on asyncio's loop), router-xN (N router "
-                         "processes on one port, --processes), vllm-router")
+                         "processes on one port, --processes), router-base (--baseline), vllm-router")
+    ap.add_argument("--baseline", help="a copy of another version's router/ package, in a folder named as the "
+                                       "package it is run as (e.g. router_base): the router-base target")
+    ap.add_argument("--alternate", action="store_true",
+                    help="the targets' order reversed every other level (an A/B taking turns)")
     ap.add_argument("--processes", type=int, default=2, help="N of the router-xN target")
     ap.add_argument("--interleave", action="store_true",
                     help="at one stream, the targets take turns request by request instead of one after another")
@@ -217,6 +225,12 @@ def main() -> None:
     procs[f"router-x{args.processes}"] = [
         LocalProcess(f"router-x{args.processes}", [*base, "--port", str(port3), "--processes", str(args.processes)],
                      {}, f"http://127.0.0.1:{port3}", logs)]
+    if args.baseline:   # python -m router_base: its modules import each other relatively, disagg.api as installed
+        base_dir = Path(args.baseline).resolve()
+        port4 = free_port()
+        procs["router-base"] = [LocalProcess(
+            "router-base", [sys.executable, "-P", "-m", base_dir.name, *base[4:], "--port", str(port4)],
+            {"PYTHONPATH": str(base_dir.parent)}, f"http://127.0.0.1:{port4}", logs)]
     procs = {t: ps for t, ps in procs.items() if t in targets}
     everything = ups + [p for ps in procs.values() for p in ps]
     for p in everything:
@@ -230,12 +244,12 @@ def main() -> None:
         for t in targets:   # warm every path (connections, the tokenizer, vllm-router's pools)
             asyncio.run(level(urls[t], 8, 1, args.tokens, []))
         table: dict[int, dict[str, Result]] = {}
-        for n in levels:
+        for k, n in enumerate(levels):
             rounds = max(1, math.ceil(args.requests / n)) if n < 256 else 2
             table[n] = {}
             if n == 1 and args.interleave:
                 table[n] = asyncio.run(interleaved({t: urls[t] for t in targets}, rounds, args.tokens, pids))
-            for t in targets:
+            for t in (targets[::-1] if args.alternate and k % 2 else targets):
                 if t not in table[n]:
                     table[n][t] = asyncio.run(level(urls[t], n, rounds, args.tokens, pids[t]))
                 r = table[n][t]

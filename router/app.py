@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -134,26 +133,39 @@ class _EventStream(web.StreamResponse):
 WRITE_BUFFER_LIMIT = 0x10000
 
 
-async def _send(request: web.Request, resp: web.StreamResponse, chunks: AsyncIterator[bytes]) -> None:
-    """The stream's chunks to the client. The first through aiohttp (the headers leave with it); the rest
-    framed here and written to the transport: ``StreamResponse.write`` is four Python calls and two awaits
-    per chunk (~5% of the router's samples at 1,000 streams, py-spy). A client gone away is an error here
-    as it is in aiohttp's writer, so the relay is closed and the worker's request cancelled."""
-    chunked = resp.headers.get("Transfer-Encoding") == "chunked"   # HTTP/1.0 clients get no framing
-    transport = request.transport
-    first = True
-    async for chunk in chunks:
-        if first or not chunked:
-            first = False
-            await resp.write(chunk)
-            continue
+class _ClientSink:
+    """The stream's chunks to the client (a :class:`~.relay.Sink`). The first through aiohttp (the
+    headers leave with it); the rest framed here and written to the transport in the relay's own call:
+    ``StreamResponse.write`` is four Python calls and two awaits per chunk (~5% of the router's samples at
+    1,000 streams, py-spy). A client gone away is an error here as it is in aiohttp's writer, so the relay
+    stops and the worker's request is closed."""
+    __slots__ = ("_request", "_resp", "_transport", "_chunked", "_pending", "_started")
+
+    def __init__(self, request: web.Request, resp: web.StreamResponse) -> None:
+        self._request, self._resp, self._transport = request, resp, request.transport
+        self._chunked = resp.headers.get("Transfer-Encoding") == "chunked"   # HTTP/1.0 clients get no framing
+        self._pending: bytes | None = None      # a write for aiohttp to make, at the next drain
+        self._started = False
+
+    def write(self, data: bytes) -> bool:
+        if not (self._started and self._chunked):
+            self._started = True
+            self._pending = data
+            return True
+        transport = self._transport
         if transport is None or transport.is_closing():
             # as aiohttp's writer: asyncio's transport drops writes after a close without a word (uvloop's
             # raises a RuntimeError a write later)
             raise ConnectionResetError("the client closed the connection")
-        transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
-        if transport.get_write_buffer_size() > WRITE_BUFFER_LIMIT:
-            await request.writer.drain()       # a slow client: wait until its transport takes more
+        transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+        return transport.get_write_buffer_size() > WRITE_BUFFER_LIMIT   # a slow client: wait for it
+
+    async def drain(self) -> None:
+        if self._pending is not None:
+            data, self._pending = self._pending, None
+            await self._resp.write(data)
+        else:
+            await self._request.writer.drain()
 
 
 async def _serve(request: web.Request, endpoint: str, model) -> web.StreamResponse:
@@ -167,11 +179,11 @@ async def _serve(request: web.Request, endpoint: str, model) -> web.StreamRespon
             return web.json_response(result, headers=route.headers())
         resp = _EventStream(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                      **route.headers()})
-        await resp.prepare(request)
         try:
-            await _send(request, resp, result)
+            await resp.prepare(request)
+            await result.send(_ClientSink(request, resp))
         finally:
-            await result.aclose()
+            result.close()               # a stream never sent gives its worker connection back
         await resp.write_eof()
         return resp
     finally:

@@ -17,21 +17,21 @@ when it asked for ids, but not their text, so neither is repeated).
 A continuation always goes to ``/v1/completions`` with the ids as its prompt, for chat requests too (a chat
 request cannot start from token ids); its chunks are reshaped into the original stream's (its id, created,
 model and object; for chat a ``delta`` with the text), and its usage rewritten to the original prompt and
-every token generated. Only the continuation's chunks are parsed; the first worker's chunks pass through one
-regular expression each.
+every token generated. Only the continuation's chunks are parsed; the first worker's chunks are only searched
+for their ids (a few ``bytes.find``, no regular expression, no Python call per match).
 """
 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 
 # vLLM writes its chunks compactly (pydantic's model_dump_json), these fields never first in their object
-_IDS = re.compile(rb',"(prompt_)?token_ids":(null|\[[0-9,]*\])')
+_TOKEN_IDS = b',"token_ids":'
+_PROMPT_IDS = b',"prompt_token_ids":'
 _FINISHED = b'"finish_reason":"'
 
 # the client's fields a continuation does not carry over: the prompt and what replaces it, the chat-only
@@ -42,6 +42,18 @@ _NOT_CONTINUED = frozenset({
     "tools", "tool_choice", "parallel_tool_calls", "chat_template", "chat_template_kwargs", "add_generation_prompt",
     "continue_final_message", "documents", "include_reasoning", "reasoning_effort", "add_special_tokens",
     "return_prompt_text"})
+
+
+def _value_end(event: bytes, at: int) -> int:
+    """Where the ids value starting at ``at`` ends: ``null`` or a list of integers; -1 for anything else
+    (left in place, as not vLLM's)."""
+    if event.startswith(b"null", at):
+        return at + 4
+    if event.startswith(b"[", at):
+        j = event.find(b"]", at) + 1
+        if j and (j == at + 2 or event[at + 1:j - 1].replace(b",", b"").isdigit()):
+            return j
+    return -1
 
 
 def unsupported(endpoint: str, body: dict) -> str | None:
@@ -94,14 +106,33 @@ class TokenLog:
             self.finished = True
         self._ids = None
         if self.client_wants_ids:
-            self._parts.extend(m.group(2) for m in _IDS.finditer(event) if not m.group(1))
+            i = event.find(_TOKEN_IDS)
+            while i >= 0:
+                j = _value_end(event, i + 13)
+                if j < 0:
+                    break
+                self._parts.append(event[i + 13:j])
+                i = event.find(_TOKEN_IDS, j)
             return event
-        return _IDS.sub(self._take, event)
-
-    def _take(self, m: re.Match) -> bytes:
-        if not m.group(1):
-            self._parts.append(m.group(2))
-        return b""
+        # out of the client's bytes: every chunk's "prompt_token_ids" (null but in the first) and its ids.
+        # Found with bytes.find, not a regular expression whose callback ran twice per chunk (py-spy, 1,000
+        # streams: the scan was ~9% of the router's samples)
+        i = event.find(_PROMPT_IDS)
+        while i >= 0:
+            j = _value_end(event, i + 20)
+            if j < 0:
+                break
+            event = event[:i] + event[j:]
+            i = event.find(_PROMPT_IDS, i)
+        i = event.find(_TOKEN_IDS)
+        while i >= 0:
+            j = _value_end(event, i + 13)
+            if j < 0:
+                break
+            self._parts.append(event[i + 13:j])
+            event = event[:i] + event[j:]
+            i = event.find(_TOKEN_IDS, i)
+        return event
 
     @property
     def head(self) -> dict | None:

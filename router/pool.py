@@ -8,11 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from yarl import URL
-
 from disagg.api.names import ROLE_DECODE, ROLE_PREFILL
 
 from .config import RouterConfig, WorkerEndpoint
+from .upstream import Target
 
 
 @dataclass
@@ -26,14 +25,14 @@ class Worker:
     healthy: bool = True
     revision: str | None = None            # KV revision: paired with the other role's of the same only
     revision_generation: int | None = None  # orders revisions (the newest complete one takes new requests)
-    _urls: dict[str, URL] = field(default_factory=dict, repr=False, compare=False)
+    _target: Target | None = field(default=None, repr=False, compare=False)
 
-    def endpoint_url(self, endpoint: str) -> URL:
-        """``url`` + ``endpoint``, parsed once (aiohttp parses a string URL on every request)."""
-        u = self._urls.get(endpoint)
-        if u is None:
-            u = self._urls[endpoint] = URL(f"{self.url}{endpoint}")
-        return u
+    @property
+    def target(self) -> Target:
+        """Where its streams connect (router/upstream.py), parsed once."""
+        if self._target is None:
+            self._target = Target.parse(self.url)
+        return self._target
 
 
 @dataclass

@@ -3,9 +3,11 @@ the accounting allows.
 
 The profile of the router at 1,000 streams (bench/router_vs_vllm_router.py, py-spy) had the old
 line-by-line relay's reading (two ``readline`` awaits per event) at 18% of the router's samples and
-the socket writes at 19%. Here each read takes whatever the socket delivered (``readany``), splits it
-into events only to look at their first bytes, and writes what is complete in one piece. No event's JSON
-is parsed, except the single usage-only event at the end (its token count).
+the socket writes at 19%. Here each read takes whatever the socket delivered (:mod:`.upstream`, the
+chunked framing already off), splits it into events only to look at their first bytes, and hands what is
+complete to the client's :class:`Sink` in one piece: a plain call, no async generator between the worker's
+socket and the client's (each chunk used to resume three). No event's JSON is parsed, except the single
+usage-only event at the end (its token count).
 """
 
 from __future__ import annotations
@@ -14,15 +16,15 @@ import asyncio
 import json
 import re
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
-
-import aiohttp
+from typing import Protocol
 
 from disagg.api import metrics as m
 
 from .errors import RouterError, UpstreamFailed, UpstreamTimeout, sse
 from .migration import TokenLog
+from .upstream import Connection, ReadTimeout, UpstreamError
 
 _USAGE_ONLY = re.compile(rb'"choices":\s*\[\]')
 _DATA = b"data: "
@@ -37,7 +39,7 @@ class StreamEnd:
     first_token_at: float | None = None
     idle_timeout: bool = False
     last_activity: float = 0.0
-    resp: aiohttp.ClientResponse | None = None
+    resp: Connection | None = None
     last_token_at: float | None = None     # when the client got this stream's last token event
     # a failed stream: why, and what the client gets if the router does not continue it elsewhere
     error: str | None = None
@@ -69,28 +71,45 @@ class Watchdog:
             if now - end.last_activity > (self.idle_timeout_s if started else self.first_token_timeout_s):
                 self.streams.discard(end)
                 end.idle_timeout = True
-                # wakes the relay's pending read with the error, as aiohttp's own read timeout would
-                end.resp.content.set_exception(aiohttp.ServerTimeoutError("stalled"))
+                # wakes the relay's pending read with the error
+                end.resp.set_exception(ReadTimeout("stalled"))
 
 
 # how long a stream that sent [DONE] may take to end its HTTP body (the chunked terminator) before its
-# connection is closed instead of going back to the pool
+# connection is closed instead of going back to the pool. A worker writes ``[DONE]`` and the terminator
+# apart (vLLM's uvicorn, aiohttp), and a connection whose body has not ended cannot be reused: every
+# stream then paid a new TCP connection to the worker before its first token (strace of one stream).
 FINISH_TIMEOUT_S = 5.0
 
 
-async def _read_to_end(content: aiohttp.StreamReader) -> bool:
-    """Reads what follows ``[DONE]`` (nothing but the chunked body's terminator, ``0\\r\\n\\r\\n``);
-    True when the body ended cleanly, so that releasing the response pools its connection. A worker
-    writes ``[DONE]`` and the terminator apart (vLLM's uvicorn, aiohttp), and aiohttp closes a released
-    connection whose body has not ended: every stream then paid a new TCP connection to the worker
-    before its first token (connect, accept, both sides' protocol set-up; strace of one stream)."""
+class Sink(Protocol):
+    """The client's side of a stream (router/app.py writes it to the client's connection)."""
+
+    def write(self, data: bytes) -> bool:
+        """Sends ``data``; True when :meth:`drain` must be awaited before the next write (a slow client,
+        or a write that only aiohttp can make). Raises ConnectionResetError when the client has gone."""
+
+    async def drain(self) -> None: ...
+
+
+async def emit(sink: Sink, data: bytes) -> None:
+    if sink.write(data):
+        await sink.drain()
+
+
+async def finish(resp: Connection) -> None:
+    """A stream that sent ``[DONE]``: its connection back to the pool once the worker's body has ended
+    (its chunked terminator, usually in the same read), closed when that takes longer than
+    FINISH_TIMEOUT_S; the client's stream is complete either way."""
     try:
-        async with asyncio.timeout(FINISH_TIMEOUT_S):
-            while await content.readany():
-                pass
-    except (aiohttp.ClientError, TimeoutError):
-        return False
-    return True
+        ended = resp.is_eof() or await resp.wait_eof(FINISH_TIMEOUT_S)
+    except BaseException:
+        resp.close()
+        raise
+    if ended:
+        resp.release()
+    else:
+        resp.close()
 
 
 class EndedBeforeOutput(Exception):
@@ -98,7 +117,7 @@ class EndedBeforeOutput(Exception):
     nothing reached the client yet, so another worker can serve the request."""
 
 
-async def first_token(resp: aiohttp.ClientResponse, worker: str) -> tuple[bytes, BaseException | None]:
+async def first_token(resp: Connection, worker: str) -> tuple[bytes, BaseException | None]:
     """Reads ``resp`` up to its first token event. Returns what was read, for :func:`relay` to replay, and
     the error that interrupted the read (a timeout or a broken connection: the relay reports it as it
     would mid-stream). Raises :class:`EndedBeforeOutput` when the stream ended without a token. A
@@ -107,7 +126,7 @@ async def first_token(resp: aiohttp.ClientResponse, worker: str) -> tuple[bytes,
     buf = b""
     try:
         while True:
-            data = await resp.content.readany()
+            data = await resp.read()
             if not data:
                 raise EndedBeforeOutput(f"the decode worker {worker} closed the stream before its first token")
             buf += data
@@ -118,18 +137,19 @@ async def first_token(resp: aiohttp.ClientResponse, worker: str) -> tuple[bytes,
                 if event.startswith(_DONE) or b'"choices"' not in event:   # the end, or an error event
                     raise EndedBeforeOutput(f"the decode worker {worker} ended the stream before its first "
                                             f"token: {event[:200].decode(errors='replace')}")
+                resp.stop_timer()         # from here the watchdog times the stream
                 return buf, None
-    except (aiohttp.ClientError, TimeoutError) as e:
+    except UpstreamError as e:
         return buf, e
 
 
-async def relay(resp: aiohttp.ClientResponse, worker: str, end: StreamEnd, *, start: float,
+async def relay(resp: Connection, worker: str, end: StreamEnd, sink: Sink, *, start: float,
                 client_wants_usage: bool, observe_ttft: Callable[[float], None],
                 observe_itl: Callable[[float], None], first_token_timeout_s: float | None,
                 idle_timeout_s: float | None, head: bytes = b"",
                 head_error: BaseException | None = None, tokens: TokenLog | None = None,
-                last: float | None = None) -> AsyncIterator[bytes]:
-    """Yields the client's bytes: every ``data:`` event but the usage-only one (unless the client asked
+                last: float | None = None) -> None:
+    """Writes the client's bytes to ``sink``: every ``data:`` event but the usage-only one (unless the client asked
     for usage), then ``[DONE]``. When the worker fails (an error event, a broken connection), stalls longer
     than ``idle_timeout_s`` between chunks, or ends without ``[DONE]``, it stops and ``end`` holds the
     error and the bytes that would end the client's stream (``end.failure``): the caller continues the
@@ -138,14 +158,11 @@ async def relay(resp: aiohttp.ClientResponse, worker: str, end: StreamEnd, *, st
     continuation's chunks; ``last``, for a continuation, is when the client got its last token (the
     continuation's first chunk is then an inter-token gap, not a first token).
     The stalls are detected by a :class:`Watchdog` watching ``end`` (its ``last_activity``, from the
-    request's start until the first token). The caller opened the response with the first-token timeout
-    as its read timeout, for the response headers; from here on the watchdog alone times the stream.
+    request's start until the first token). Until :func:`first_token` found a token, the response's own
+    first-token timer ran (:mod:`.upstream`); from here on the watchdog alone times the stream.
     ``head`` and ``head_error`` are what :func:`first_token` read and the error that stopped it."""
-    content = resp.content
     pending = b""
     started = False                       # this stream's first token event went out
-    if resp.connection is not None:
-        resp.connection.protocol.read_timeout = None      # no timer re-armed per socket read
     try:
         while True:
             if head:
@@ -154,7 +171,7 @@ async def relay(resp: aiohttp.ClientResponse, worker: str, end: StreamEnd, *, st
                 err, head_error = head_error, None
                 raise err
             else:
-                data = await content.readany()
+                data = await resp.read()
             if not data:
                 end.fail(UpstreamFailed(f"the decode worker {worker} ended the stream early"))
                 return
@@ -203,23 +220,21 @@ async def relay(resp: aiohttp.ClientResponse, worker: str, end: StreamEnd, *, st
                 out.append(event + b"\n\n")
             if started:
                 end.last_activity = now
-            if out:
-                yield out[0] if len(out) == 1 else b"".join(out)
+            if out and sink.write(out[0] if len(out) == 1 else b"".join(out)):
+                await sink.drain()
             if done:
-                # the client has [DONE]; its response ends once the worker's has, so the connection is
-                # back in the pool before the client can send its next request
-                if not (content.is_eof() or await _read_to_end(content)):
-                    resp.close()            # never pooled; the client's stream is complete all the same
+                # the client has [DONE]; the caller accounts for the request, then waits for the worker's
+                # body to end (finish) so the connection is pooled before the client's response ends
                 end.outcome = m.OUTCOME_SUCCESS
                 return
             if end.failure:
                 return
-    except aiohttp.ServerTimeoutError:       # the watchdog's, or the connection's read timeout
+    except ReadTimeout:                       # the watchdog's, or the response's first-token timer
         end.idle_timeout = True
         if not started:
             msg = f"sent no token within the first-token timeout ({first_token_timeout_s:g} s)"
         else:
             msg = f"stalled mid-stream longer than the idle timeout ({idle_timeout_s:g} s)"
         end.fail(UpstreamTimeout(f"the decode worker {worker} {msg}"))
-    except (aiohttp.ClientError, TimeoutError) as e:
+    except UpstreamError as e:
         end.fail(UpstreamFailed(f"the decode worker {worker} failed mid-stream: {e}"))

@@ -1,16 +1,17 @@
 """The router's logic: pick workers, run prefill then decode, account for it all.
 
-Routes (:mod:`.app`) hand it validated requests; it returns a JSON body or an
-async iterator of SSE bytes, and raises :mod:`.errors` types for everything a
+Routes (:mod:`.app`) hand it validated requests; it returns a JSON body or a
+:class:`Stream` of SSE bytes, and raises :mod:`.errors` types for everything a
 client should see as an error.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -21,7 +22,7 @@ from disagg.api import metrics as m
 from disagg.api.names import ROLE_DECODE, ROLE_PREFILL
 from disagg.api.v1alpha1 import Disaggregation
 
-from . import migration, pairing, policies
+from . import migration, pairing, policies, upstream
 from .admission import Admission
 from .config import RouterConfig
 from .errors import (BadRequest, NoWorkers, NotFound, RouterError, UpstreamFailed, UpstreamRejected, UpstreamTimeout,
@@ -30,7 +31,7 @@ from .events import Subscriber
 from .index import PrefixIndex, block_keys
 from .pool import Pool, Worker
 from .protocol import ChatCompletionRequest, CompletionRequest
-from .relay import EndedBeforeOutput, StreamEnd, Watchdog, first_token, relay
+from .relay import EndedBeforeOutput, Sink, StreamEnd, Watchdog, emit, finish, first_token, relay
 
 log = logging.getLogger("disagg.router")
 TOKENIZE_INLINE_CHARS = 16384
@@ -73,6 +74,25 @@ class Route:
         return h
 
 
+class Stream:
+    """A decode stream opened for a client, its first token in hand: :meth:`send` relays the rest to a
+    :class:`~.relay.Sink`; :meth:`close` gives it up when it is never sent (the client's response could
+    not start), so its worker connection and load are not held."""
+    __slots__ = ("_run", "_abandon", "_sent")
+
+    def __init__(self, run: Callable[[Sink], Awaitable[None]], abandon: Callable[[], None]) -> None:
+        self._run, self._abandon, self._sent = run, abandon, False
+
+    async def send(self, sink: Sink) -> None:
+        self._sent = True
+        await self._run(sink)
+
+    def close(self) -> None:
+        if not self._sent:
+            self._sent = True
+            self._abandon()
+
+
 class _Upstream(Exception):
     """A worker could not be reached or failed (5xx); the router may try elsewhere."""
 
@@ -96,6 +116,8 @@ class Router:
         self.policy = policies.create(config.spec.policy, config.spec)
         self.index = {ROLE_PREFILL: PrefixIndex(), ROLE_DECODE: PrefixIndex()}
         self._session: aiohttp.ClientSession | None = None
+        # decode streams: the lean client (upstream.py); the rest on aiohttp's session
+        self._streams: upstream.Client | None = None
         self._zmq: zmq.asyncio.Context | None = None
         self._subscribers: dict[str, Subscriber] = {}
         self._health_task: asyncio.Task | None = None
@@ -111,8 +133,6 @@ class Router:
         self.watchdog = Watchdog(spec.first_token_timeout_seconds, spec.idle_timeout_seconds)
         self._watchdog_task: asyncio.Task | None = None
         # made once, not per request (the one-stream profile: label lookups and timeout objects add up)
-        self._stream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=spec.connect_timeout_seconds,
-                                                     sock_read=spec.first_token_timeout_seconds)
         self._routing_seconds = {role: metrics.routing_seconds.labels(spec.policy, role)
                                  for role in (ROLE_PREFILL, ROLE_DECODE)}
         self._decisions: dict[tuple[str, str], object] = {}
@@ -125,6 +145,7 @@ class Router:
             # no connection limit here: the bound on requests is the router's admission control
             connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=3),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.config.spec.connect_timeout_seconds))
+        self._streams = upstream.Client(self.config.spec.connect_timeout_seconds, keepalive_s=3)
         self._zmq = zmq.asyncio.Context()
         for role, idx in self.index.items():
             self._subscribers[role] = Subscriber(self._zmq, idx, self.config.kv_events_topic,
@@ -159,6 +180,8 @@ class Router:
             await sub.close()
         if self._session:
             await self._session.close()
+        if self._streams:
+            self._streams.close()
         if self._zmq:
             self._zmq.term()
 
@@ -269,8 +292,8 @@ class Router:
         return ids
 
     async def handle(self, endpoint: str, req: CompletionRequest | ChatCompletionRequest,
-                     body: dict) -> tuple[dict | AsyncIterator[bytes], Route]:
-        """Non-streaming: the final JSON. Streaming: an async iterator of SSE bytes. Either with the
+                     body: dict) -> tuple[dict | Stream, Route]:
+        """Non-streaming: the final JSON. Streaming: a :class:`Stream` of SSE bytes. Either with the
         route the request took (settled before the first byte)."""
         start = time.monotonic()
         try:
@@ -439,29 +462,33 @@ class Router:
         route.path, route.fallback = m.PATH_FALLBACK, reason
         return {k: v for k, v in body.items() if k != "kv_transfer_params"}
 
-    async def _open_stream(self, w: Worker, endpoint: str, body: dict) -> aiohttp.ClientResponse:
+    async def _open_stream(self, w: Worker, endpoint: str, body: dict) -> upstream.Connection:
+        """The worker's streamed response, its head read; the first-token timeout runs from here until
+        :func:`~.relay.first_token` has a token."""
+        spec = self.config.spec
         try:
-            # the read timeout starts as the first-token timeout (headers and first token); the relay turns
-            # it into the idle timeout once tokens flow
-            r = await self._session.post(w.endpoint_url(endpoint), json=body, timeout=self._stream_timeout)
-        except aiohttp.ClientError as e:
-            if isinstance(e, aiohttp.ConnectionTimeoutError):
+            r = await self._streams.post(w.target, endpoint, upstream.dumps(body), spec.first_token_timeout_seconds)
+        except upstream.UpstreamError as e:
+            if isinstance(e, upstream.ConnectTimeout):
                 self.metrics.timeouts.labels(m.TIMEOUT_CONNECT).inc()
-            elif isinstance(e, aiohttp.ServerTimeoutError):    # no answer headers within the first-token timeout
+            elif isinstance(e, upstream.ReadTimeout):      # no answer headers within the first-token timeout
                 self.metrics.timeouts.labels(m.TIMEOUT_FIRST_TOKEN).inc()
-            elif isinstance(e, aiohttp.ClientConnectorError):   # nothing listens there: out until /health says so
+            elif isinstance(e, upstream.ConnectFailed):    # nothing listens there: out until /health says so
                 w.healthy = False
             raise _Upstream(str(e) or type(e).__name__) from e
         if r.status == 200:
             return r
         try:
-            if 400 <= r.status < 500:
-                raise await _rejected(r)
-            raise _Upstream(f"HTTP {r.status}: {(await r.text())[:200]}")
+            text = await r.body()
+        except upstream.UpstreamError as e:
+            raise _Upstream(f"HTTP {r.status}, then {e}") from e
         finally:
             r.release()
+        if 400 <= r.status < 500:
+            raise _rejected_body(r.status, text)
+        raise _Upstream(f"HTTP {r.status}: {text[:200].decode(errors='replace')}")
 
-    async def _stream(self, endpoint, plan, body, route: Route, start, ids) -> AsyncIterator[bytes]:
+    async def _stream(self, endpoint, plan, body, route: Route, start, ids) -> Stream:
         """Opens the decode stream (another worker if one fails before output), then relays events."""
         opts = body.get("stream_options") or {}
         client_wants_usage = bool(opts.get("include_usage"))
@@ -494,33 +521,38 @@ class Router:
             except BaseException:
                 self._account(w, -1)
                 raise
-        return self._relay(resp, w, route.path, start, client_wants_usage, head, head_error, tokens, unsupported)
+        def abandon() -> None:
+            resp.close()
+            self._account(w, -1)
 
-    async def _relay(self, resp, w: Worker, path: str, start: float, client_wants_usage: bool,
-                     head: bytes = b"", head_error: BaseException | None = None,
-                     tokens: migration.TokenLog | None = None, unsupported: str | None = None):
+        return Stream(lambda sink: self._relay(sink, resp, w, route.path, start, client_wants_usage, head,
+                                               head_error, tokens, unsupported), abandon)
+
+    async def _relay(self, sink: Sink, resp: upstream.Connection, w: Worker, path: str, start: float,
+                     client_wants_usage: bool, head: bytes = b"", head_error: BaseException | None = None,
+                     tokens: migration.TokenLog | None = None, unsupported: str | None = None) -> None:
         """The stream relay (:mod:`.relay`) and the request's accounting once it ends, however it ends.
         A stream that fails is continued on another decode worker (:mod:`.migration`), up to
         spec.router.maxMigrations times; the client sees one stream."""
         spec = self.config.spec
         outcome, migrations, last, output_tokens = m.OUTCOME_UPSTREAM_ERROR, 0, None, 0
         tried: list[str] = []
+        finishing = None         # a stream that sent [DONE] and whose worker's body has yet to end
         try:
             while True:
                 end = StreamEnd(last_activity=start if last is None else time.monotonic(), resp=resp)
                 self.watchdog.streams.add(end)
                 try:
-                    async for data in relay(resp, w.name, end, start=start, client_wants_usage=client_wants_usage,
-                                            observe_ttft=self.metrics.ttft.labels(path).observe,
-                                            observe_itl=self.metrics.itl.observe,
-                                            first_token_timeout_s=spec.first_token_timeout_seconds,
-                                            idle_timeout_s=spec.idle_timeout_seconds, head=head,
-                                            head_error=head_error, tokens=tokens, last=last):
-                        yield data
+                    await relay(resp, w.name, end, sink, start=start, client_wants_usage=client_wants_usage,
+                                observe_ttft=self.metrics.ttft.labels(path).observe,
+                                observe_itl=self.metrics.itl.observe,
+                                first_token_timeout_s=spec.first_token_timeout_seconds,
+                                idle_timeout_s=spec.idle_timeout_seconds, head=head,
+                                head_error=head_error, tokens=tokens, last=last)
                 finally:
                     self.watchdog.streams.discard(end)
                     if end.outcome == m.OUTCOME_SUCCESS:
-                        resp.release()       # read to the end: the connection goes back to the pool
+                        finishing = resp     # below, once the request is accounted for
                     else:
                         resp.close()         # cut or broken: never reuse a connection with a stalled stream on it
                     self._account(w, -1)
@@ -536,13 +568,13 @@ class Router:
                 if refused is None and (tokens.finished or tokens.remaining() == 0):
                     # it failed after its last token: the router ends the stream as the worker would have
                     self.metrics.migrations.labels(m.MIGRATION_NOT_NEEDED).inc()
-                    yield tokens.closing(client_wants_usage)
+                    await emit(sink, tokens.closing(client_wants_usage))
                     outcome, output_tokens = m.OUTCOME_SUCCESS, len(tokens.generated())
                     break
                 if refused is not None:
                     if refused != m.MIGRATION_DISABLED:
                         self.metrics.migrations.labels(refused).inc()
-                    yield end.failure
+                    await emit(sink, end.failure)
                     break
                 log.warning("%s; continuing on another decode worker (%d tokens generated)",
                             end.error, len(tokens.generated()))
@@ -551,7 +583,8 @@ class Router:
                     resp, w, head, head_error = await self._continue(tokens, tried)
                 except (_Upstream, RouterError) as e:
                     self.metrics.migrations.labels(m.MIGRATION_FAILED).inc()
-                    yield sse(UpstreamFailed(f"{end.error}; no decode worker could continue the stream: {e}"))
+                    await emit(sink, sse(UpstreamFailed(
+                        f"{end.error}; no decode worker could continue the stream: {e}")))
                     break
                 migrations += 1
                 self.metrics.migrations.labels(m.MIGRATION_MIGRATED).inc()
@@ -561,6 +594,10 @@ class Router:
             if outcome == m.OUTCOME_SUCCESS:
                 self.metrics.e2e.labels(path).observe(time.monotonic() - start)
                 self.metrics.output_tokens.observe(output_tokens)
+        # after the accounting: a client that stops reading at [DONE] and asks for /metrics finds the
+        # request there; the client's response ends after this, with the connection already pooled
+        if finishing is not None:
+            await finish(finishing)
 
     def _migration_refused(self, tokens: migration.TokenLog | None, unsupported: str | None,
                            migrations: int) -> str | None:
@@ -620,8 +657,17 @@ def raw_text(req: CompletionRequest | ChatCompletionRequest) -> str | list:
 async def _rejected(r: aiohttp.ClientResponse) -> UpstreamRejected:
     """A worker's 4xx, passed on with its own message."""
     try:
-        err = (await r.json(content_type=None)).get("error") or {}
-    except (ValueError, aiohttp.ClientError):
+        return _rejected_body(r.status, await r.read())
+    except aiohttp.ClientError:
+        return _rejected_body(r.status, b"")
+
+
+def _rejected_body(status: int, text: bytes) -> UpstreamRejected:
+    try:
+        err = json.loads(text).get("error") or {}
+    except (ValueError, AttributeError):
         err = {}
-    return UpstreamRejected(r.status, err.get("message") or f"the worker refused the request (HTTP {r.status})",
+    if not isinstance(err, dict):
+        err = {}
+    return UpstreamRejected(status, err.get("message") or f"the worker refused the request (HTTP {status})",
                             param=err.get("param"), type_=err.get("type"))

@@ -4,6 +4,8 @@ The prompt says what it does (real HTTP, real sockets: the router cannot tell it
 - ``stall-mid``: two tokens, then silence with the connection open (a worker hung mid-stream);
 - ``stall-first``: the response headers, then silence (a worker that never produces a token);
 - ``slow N``: N tokens, one every 0.4 s, then [DONE] (a long but healthy stream);
+- ``cut-mid-event``: two tokens, half of a third event, then the connection closes (a worker killed while
+  writing);
 - anything else: two tokens and [DONE], after the gate opens (POST /gate/open; GET /gate/waiting says
   how many requests wait at it).
 A non-streaming request never gets an answer.
@@ -32,7 +34,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if not body.get("stream"):
         await asyncio.sleep(3600)
     prompt = body.get("prompt") if isinstance(body.get("prompt"), str) else ""
-    if not prompt.startswith(("stall", "slow")):
+    if not prompt.startswith(("stall", "slow", "cut")):
         waiting += 1
         try:
             await gate.wait()
@@ -46,6 +48,10 @@ async def generate(request: web.Request) -> web.StreamResponse:
     for i in range(n):
         await asyncio.sleep(pause)
         await resp.write(chunk(i))
+    if prompt.startswith("cut-mid-event"):
+        await resp.write(b'data: {"id": "s-2", "object": "text_completion", "choi')
+        request.transport.close()         # no rest of the event, no [DONE], no end of the chunked body
+        await asyncio.sleep(3600)
     if prompt.startswith("stall-mid"):
         await asyncio.sleep(3600)
     await resp.write(b"data: [DONE]\n\n")

@@ -134,6 +134,30 @@ def test_a_stalled_stream_is_cut_with_an_error_event(strict, prompt, kind, token
     assert s[m.ROUTER_IN_FLIGHT] == 0, "a cut stream gives its admission slot back"
 
 
+def test_a_worker_closing_mid_event_ends_the_stream_with_an_error_event(strict):
+    """The worker's connection closes inside an event (and inside its chunked body): the client gets the
+    whole events before it, never the half one, then an OpenAI error event and [DONE]. The worker sends no
+    token ids, so the stream cannot be continued elsewhere (router/migration.py)."""
+    upstream, r = strict
+    failed = f'{m.ROUTER_REQUESTS}{{outcome="{m.OUTCOME_UPSTREAM_ERROR}",path="{m.PATH_LOCAL_PREFILL}"}}'
+    before = scrape(r.url).get(failed, 0)
+
+    async def main():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+            return await _complete(s, r.url, "cut-mid-event")
+
+    status, _, text = asyncio.run(main())
+    events = _events(text)
+    assert status == 200 and events[-1] == "[DONE]" and len(events) == 4, events
+    assert [json.loads(e)["choices"][0]["text"] for e in events[:2]] == ["tok ", "tok "]
+    err = json.loads(events[2])["error"]
+    assert err["type"] == "upstream_error" and err["code"] == 502 and "mid-stream" in err["message"], err
+    assert text.count("text_completion") == 2, "the half event reached the client"
+    s = scrape(r.url)
+    assert s[failed] == before + 1
+    assert s[m.ROUTER_IN_FLIGHT] == 0
+
+
 def test_a_non_streaming_request_that_never_ends_gets_a_504(strict):
     upstream, r = strict
     timed_out = f'{m.ROUTER_REQUESTS}{{outcome="{m.OUTCOME_TIMEOUT}",path="{m.PATH_LOCAL_PREFILL}"}}'
