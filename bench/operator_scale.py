@@ -108,6 +108,13 @@ def _split(start: float) -> str:
     return f" (every pod Ready at {pods - start:.1f}s)" if pods is not None else ""
 
 
+def _progress(line: str, key: str = "pods") -> None:
+    """A line a minute while waiting, so a run that times out shows how far it got."""
+    if time.monotonic() - _last_progress.get(key, 0.0) >= 60:
+        _last_progress[key] = time.monotonic()
+        print(f"  ... {line}", flush=True)
+
+
 def baseline_settled(core: client.CoreV1Api, apps: client.AppsV1Api, want_pods: int, deployments: int) -> bool:
     """Plain Deployments judged as their users judge them (`kubectl rollout status`): each one's status
     says every replica is updated and ready for its current generation, and the pods agree. The same
