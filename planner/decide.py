@@ -371,6 +371,7 @@ def decide(obs: Observation, target: Target, memory: Memory, model: PerfModel | 
     # (so one sample cannot both trigger and size a change, and the decision stays monotone in load)
     corr = memory.correction
     planning = _planning(model, memory)
+    capacity = _capacity(model, memory)   # (the utilisation cap's service time; see below)
     memory = _correct(obs, target, memory, model, _finite(ttft_obs), _finite(itl_obs))
     memory = learn_capacity(obs, target, memory, model)
     season = season_intervals or target.season
@@ -415,9 +416,8 @@ def decide(obs: Observation, target: Target, memory: Memory, model: PerfModel | 
     d_limit = max(min(target.decode_max, MAX_REPLICAS), target.floor_decode)
     # a correction below 1 says the engine's latency tail is shorter than the model's queueing predicts; it
     # lowers the predicted TTFT, never the capacity the utilisation cap reserves (a queue past its capacity
-    # grows without bound, and one latency ratio cannot tell faster service from a gentler tail)
-    # (a capacity measured while saturated replaces that floor: it is the service rate itself)
-    capacity = _capacity(model, memory)
+    # grows without bound, and one latency ratio cannot tell faster service from a gentler tail); a
+    # capacity measured while saturated replaces that floor: it is the service rate itself
     need_p, ttft_pred = size_prefill(planning, load_p, target.ttft_target, target.percentile, p_limit, capacity)
     need_d, itl_pred = size_decode(planning, load_d, target.itl_target, target.percentile, d_limit)
     # the observed latency has the last word when it breaks the target the model claims is met
