@@ -256,7 +256,7 @@ def main() -> None:
                 print(f"{n:>5} streams {t:>12}: TTFT p50 {r.p(.5) * 1e3:7.1f} ms p99 {r.p(.99) * 1e3:7.1f} ms, "
                       f"{r.tokens / r.wall:8.0f} tok/s, {r.errors} errors"
                       + (f" ({r.first_error})" if r.errors else "")
-                      + (f", CPU {r.cpu / r.requests * 1000:.1f} s/1k req" if r.cpu is not None else ""),
+                      + (f", CPU {r.cpu / r.requests * 1000:.2f} s/1k req" if r.cpu is not None else ""),
                       file=sys.stderr, flush=True)
         print_table(table, targets, args)
         if args.json:
@@ -290,7 +290,7 @@ def print_table(table: dict[int, dict[str, Result]], targets: list[str], args) -
             r = row[t]
             cells += [f"{r.p(.5) * 1e3:.1f} / {r.p(.99) * 1e3:.1f}", f"{r.tokens / r.wall:,.0f}", str(r.errors)]
             if t != "direct":
-                cells.append(f"{r.cpu / r.requests * 1000:.1f}")
+                cells.append(f"{r.cpu / r.requests * 1000:.2f}")
         for t in ours:
             d, mine, theirs = row["direct"], row[t], row["vllm-router"]
             added_ours, added_theirs = mine.p(.5) - d.p(.5), theirs.p(.5) - d.p(.5)

@@ -34,6 +34,7 @@ MAX_CHUNK_LINE = 4096
 # (TCP's window then slows it) until the relay takes them
 PAUSE_ABOVE = 1 << 18
 _HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")
+_CHUNK_SIZE = re.compile(rb"([0-9A-Fa-f]{1,16})\r\n")
 
 
 class UpstreamError(Exception):
@@ -140,7 +141,20 @@ class Connection(asyncio.Protocol):
             if not data:
                 return
         state = self._state
-        if state in (_SIZE, _DATA, _DATA_END, _TRAILER):
+        if state == _SIZE and not self._raw:
+            # the usual socket read: exactly one whole chunk (a worker writes one event a chunk)
+            m = _CHUNK_SIZE.match(data)
+            if m is not None:
+                start = m.end()
+                end = start + int(m.group(1), 16)
+                if end > start and len(data) == end + 2 and data.endswith(b"\r\n"):
+                    self._deliver(data[start:end])
+                    if self._buffered > PAUSE_ABOVE and not self._paused:
+                        self._paused = True
+                        self._transport.pause_reading()
+                    return
+            self._unchunk(data)
+        elif state in (_SIZE, _DATA, _DATA_END, _TRAILER):
             self._unchunk(data)
         elif state == _LENGTH:
             take = data[:self._need]

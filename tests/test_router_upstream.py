@@ -83,9 +83,14 @@ def test_a_chunked_body_arrives_whole_however_it_is_split():
     body = body.replace(b"%x\r\n" % len(EVENTS[0]), b"%x;ext=1\r\n" % len(EVENTS[0]), 1)
     wire = HEAD + body + b"0\r\nX-Trailer: 1\r\n\r\n"
 
+    splits = [[wire[i:i + step] for i in range(0, len(wire), step)]    # byte by byte, odd splits, all at once
+              for step in (1, 3, 7, len(wire))]
+    # and as a worker writes: the head, then one chunk a write (the client's fast path: one whole chunk a read)
+    splits.append([HEAD, *(chunked(e) for e in EVENTS), b"0\r\n\r\n"])
+
     async def main():
-        for step in (1, 3, 7, len(wire)):          # byte by byte, odd splits, all at once
-            async with Scripted([wire[i:i + step] for i in range(0, len(wire), step)], pause_s=0) as s:
+        for step, script in enumerate(splits):
+            async with Scripted(script, pause_s=0 if step < 4 else 0.002) as s:
                 client = Client(connect_timeout_s=2)
                 conn = await client.post(s.target, "/v1/completions", b'{"x":1}', 5)
                 assert conn.status == 200 and conn.headers["content-type"] == "text/event-stream"
