@@ -18,6 +18,12 @@ built from the last interval (the same snapshot a metrics source gives) and
 returns replica counts. The planner policy runs :func:`disagg.planner.decide.decide`
 unchanged. TTFT is arrival to the first token out of decode; ITL is a request's
 mean time between its output tokens.
+
+The observation also carries what Prometheus gives the real planner about capacity: each role's replicas
+serving, and, for a role whose queue never emptied over the interval with the same replicas serving, what
+each replica did (uncached prompt tokens/s; output tokens/s and requests decoding). Between decisions, every
+``fast_check`` seconds, a policy with a ``react`` method (the planner's fast path) sees the queues and their
+growth since the last look.
 """
 
 from __future__ import annotations
