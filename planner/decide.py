@@ -45,6 +45,7 @@ NEAR_TARGET = 0.8           # no role shrinks while its observed latency is abov
 BURST_MEMORY = 3600.0       # seconds a rise of the load above its forecast is kept as headroom
 BURST_NOISE = 2.0           # ... less this many Poisson standard deviations of one interval's rate
 CAPACITY_ALPHA = 0.5        # weight of a new saturated interval in the learnt capacity (service-time scale)
+CAPACITY_MAX_CV2 = 1.0      # ... learnt for prefill only from a prompt mix whose service cv^2 is at most this
 
 
 
@@ -550,7 +551,10 @@ def learn_capacity(obs: Observation, target: Target, memory: Memory, model: Perf
                     obs.output_tokens_mean, obs.prefix_hit_ratio, obs.input_tokens_tail)
         work = _work(models, load, target.percentile)
         uncached = obs.input_tokens_mean * (1.0 - min(max(obs.prefix_hit_ratio, 0.0), 0.99))
-        if work.mean > 0 and uncached > 0:
+        # with heavy-tailed prompts a queue saturates when long prompts cluster, so what the saturated
+        # replicas served is heavier than the window's arrivals the prediction is made for: it would read
+        # as slower hardware (2-hour heavy-lognormal: 0.63 -> 0.99x static-peak's GPU-hours)
+        if work.mean > 0 and uncached > 0 and work.cv2 <= CAPACITY_MAX_CV2:
             scales["prefill"] = uncached / work.mean / obs.prefill_saturated_tokens
     if (obs.decode_saturated_tokens and obs.decode_saturated_tokens > 0 and obs.decode_saturated_batch
             and obs.decode_saturated_batch >= 1):

@@ -450,6 +450,13 @@ def test_capacity_measured_while_saturated_is_learnt_and_sizes_a_slower_reality(
     assert 1.0 < m2.capacity_prefill < 1.5
     # nothing saturated: nothing learnt
     assert dc.learn_capacity(base, target(), dc.Memory(), MODEL).capacity_prefill is None
+    # heavy-tailed prompts: a queue saturates when long prompts cluster, so what was served is heavier than
+    # the window's mix; prefill learns nothing from it (decode still does)
+    heavy = replace(slow, input_tokens_p=4000 * 5, input_tokens_tail=4000 * 20)
+    assert dc._work(dc.RoleModels.of(MODEL), dc.Load(6.0, 4000, 20000, 300, 0.0, 80000), 90.0).cv2 > dc.CAPACITY_MAX_CV2
+    mh = dc.learn_capacity(replace(heavy, prefill_saturated_tokens=_saturated_prefill_tokens(1.5, heavy)),
+                           target(), dc.Memory(), MODEL)
+    assert mh.capacity_prefill is None and mh.capacity_decode == pytest.approx(1.5, rel=1e-6)
     # the slower capacity sizes more replicas for the same load, from the next decision on
     t = target(prefill=1, decode=1)
     for rate in (14.0, 20.0):
