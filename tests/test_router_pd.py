@@ -276,9 +276,10 @@ class _KillingProxy(_Proxy):
 
 class _DecodeProxy(_Proxy):
     """In front of a decode worker, relaying each response line by line as it comes. Once armed with a
-    count, it relays that many token chunks of the next stream, then kills the worker (SIGKILL), cuts the
-    stream, and disarms its peers (the continuation goes through one of them): the router has seen
-    exactly that many tokens, however far the engine had got."""
+    count, it relays that many token chunks of the next stream (or all but the last, when the stream
+    ends sooner), then kills the worker (SIGKILL), cuts the stream, and disarms its peers (the
+    continuation goes through one of them): the router has seen part of the text, however far the
+    engine had got."""
 
     def __init__(self, worker):
         self.worker, self.after, self.fired = worker, None, threading.Event()
@@ -297,18 +298,29 @@ class _DecodeProxy(_Proxy):
             request.end_headers()          # HTTP/1.0, no length: the body ends when the connection does
             tokens = 0
             for line in r:
+                choices = None
+                if self.after is not None and line.startswith(b"data: {"):
+                    choices = json.loads(line[6:]).get("choices")
+                if choices and choices[0].get("finish_reason") is not None:
+                    # the engine got to the end within fewer chunks (vLLM merges tokens into one chunk when
+                    # its frontend lags the engine, as on a loaded machine): the last chunk is withheld, so
+                    # the router still has tokens to continue elsewhere
+                    self._fire(request)
+                    return
                 request.wfile.write(line)
                 request.wfile.flush()
-                if self.after is None or not line.startswith(b"data: {") or not json.loads(line[6:]).get("choices"):
-                    continue
-                tokens += 1
-                if tokens == self.after:
-                    for peer in self.peers:
-                        peer.after = None
-                    self.worker.kill()
-                    self.fired.set()
-                    request.connection.shutdown(socket.SHUT_RDWR)
-                    return
+                if choices:
+                    tokens += 1
+                    if tokens == self.after:
+                        self._fire(request)
+                        return
+
+    def _fire(self, request: BaseHTTPRequestHandler) -> None:
+        for peer in self.peers:
+            peer.after = None
+        self.worker.kill()
+        self.fired.set()
+        request.connection.shutdown(socket.SHUT_RDWR)
 
     def arm(self, after: int) -> None:
         self.fired.clear()
