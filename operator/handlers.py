@@ -34,8 +34,11 @@ TRIM_SECONDS = 60
 
 # kopf's own HTTP connections (watches, its patches, events): at most this many besides the watches.
 # kopf's default pool is unbounded: 300 DisaggDeployments created at once opened ~300 TLS connections,
-# each with asyncio's 128 KiB read buffer, and the freed buffers stayed in the heap as fragments.
-API_CONNECTIONS = 16
+# each with asyncio's 128 KiB read buffer, and the freed buffers stayed in the heap as fragments. Not
+# much fewer, either: each new deployment waits for two of kopf's patches (its finalizer, then its
+# handler's progress) before and after its reconcile, and on a saturated API server the operator's
+# share of the server's concurrency is about as many requests as it keeps in flight.
+API_CONNECTIONS = 64
 WATCHED_KINDS = 4   # DisaggDeployments, pods, Deployments, NetworkPolicies: one watch each per namespace
 
 
@@ -84,7 +87,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     # chart caps them too), each holding on to what it once held
     asyncio.get_running_loop().set_default_executor(settings.execution.executor)
     watch_only_owned(settings)
-    memo.clients = children.Clients.create()
+    memo.clients = children.Clients.create(pool=settings.execution.max_workers)
     memo.fleet = Fleet(memo.clients)
     memo.triggers = {}
     memo.applied = {}  # (namespace, name) -> (last applied generation, error applying the next one)

@@ -1,5 +1,6 @@
-"""The operator's own API connections are bounded (operator/handlers.py login): kopf's default pool
-opens one TLS connection per concurrent request, without limit."""
+"""The operator's API connections: kopf's are bounded (operator/handlers.py login: kopf's default pool
+opens one TLS connection per concurrent request, without limit), and the kubernetes client's keep one per
+thread (operator/children.py)."""
 
 from __future__ import annotations
 
@@ -43,3 +44,14 @@ def test_login_gives_kopf_a_bounded_pool_above_the_watches(kubeconfig, monkeypat
     watches = handlers.WATCHED_KINDS * max(1, len(namespaces))
     # bounded (kopf's own is 0, unlimited), and the short requests keep connections beside the watches
     assert limit == watches + handlers.API_CONNECTIONS
+
+
+def test_the_handlers_client_keeps_a_connection_per_thread(kubeconfig):
+    """The kubernetes client behind the reconciles and status loops keeps as many connections as there are
+    threads calling it (its default, 5 per CPU, threw away a TLS connection per request beyond that)."""
+    from disagg.operator.children import Clients
+
+    clients = Clients.create(pool=24)
+    assert clients.api.configuration.host == "https://127.0.0.1:6443"
+    assert clients.api.rest_client.pool_manager.connection_pool_kw["maxsize"] == 24
+    assert clients.api.configuration.api_key == {"BearerToken": "Bearer t0ken"}
