@@ -10,7 +10,6 @@ import queue
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -72,14 +71,16 @@ def _listening_ports(pids: set[int]) -> set[int]:
     return ports
 
 
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("0.0.0.0", port))
-            return True
-        except OSError:
-            return False
+def _listeners(ports: set[int]) -> set[int]:
+    """Which of ``ports`` any process on this machine still listens on (LISTEN in /proc/net/tcp{,6})."""
+    held = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            f = line.split()
+            port = int(f[1].rsplit(":", 1)[1], 16)
+            if f[3] == "0A" and port in ports:
+                held.add(port)
+    return held
 
 
 class Serve:
@@ -121,11 +122,12 @@ class Serve:
         assert rc == 0, "".join(self.out)
         # serve waited for its children; theirs (vLLM's engine processes) may take a moment longer
         wait_for(lambda: not any(_alive(p) for p in children), 30, "every process serve --local started to exit")
-        # a closed socket can hold its port for a moment after its process is gone (the kernel finishing its
-        # close handshake, FIN_WAIT/LAST_ACK, which SO_REUSEADDR does not cover): wait for it, a leaked listener
-        # stays
-        wait_for(lambda: all(_bindable(p) for p in ports), 30,
-                 f"every port it listened on ({sorted(ports)}) to be free")
+        # a leaked listener is what must not survive. Binding the port is not the test: the ports were
+        # ephemeral ones, and once freed the kernel hands them out again as the local port of any other
+        # connection on this machine (the suite's API server, Prometheus), which a bind then collides with
+        # (the clean-clone run of 2026-12-02 failed so, on one of 55 ports, with every process gone)
+        wait_for(lambda: not _listeners(ports), 30,
+                 f"no process to listen on a port serve --local's processes listened on ({sorted(ports)})")
 
     def kill(self):
         if self.proc.poll() is None:
