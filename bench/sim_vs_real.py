@@ -6,12 +6,15 @@ What runs (no GPU, the tiny test model):
 1. `disagg serve --local`'s processes: a CPU vLLM prefill worker (core 0) and a decode worker (core 1)
    with NIXL between them, and the router in front (disaggregation always);
 2. `disagg profile` against each worker on its own (prefill points from the prefill worker, decode
-   points from the decode worker), written to two profile files;
+   points from the decode worker), written to two profile files; the prefill worker's profile also
+   times lone requests through the router (``--path-url``): the P/D hand-off, which the serving model
+   charges each request between its prefill and its first decode step;
 3. a few minutes of the Mooncake conversation trace (../shared/traces), scaled down so two one-core
    engines serve it without unbounded queueing: prompt lengths / ``--in-scale``, output lengths /
    ``--out-scale`` (clipped to the workers' 1024-token context), the request rate set so the profile
-   predicts ``--load`` utilisation of the prefill worker and at most ``--decode-concurrency`` requests
-   decoding at once; random token ids (no prefix sharing: the
+   predicts ``--load`` utilisation of the whole P/D path (a request's prefill, hand-off and first decode
+   step as one server's time: on this host the hand-off is CPU work of processes sharing the two cores)
+   and at most ``--decode-concurrency`` requests decoding at once; random token ids (no prefix sharing: the
    simulator's prefix cache and vLLM's are both idle, so neither is judged here);
 4. the trace replayed open-loop (each request sent at its arrival time, streaming, ``ignore_eos``)
    through the router, TTFT and ITL measured by the client;
@@ -20,7 +23,9 @@ What runs (no GPU, the tiny test model):
 
 Printed: TTFT and ITL p50/p90, real, simulated and simulated / real, and whether each is within 20%;
 and the p50s of ``--unloaded`` requests of the trace sent one at a time (rows "alone"), which separate
-the profile's shape and the path's fixed costs from queueing.
+the profile's shape and the path's fixed costs from queueing. For the lone requests and for the replay,
+the mean TTFT as each component's own histogram saw it (router; prefill engine and decode engine, each
+from arrival there to its first token) and the decode worker's mean NIXL transfer time.
 TTFT is arrival to the first token; ITL is a request's mean time between its output tokens (the
 simulator's definitions).
 
@@ -47,11 +52,11 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from disagg.planner import perfmodel, traces
+from disagg.planner import perfmodel, serving, traces
 from disagg.planner.profile import mean_itl, stream_tokens
 from disagg.planner.simulate import SimConfig, Simulation, StaticPolicy, _pct
 from disagg.workers.envpath import worker_python
-from disagg.api.metrics import ROUTER_TTFT_SECONDS, VLLM_TTFT_SECONDS
+from disagg.api.metrics import ROUTER_TTFT_SECONDS, VLLM_NIXL_XFER_TIME_SECONDS, VLLM_TTFT_SECONDS
 from disagg.workers.local import free_port, metric_sum, pd_processes, scrape, stop_all
 from disagg.workers.tinymodel import ensure
 
@@ -61,14 +66,17 @@ MAX_NUM_SEQS = 64           # workers.local.cpu_settings' --max-num-seqs
 TOLERANCE = 0.20
 
 
-def profile_worker(url: str, out: Path, role: str) -> perfmodel.Profile:
-    """`disagg profile` (the CLI, as a user runs it) against one worker."""
+def profile_worker(url: str, out: Path, role: str, path_url: str | None = None) -> perfmodel.Profile:
+    """`disagg profile` (the CLI, as a user runs it) against one worker (and, with ``path_url``, lone
+    requests through the router: the hand-off)."""
     exe = shutil.which("disagg", path=str(Path(sys.executable).parent)) or "disagg"
     args = [exe, "profile", "--url", url, "--model", "tiny", "--vocab", "500", "--out", str(out),
             "--repeats", "3"]   # medians: one sample on this shared machine can be off by a factor
     if role == "prefill":   # prompts up to what the trace sends; decode points are not used from here
         args += ["--prompt-tokens", "32,256,768", "--batches", "1,3", "--concurrency", "1,2,4",
                  "--context", "64", "--decode-tokens", "8"]
+        if path_url:
+            args += ["--path-url", path_url]
     else:                   # concurrencies the replay reaches; prefill points are not used from here
         args += ["--prompt-tokens", "32,64,128", "--batches", "1", "--concurrency", "1,2,4,8,16",
                  "--context", "192", "--decode-tokens", "48"]
@@ -110,16 +118,29 @@ class ProfiledConfig(SimConfig):
         return self._models
 
 
-def simulate(trace: traces.Trace, model_dir: str, prefill: perfmodel.Profile, decode: perfmodel.Profile,
-             max_batch_tokens: int) -> tuple[list[float], list[float]]:
+def role_models(model_dir: str, prefill: perfmodel.Profile,
+                decode: perfmodel.Profile) -> tuple[perfmodel.PerfModel, perfmodel.PerfModel]:
+    """The planner's performance models of the two workers: the tiny model's shape, each profile."""
     shape = perfmodel.model_from_config(model_dir, "tiny")
     shape = replace(shape, dtype_bytes=4)   # the CPU workers run float32
     # a same-host link: NIXL over UCX/TCP on loopback
     base = perfmodel.PerfModel(shape, perfmodel.gpu("L40S"), 1, perfmodel.interconnect("tcp-25g"))
+    return replace(base, profile=prefill), replace(base, profile=decode)
+
+
+def path_seconds(models: tuple[perfmodel.PerfModel, perfmodel.PerfModel], tokens: int) -> float:
+    """A lone request's TTFT through the P/D path as the serving model charges it: prefill, hand-off,
+    decode's first step."""
+    pre, dec = models
+    return pre.ttft(tokens) + serving.kv_transfer_time(pre, tokens, dec.tp) + dec.decode_step_time(1, tokens)
+
+
+def simulate(trace: traces.Trace, models: tuple[perfmodel.PerfModel, perfmodel.PerfModel],
+             max_batch_tokens: int) -> tuple[list[float], list[float]]:
     cfg = ProfiledConfig(model="tiny", gpu="L40S", ttft_target=1e9, itl_target=1e9, interval=60.0,
                          startup=0.0, max_batch_tokens=max_batch_tokens, max_num_seqs=MAX_NUM_SEQS,
                          drain_limit=3600.0)
-    cfg.with_models(replace(base, profile=prefill), replace(base, profile=decode))
+    cfg.with_models(*models)
     res = Simulation(cfg, trace, StaticPolicy(1, 1)).run()
     return res.ttft, res.itl
 
@@ -183,13 +204,23 @@ def replay(url: str, trace: traces.Trace, seed: int = 0) -> tuple[list[float], l
 
 
 def ttft_totals(procs) -> dict[str, tuple[float, float]]:
-    """(sum, count) of the router's TTFT histogram and each engine's own (arrival at that engine to its
-    first token): differences over the replay split the client's TTFT by where it was spent."""
+    """(sum, count) of the router's TTFT histogram, each engine's own (arrival at that engine to its
+    first token) and the decode worker's NIXL transfer times: differences over a phase split the
+    client's TTFT by where it was spent."""
     out = {}
-    for p, name in ((procs[2], ROUTER_TTFT_SECONDS), (procs[0], VLLM_TTFT_SECONDS), (procs[1], VLLM_TTFT_SECONDS)):
+    for key, p, name in (("router", procs[2], ROUTER_TTFT_SECONDS), ("prefill engine", procs[0], VLLM_TTFT_SECONDS),
+                         ("decode engine", procs[1], VLLM_TTFT_SECONDS),
+                         ("KV pull (NIXL)", procs[1], VLLM_NIXL_XFER_TIME_SECONDS)):
         m = scrape(p.url)
-        out[p.name] = (metric_sum(m, name + "_sum"), metric_sum(m, name + "_count"))
+        out[key] = (metric_sum(m, name + "_sum"), metric_sum(m, name + "_count"))
     return out
+
+
+def ttft_split(before: dict, after: dict, client: list[float]) -> tuple[dict[str, float], str]:
+    means = {k: (after[k][0] - before[k][0]) / max(after[k][1] - before[k][1], 1) for k in after}
+    text = ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in means.items())
+    return means, (f"mean TTFT: client {sum(client) / max(len(client), 1) * 1000:.1f} ms; as each saw it: {text} "
+                   f"(an engine's: arrival there to its first token; NIXL: per transfer)")
 
 
 def engine_max_batch_tokens(log: Path) -> int:
@@ -215,7 +246,7 @@ def table(real: dict[str, list[float]], sim: dict[str, list[float]], label: str 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--minutes", type=float, default=3.0)
-    ap.add_argument("--load", type=float, default=0.5, help="prefill utilisation the profile predicts")
+    ap.add_argument("--load", type=float, default=0.5, help="utilisation of the P/D path (prefill + hand-off + first decode step) the profile predicts")
     ap.add_argument("--decode-concurrency", type=float, default=8.0,
                     help="mean requests decoding at once the rate is held to (Little's law on the profile)")
     ap.add_argument("--in-scale", type=float, default=32.0, help="prompt lengths divided by this")
@@ -242,47 +273,54 @@ def main() -> int:
             p.wait_ready(timeout=900)
         procs[2].start().wait_ready(timeout=300)
         print("profiling the workers (disagg profile) ...", flush=True)
-        pre = profile_worker(procs[0].url, work / "prefill-profile.yaml", "prefill")
+        # warm the path (first NIXL handshake, first compiled shapes) before anything is timed through it
+        warm = traces.Trace("warm", tuple(traces.Request(i * 0.5, 200, 8, None, ()) for i in range(4)))
+        replay(procs[2].url, warm, seed=1)
+        pre = profile_worker(procs[0].url, work / "prefill-profile.yaml", "prefill", procs[2].url)
         dec = profile_worker(procs[1].url, work / "decode-profile.yaml", "decode")
+        models = role_models(model, pre, dec)
 
         base = scaled_trace(args.minutes, args.in_scale, args.out_scale, args.start)
         ins = [r.input_tokens for r in base.requests]
-        mean_prefill = sum(pre.prefill_seconds([n]) for n in ins) / len(ins)
+        # the whole path's capacity: a request's prefill, hand-off and first decode step as one server's
+        mean_path = sum(path_seconds(models, n) for n in ins) / len(ins)
         # and at most --decode-concurrency requests decoding at once on average (Little's law at the
         # profile's step time for that batch): past its knee a one-core decode queues without bound
         outs = [r.output_tokens for r in base.requests]
         c, ctx = args.decode_concurrency, sum(ins) / len(ins) + sum(outs) / len(outs) / 2
         decode_rate = c / (sum(outs) / len(outs) * dec.decode_seconds(c, c * ctx))
-        rate = min(args.load / mean_prefill, decode_rate)
+        rate = min(args.load / mean_path, decode_rate)
         trace = with_rate(base, rate, args.minutes * 60.0)
         n = len(trace.requests)
-        print(f"trace: {n} requests over {trace.duration:.0f} s ({n / trace.duration:.2f}/s), prompt "
+        print(f"trace: {n} requests over {trace.duration:.0f} s ({n / trace.duration:.2f}/s; the path takes "
+              f"{mean_path * 1000:.1f} ms a request, decode allows {decode_rate:.2f}/s), prompt "
               f"p50/p90 {_pct(ins, 50):.0f}/{_pct(ins, 90):.0f} tokens, output p50 "
               f"{_pct([r.output_tokens for r in trace.requests], 50):.0f}", flush=True)
 
-        # warm the path (first NIXL handshake, first compiled shapes) outside the measurement
-        warm = traces.Trace("warm", tuple(traces.Request(i * 0.5, 200, 8, None, ()) for i in range(4)))
-        replay(procs[2].url, warm, seed=1)
         print("one request at a time ...", flush=True)
+        before = ttft_totals(procs)
         alone, alone_ttft, alone_itl = unloaded(procs[2].url, trace, args.unloaded)
+        alone_means, text = ttft_split(before, ttft_totals(procs), alone_ttft)
+        sim_alone = [path_seconds(models, r.input_tokens) for r in alone.requests]
+        print(f"  {text}; the model charges {sum(sim_alone) / len(sim_alone) * 1000:.1f} ms "
+              f"(hand-off {1000 * sum(serving.kv_transfer_time(models[0], r.input_tokens) for r in alone.requests) / len(sim_alone):.1f} ms)",
+              flush=True)
         print("replaying through the router ...", flush=True)
         t = time.perf_counter()
         before = ttft_totals(procs)
         real_ttft, real_itl, errors = replay(procs[2].url, trace)
         after = ttft_totals(procs)
         print(f"  done in {time.perf_counter() - t:.0f} s, {errors} failed", flush=True)
-        means = {k: (after[k][0] - before[k][0]) / max(after[k][1] - before[k][1], 1) for k in after}
-        split = ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in means.items())
-        print(f"  mean TTFT: client {sum(real_ttft) / max(len(real_ttft), 1) * 1000:.0f} ms; as each saw it: "
-              f"{split} (an engine's: arrival there to its first token)", flush=True)
+        means, text = ttft_split(before, after, real_ttft)
+        print(f"  {text}", flush=True)
         mbt = engine_max_batch_tokens(procs[0].log_path)
     finally:
         stop_all(procs)
     load_after = os.getloadavg()
 
-    sim_ttft, sim_itl = simulate(trace, model, pre, dec, mbt)
+    sim_ttft, sim_itl = simulate(trace, models, mbt)
     rows = table({"ttft": real_ttft, "itl": real_itl}, {"ttft": sim_ttft, "itl": sim_itl})
-    a_ttft, a_itl = simulate(alone, model, pre, dec, mbt)
+    a_ttft, a_itl = simulate(alone, models, mbt)
     rows += table({"ttft": alone_ttft, "itl": alone_itl}, {"ttft": a_ttft, "itl": a_itl}, " alone", (50,))
     print(f"\nsimulator (profile of these workers, max_batch_tokens {mbt}) vs the real CPU P/D pair, "
           f"{len(real_ttft)} requests; load average {load_before[0]:.1f} before, {load_after[0]:.1f} after")
@@ -293,7 +331,7 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "requests": n, "rate": n / trace.duration,
                                                "errors": errors, "max_batch_tokens": mbt,
-                                               "mean_ttft_seen_by": means,
+                                               "mean_ttft_seen_by": means, "alone_ttft_seen_by": alone_means,
                                                "load_before": load_before, "load_after": load_after,
                                                "prefill_profile": pre.to_dict(),
                                                "decode_profile": dec.to_dict()}, indent=2))

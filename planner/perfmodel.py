@@ -243,8 +243,13 @@ class Profile:
     """Latencies measured on a running worker (``disagg profile``), fitted once.
 
     prefill points: ``{tokens, batch, seconds}`` (``batch`` prompts of ``tokens`` each, no cache);
-    decode points: ``{concurrency, context, seconds}`` (one step, every request at ``context`` tokens).
-    Fit: prefill = a + b*sum(tokens) + c*sum(tokens^2); decode step = a + b*concurrency + c*sum(context).
+    decode points: ``{concurrency, context, seconds}`` (one step, every request at ``context`` tokens);
+    handoff points (optional): ``{tokens, seconds}``, a lone request's TTFT through the whole P/D path
+    (router, prefill, KV pull, decode's first step), measured beside the worker's own points.
+    Fit: prefill = a + b*sum(tokens) + c*sum(tokens^2); decode step = a + b*concurrency + c*sum(context);
+    hand-off = a + b*tokens, fitted to what the path took beyond this profile's own prefill and first
+    decode step: the router's hops, the KV pull and the frontends between them, which a worker measured
+    alone never shows (a CPU pair, 2026-12-02: 119-229 ms through the router against 16 ms of engine time).
     """
 
     model: str
@@ -252,8 +257,10 @@ class Profile:
     tensor_parallel_size: int
     prefill: tuple[dict[str, float], ...]
     decode: tuple[dict[str, float], ...]
+    handoff: tuple[dict[str, float], ...] = ()
     prefill_coef: tuple[float, float, float] = field(init=False)
     decode_coef: tuple[float, float, float] = field(init=False)
+    handoff_coef: tuple[float, float] | None = field(init=False)
 
     def __post_init__(self) -> None:
         if len(self.prefill) < 3 or len(self.decode) < 3:
@@ -264,6 +271,12 @@ class Profile:
                            [d["seconds"] for d in self.decode])
         object.__setattr__(self, "prefill_coef", tuple(pc))
         object.__setattr__(self, "decode_coef", tuple(dc))
+        hc = None
+        if self.handoff:
+            beyond = [h["seconds"] - self.prefill_seconds([h["tokens"]]) - self.decode_seconds(1, h["tokens"])
+                      for h in self.handoff]
+            hc = tuple(_lstsq_nonneg([[1.0, h["tokens"]] for h in self.handoff], beyond))
+        object.__setattr__(self, "handoff_coef", hc)
 
     def prefill_seconds(self, new_tokens: Sequence[float]) -> float:
         a, b, c = self.prefill_coef
@@ -273,14 +286,26 @@ class Profile:
         a, b, c = self.decode_coef
         return a + b * concurrency + c * context_total
 
+    def handoff_seconds(self, tokens: float) -> float | None:
+        """The P/D hand-off of a ``tokens`` prompt beyond prefill and the first decode step; None when the
+        profile did not measure the path."""
+        if self.handoff_coef is None:
+            return None
+        a, b = self.handoff_coef
+        return a + b * tokens
+
     def to_dict(self) -> dict[str, Any]:
-        return {"model": self.model, "gpu": self.gpu, "tensorParallelSize": self.tensor_parallel_size,
-                "prefill": list(self.prefill), "decode": list(self.decode)}
+        d = {"model": self.model, "gpu": self.gpu, "tensorParallelSize": self.tensor_parallel_size,
+             "prefill": list(self.prefill), "decode": list(self.decode)}
+        if self.handoff:
+            d["handoff"] = list(self.handoff)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Profile:
         return cls(d["model"], d["gpu"], int(d.get("tensorParallelSize", 1)),
-                   tuple(dict(p) for p in d["prefill"]), tuple(dict(p) for p in d["decode"]))
+                   tuple(dict(p) for p in d["prefill"]), tuple(dict(p) for p in d["decode"]),
+                   tuple(dict(p) for p in d.get("handoff") or ()))
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:
@@ -677,6 +702,13 @@ class PerfModel:
 
     def kv_transfer_time_tokens(self, tokens: float) -> float:
         return self.kv_transfer_time(self.kv_bytes(tokens))
+
+    def handoff_time(self, tokens: float, parallel_links: int | None = None) -> float:
+        """Seconds from a prompt's prefill ending to decode starting on it: the profile's measured P/D
+        hand-off where it has one (never below the KV bytes' time over the link), else that time alone."""
+        wire = self.kv_transfer_time(self.kv_bytes(tokens), parallel_links=parallel_links)
+        measured = self.profile.handoff_seconds(tokens) if self.profile is not None else None
+        return wire if measured is None else max(measured, wire)
 
 
 # ---------------------------------------------------------------- online correction

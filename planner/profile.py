@@ -10,6 +10,10 @@ read from ``/metrics`` before and after); from the client's chunk arrival times 
 exports no such histogram. The client's view misleads when the server's frontend falls behind its
 engine: it sends the tokens in bursts, and a 5 ms decode step was measured as 12-21 us (a CPU vLLM
 whose frontend shared a core with its engine, 2026-12-02).
+With ``path_url`` (``--path-url``: the router in front of this worker and a decode worker), a lone
+request of each prompt length is also sent through the whole P/D path, and its TTFT (router, prefill, KV
+pull, decode's first step) kept as a hand-off point: what the path costs beyond this worker's prefill
+(:class:`.perfmodel.Profile`). The path is measured right after the worker, on the same machine state.
 With ``repeats`` > 1 each point is measured that many times and its median kept: on a shared or noisy
 machine one sample can be off by a factor (seen on a busy 2-core CPU host: a 32-token prefill slower
 than a 768-token one).
@@ -88,7 +92,7 @@ def measure(url: str, model: str, prompt_tokens: tuple[int, ...] = (128, 512, 20
             batches: tuple[int, ...] = (1, 4), concurrencies: tuple[int, ...] = (1, 4, 16, 32),
             context: int = 1024, decode_tokens: int = 64, vocab: int = 1000, seed: int = 0,
             timeout: float = 600.0, gpu: str = "unknown", tensor_parallel_size: int = 1,
-            repeats: int = 1) -> Profile:
+            repeats: int = 1, path_url: str | None = None) -> Profile:
     rng = random.Random(seed)
 
     def prompt(n: int) -> list[int]:
@@ -109,12 +113,18 @@ def measure(url: str, model: str, prompt_tokens: tuple[int, ...] = (128, 512, 20
             return (after[0] - before[0]) / (after[1] - before[1])
         return statistics.median([v for v in (mean_itl(*run) for run in runs) if v is not None])
 
+    def path_once(n: int) -> float:
+        # two tokens: the first has to come out of decode (with one, a router may answer from prefill)
+        return stream_tokens(path_url, model, prompt(n), 2, timeout)[0][0]
+
     n_runs = max(repeats, 1)
     prefill = [{"tokens": n, "batch": b, "seconds": statistics.median(prefill_once(n, b) for _ in range(n_runs))}
                for n in prompt_tokens for b in batches]
     decode = [{"concurrency": c, "context": context + decode_tokens / 2,
                "seconds": statistics.median(decode_once(c) for _ in range(n_runs))} for c in concurrencies]
-    return Profile(model, gpu, tensor_parallel_size, tuple(prefill), tuple(decode))
+    handoff = [{"tokens": n, "seconds": statistics.median(path_once(n) for _ in range(n_runs))}
+               for n in prompt_tokens] if path_url else []
+    return Profile(model, gpu, tensor_parallel_size, tuple(prefill), tuple(decode), tuple(handoff))
 
 
 def configmap(profile: Profile, name: str, namespace: str | None = None) -> dict[str, Any]:
@@ -137,6 +147,8 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--vocab", type=int, default=1000, help="random prompt token ids are drawn below this")
     p.add_argument("--repeats", type=int, default=1, help="measure each point this many times, keep the median")
+    p.add_argument("--path-url", help="the router in front of this (prefill) worker and a decode worker: also "
+                   "time a lone request of each --prompt-tokens through it (the P/D hand-off)")
     p.add_argument("--out", default="profile.yaml", help="profile file to write")
     p.add_argument("--configmap", help="write a ConfigMap manifest with this name instead (for profileRef)")
     p.add_argument("--namespace", help="namespace of the ConfigMap")
@@ -146,11 +158,15 @@ def run_cli(args: Any) -> int:
     ints = lambda s: tuple(int(x) for x in s.split(",") if x)  # noqa: E731
     profile = measure(args.url, args.model, ints(args.prompt_tokens), ints(args.batches), ints(args.concurrency),
                       args.context, args.decode_tokens, args.vocab, gpu=args.gpu,
-                      tensor_parallel_size=args.tensor_parallel_size, repeats=args.repeats)
+                      tensor_parallel_size=args.tensor_parallel_size, repeats=args.repeats, path_url=args.path_url)
     doc = configmap(profile, args.configmap, args.namespace) if args.configmap else profile.to_dict()
     Path(args.out).write_text(yaml.safe_dump(doc, sort_keys=False))
     a, b, c = profile.prefill_coef
     print(f"wrote {args.out}: prefill = {a * 1000:.2f} ms + {b * 1e6:.3f} us/token + {c * 1e9:.4f} ns/token^2; "
           f"decode step = {profile.decode_coef[0] * 1000:.2f} ms + {profile.decode_coef[1] * 1000:.3f} ms/request + "
           f"{profile.decode_coef[2] * 1e6:.4f} us/context token")
+    if profile.handoff_coef is not None:
+        ha, hb = profile.handoff_coef
+        print(f"P/D hand-off through {args.path_url} = {ha * 1000:.2f} ms + {hb * 1e6:.3f} us/token "
+              f"(beyond prefill and the first decode step)")
     return 0

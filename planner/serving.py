@@ -23,7 +23,9 @@ what that means for a deployment under load, and it is the only place that does:
   batch above :data:`DECODE_MAX_UTILIZATION` of its limit.
 * **TP communication** is in every step (:meth:`.perfmodel.PerfModel.tp_comm_time`); **KV transfer** runs
   over ``min(prefill TP, decode TP)`` links in parallel (each prefill rank sends its shard; a narrower
-  decode side receives on fewer).
+  decode side receives on fewer). A profile that measured the P/D path through the router replaces it
+  with the measured **hand-off** (router hops, KV pull, the frontends between): a delay per request, not
+  a server's time, so it adds to TTFT and not to any queue's utilisation.
 """
 
 from __future__ import annotations
@@ -157,9 +159,12 @@ class PrefillWork:
 
 
 def kv_transfer_time(prefill: PerfModel, tokens: float, decode_tp: int | None = None) -> float:
-    """Seconds to move a prompt's KV cache from a prefill replica to a decode replica of ``decode_tp``."""
+    """Seconds from a prompt's prefill ending on a prefill replica to a decode replica of ``decode_tp``
+    taking it: the KV cache over the link, or, where the prefill profile measured the P/D path through
+    the router, that hand-off (:meth:`.perfmodel.PerfModel.handoff_time`). The planner, the configurator
+    and the simulator all charge it here."""
     lanes = min(prefill.tp, decode_tp or prefill.tp)
-    return prefill.kv_transfer_time(prefill.kv_bytes(tokens), parallel_links=lanes)
+    return prefill.handoff_time(tokens, parallel_links=lanes)
 
 
 def prefill_work(model: PerfModel, mix: PromptMix, prefix_hit: float = 0.0,

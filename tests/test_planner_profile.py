@@ -18,6 +18,7 @@ from disagg.planner.profile import measure
 
 PREFILL_BASE, PREFILL_PER_TOKEN = 0.05, 100e-6       # 50 ms + 100 us/token (slow enough to dwarf jitter)
 DECODE_BASE, DECODE_PER_STREAM = 0.02, 0.01           # 20 ms + 10 ms per concurrent stream
+HANDOFF = 0.15                                        # what a P/D path adds between prefill and decode
 
 
 class Worker:
@@ -25,9 +26,10 @@ class Worker:
     more concurrent streams) obey the constants above. With ``bursts``, it also behaves like a vLLM whose
     frontend falls behind its engine: each stream's tokens reach the client in one burst at its end, and
     the decode steps are seen only in the inter-token latency histogram it exports on /metrics (as vLLM
-    does, from the engine's own clock)."""
+    does, from the engine's own clock). With ``handoff``, it stands for a router in front of a P/D pair
+    of such workers: the same prefill, then ``handoff`` s and a decode step before the first token."""
 
-    def __init__(self, bursts: bool = False):
+    def __init__(self, bursts: bool = False, handoff: float = 0.0):
         self.lock = threading.Lock()
         self.compute = threading.Lock()
         self.streams = 0
@@ -63,6 +65,8 @@ class Worker:
                 self.end_headers()
                 with worker.compute:  # prefill is compute-bound: one prompt at a time, a batch takes b x as long
                     time.sleep(PREFILL_BASE + PREFILL_PER_TOKEN * len(body["prompt"]))
+                if handoff:
+                    time.sleep(handoff + DECODE_BASE + DECODE_PER_STREAM)
                 with worker.lock:
                     worker.streams += 1
                 try:
@@ -146,3 +150,18 @@ def test_cli_writes_a_configmap_the_planner_can_load(worker, tmp_path):
     profile = perfmodel.Profile.from_dict(yaml.safe_load(cm["data"][perfmodel.PROFILE_KEY]))
     assert profile.gpu == "L40S" and len(profile.prefill) == 3 and len(profile.decode) == 3
     assert "prefill =" in run.stdout
+
+
+def test_the_path_through_a_router_gives_the_handoff(worker):
+    """``path_url``: lone requests through the P/D path; what they took beyond the worker's own prefill
+    and first decode step is the profile's hand-off."""
+    path = Worker(handoff=HANDOFF)
+    try:
+        profile = measure(worker.url, "tiny", prompt_tokens=(64, 256, 512), batches=(1,), concurrencies=(1, 2, 4),
+                          context=32, decode_tokens=6, repeats=3, path_url=path.url)
+    finally:
+        path.close()
+    assert len(profile.handoff) == 3
+    for n in (64, 512):
+        assert profile.handoff_seconds(n) == pytest.approx(HANDOFF, rel=0.35), n
+    assert perfmodel.Profile.from_dict(profile.to_dict()).handoff_coef == pytest.approx(profile.handoff_coef)

@@ -3,8 +3,10 @@ heavy-tailed prompts cost what their variance costs, and the planner, the config
 sizing all answer from it."""
 
 import math
+from dataclasses import replace
 
 import pytest
+import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -13,6 +15,7 @@ from disagg.planner import decide as dc
 from disagg.planner import perfmodel as pm
 from disagg.planner import serving as sv
 from disagg.planner import simulate as sm
+from disagg.planner import traces
 
 MODELS = pm.known_models()
 GPUS = pm.known_gpus()
@@ -151,3 +154,63 @@ def test_planner_configurator_and_simulator_share_the_model():
     planner = dc.prefill_latency(setup.model(1), dc.Load(10.0, 3000, 3000, 150), 2, 90)
     assert planner == pytest.approx(configurator, rel=1e-9)
     assert est.queue_wait is sv.queue_wait and sm.serving is sv
+
+
+def _path_profile(base: float, per_token: float):
+    """A profile of a slow worker (far above any physical floor) whose P/D path took ``base + per_token x
+    tokens`` beyond its prefill and first decode step."""
+    prefill = tuple({"tokens": n, "batch": 1, "seconds": 0.2 + 400e-6 * n} for n in (256, 1024, 4096))
+    decode = tuple({"concurrency": c, "context": 1024, "seconds": 0.05 + 0.002 * c} for c in (1, 8, 32))
+    bare = pm.Profile("meta-llama/Llama-3.1-8B-Instruct", "H100-SXM", 1, prefill, decode)
+    handoff = tuple({"tokens": n, "seconds": bare.prefill_seconds([n]) + bare.decode_seconds(1, n) + base + per_token * n}
+                    for n in (256, 1024, 4096))
+    return pm.Profile(bare.model, bare.gpu, 1, prefill, decode, handoff)
+
+
+@settings(max_examples=100, deadline=None)
+@given(base=st.floats(0.0, 2.0), per_token=st.floats(0.0, 1e-3), mean=mean_tokens, ratio=spread, pct=percentile,
+       r1=st.floats(0.0, 3.0), r2=st.floats(0.0, 3.0))
+def test_a_measured_handoff_adds_to_ttft_and_stays_monotone_in_load(base, per_token, mean, ratio, pct, r1, r2):
+    plain = replace(LLAMA, profile=_path_profile(0.0, 0.0))
+    slow = replace(LLAMA, profile=_path_profile(base, per_token))
+    mix = sv.PromptMix(mean, mean * ratio, pct)
+    lo, hi = sorted((r1, r2))
+    w_plain, w_slow = sv.prefill_work(plain, mix), sv.prefill_work(slow, mix)
+    # the hand-off is a delay per request, not a prefill server's time: the queue sees the same service
+    assert w_slow.service == w_plain.service
+    assert sv.prefill_ttft(w_slow, lo, 1, pct) <= sv.prefill_ttft(w_slow, hi, 1, pct) * (1 + 1e-6)
+    assert sv.prefill_ttft(w_slow, hi, 1, pct) >= sv.prefill_ttft(w_plain, hi, 1, pct) * (1 - 1e-9)
+    # and never below the KV bytes over the link
+    assert all(x >= LLAMA.kv_transfer_time_tokens(n) * (1 - 1e-9) for x, n in zip(w_slow.transfer, mix.lengths()))
+
+
+class _Profiled(sm.SimConfig):
+    """A SimConfig planning with given models (the simulator asks ``planning_models()`` for them)."""
+
+    def planning_models(self):
+        return self.__dict__["_models"]
+
+
+def test_planner_configurator_and_simulator_charge_the_same_measured_handoff(tmp_path):
+    """A profile that measured the P/D path through the router: a lone request's TTFT is prefill + the
+    measured hand-off (+ the first decode step) in the planner's prediction, the configurator's and the
+    simulator's alike."""
+    profile = _path_profile(0.15, 50e-6)
+    path = tmp_path / "profile.yaml"
+    path.write_text(yaml.safe_dump(profile.to_dict()))
+    n = 2000
+    handoff = 0.15 + 50e-6 * n
+    model = replace(LLAMA, profile=profile)
+    planner = dc.prefill_latency(model, dc.Load(0.0, n, n, 100), 1, 90)
+    assert planner == pytest.approx(model.ttft(n) + handoff, rel=1e-9)
+
+    inputs = est.Inputs(model="meta-llama/Llama-3.1-8B-Instruct", gpu="H100-SXM", gpus=8, isl=n, osl=100,
+                        ttft_ms=5000, itl_ms=200, interconnect="infiniband", profile=str(path))
+    setup = est.Setup.of(inputs)
+    assert est.disaggregated_ttft(setup, est._prefill(setup, 1, 1), 1, 0.0, first_step=0.0) == pytest.approx(planner)
+
+    cfg = _Profiled(startup=0.0, ttft_target=1e9, itl_target=1e9)
+    object.__setattr__(cfg, "_models", (model, model))
+    trace = traces.Trace("one", (traces.Request(0.0, n, 4, None, ()),))
+    sim = sm.Simulation(cfg, trace, sm.StaticPolicy(1, 1)).run()
+    assert sim.ttft == [pytest.approx(planner + model.decode_step_time(1, n), rel=1e-9)]
