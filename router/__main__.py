@@ -60,6 +60,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-events-topic", help="ZMQ topic of the workers' KV events")
     p.add_argument("--api-keys-file", help="API keys clients must send as 'Authorization: Bearer', one a line "
                                            "(spec.router.auth); re-read when it changes")
+    p.add_argument("--worker-ca-file", help="PEM certificate authorities for https:// workers (in place of the "
+                                            "system's trust store)")
     p.add_argument("--discovery", choices=["static", "endpointslices"], default="static")
     p.add_argument("--event-loop", choices=["uvloop", "asyncio"], default="uvloop",
                    help="asyncio: Python's own loop (to compare; bench/router_vs_vllm_router.py)")
@@ -96,7 +98,8 @@ def config_from(args: argparse.Namespace) -> RouterConfig:
         data["model"] = args.model
     if args.tokenizer:
         data["tokenizer"] = local_model_path(args.tokenizer)
-    for flag in ("port", "metrics_port", "block_size", "max_model_len", "kv_events_topic", "api_keys_file"):
+    for flag in ("port", "metrics_port", "block_size", "max_model_len", "kv_events_topic", "api_keys_file",
+                 "worker_ca_file"):
         if getattr(args, flag) is not None:
             data[flag] = getattr(args, flag)
     return RouterConfig.model_validate(data)

@@ -42,6 +42,10 @@ class RouterConfig(BaseModel):
     decode_attempts: int = Field(2, ge=1, description="Decode workers tried before the first token.")
     health_interval_s: float = Field(2, gt=0, description="How often each worker's /health is checked.")
     kv_events_topic: str = Field(KV_EVENTS_TOPIC, description="ZMQ topic of the workers' KV events.")
+    worker_ca_file: str | None = Field(None, description="PEM file of the certificate authorities the workers' "
+                                                         "HTTPS certificates are checked against (https:// "
+                                                         "worker URLs), in place of the system's trust store; "
+                                                         "unset: the system's.")
     api_keys_file: str | None = Field(None, description="File of API keys, one a line (spec.router.auth, "
                                                          "mounted from its Secret); unset: no authentication.")
     host: str = "0.0.0.0"

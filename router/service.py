@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import ssl
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -139,13 +140,17 @@ class Router:
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> None:
+        # https:// workers: one trust context for both clients (streams, and prefill/probes on aiohttp's)
+        ca = self.config.worker_ca_file
+        tls = ssl.create_default_context(cafile=ca) if ca else None
         self._session = aiohttp.ClientSession(
             # keep-alive shorter than the workers' (uvicorn: 5 s), so a pooled connection is
             # not reused just as the worker closes it
             # no connection limit here: the bound on requests is the router's admission control
-            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=3),
+            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=3,
+                                           ssl=tls if tls is not None else True),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.config.spec.connect_timeout_seconds))
-        self._streams = upstream.Client(self.config.spec.connect_timeout_seconds, keepalive_s=3)
+        self._streams = upstream.Client(self.config.spec.connect_timeout_seconds, keepalive_s=3, ssl_context=tls)
         self._zmq = zmq.asyncio.Context()
         for role, idx in self.index.items():
             self._subscribers[role] = Subscriber(self._zmq, idx, self.config.kv_events_topic,

@@ -22,6 +22,7 @@ import json
 import re
 import ssl
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -130,6 +131,7 @@ class Connection(asyncio.Protocol):
         self._received = False             # any byte of this response came
         self._timer: asyncio.TimerHandle | None = None
         self._active = False               # a request was sent and its response is not released
+        self._feed: Callable[[bytes], None] | None = None   # attach(): body reads pushed, not read
 
     # ------------------------------------------------------------------ asyncio.Protocol
     def connection_made(self, transport: asyncio.Transport) -> None:
@@ -152,6 +154,9 @@ class Connection(asyncio.Protocol):
                 start = m.end()
                 end = start + int(m.group(1), 16)
                 if end > start and len(data) == end + 2 and data.endswith(b"\r\n"):
+                    if self._feed is not None:
+                        self._feed(data[start:end])
+                        return
                     self._deliver(data[start:end])
                     if self._buffered > PAUSE_ABOVE and not self._paused:
                         self._paused = True
@@ -308,7 +313,7 @@ class Connection(asyncio.Protocol):
                 state = _DATA if self._need else _TRAILER
         if self._state != _DONE:
             self._state = state
-        self._wake()
+        self._push()
         if self._buffered > PAUSE_ABOVE and not self._paused and self._transport is not None:
             self._paused = True
             self._transport.pause_reading()
@@ -317,7 +322,20 @@ class Connection(asyncio.Protocol):
         if data:
             self._body.append(data)
             self._buffered += len(data)
+            self._push()
+
+    def _push(self) -> None:
+        """The body bytes of this read to the attached relay, or kept for :meth:`read`."""
+        body = self._body
+        if not body:
+            return
+        if self._feed is None:
             self._wake()
+            return
+        data = body[0] if len(body) == 1 else b"".join(body)
+        body.clear()
+        self._buffered = 0
+        self._feed(data)
 
     def _finish(self) -> None:
         self._state = _DONE
@@ -328,6 +346,7 @@ class Connection(asyncio.Protocol):
         """The response cannot go on: ``exc`` for the next read (after what was read before), the
         connection closed."""
         self._keep = False
+        self._feed = None
         if self._exc is None:
             self._exc = exc
         self.stop_timer()
@@ -367,6 +386,47 @@ class Connection(asyncio.Protocol):
                 await self._waiter
             finally:
                 self._waiter = None
+
+    # ------------------------------------------------------------------ the response, pushed
+    def attach(self, feed: Callable[[bytes], None]) -> None:
+        """From here each read of the body goes to ``feed`` in the protocol's own callback, not to
+        :meth:`read`; the body must have been taken (:meth:`take`) first. The reader learns of the body's
+        end and of errors by :meth:`wait`. ``feed`` must not raise; it calls :meth:`detach` (and
+        :meth:`wake`) to stop, and then bytes are kept again, reading paused past PAUSE_ABOVE."""
+        self._feed = feed
+        if self._paused:
+            self._paused = False
+            if not self.closed:
+                self._transport.resume_reading()
+
+    def detach(self) -> None:
+        self._feed = None
+
+    def take(self) -> bytes:
+        """The body bytes kept since the last read, without waiting; b"" when none."""
+        body = self._body
+        if not body:
+            return b""
+        data = body[0] if len(body) == 1 else b"".join(body)
+        body.clear()
+        self._buffered = 0
+        return data
+
+    def raise_error(self) -> None:
+        """Raises the error that broke the response, if one did."""
+        if self._exc is not None:
+            raise self._exc
+
+    async def wait(self) -> None:
+        """Until something changes for the reader: bytes kept, the body's end, an error, or :meth:`wake`."""
+        self._waiter = self._loop.create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    def wake(self) -> None:
+        self._wake()
 
     async def body(self) -> bytes:
         """The whole body (an error response's)."""
@@ -411,6 +471,7 @@ class Connection(asyncio.Protocol):
     def close(self) -> None:
         self.stop_timer()
         self._keep = False
+        self._feed = None
         if self._transport is not None:
             self._transport.close()
         self.closed = True
@@ -435,8 +496,10 @@ class Client:
     connect_timeout_s: float
     keepalive_s: float = 3.0
     _idle: dict[Target, list[Connection]] = field(default_factory=dict)
+    # https:// workers: checked against this context's authorities (the router's worker_ca_file), else
+    # the system's trust store
+    ssl_context: ssl.SSLContext | None = None
     _swept: float = 0.0
-    _ssl: ssl.SSLContext | None = None
 
     async def post(self, target: Target, path: str, body: bytes, first_token_s: float | None) -> Connection:
         """Sends the request and waits for the response head. A reused connection that the worker closed
@@ -467,9 +530,9 @@ class Client:
         loop = asyncio.get_running_loop()
         kw = {}
         if target.tls:
-            if self._ssl is None:
-                self._ssl = ssl.create_default_context()
-            kw = {"ssl": self._ssl, "server_hostname": target.host}
+            if self.ssl_context is None:
+                self.ssl_context = ssl.create_default_context()
+            kw = {"ssl": self.ssl_context, "server_hostname": target.host}
         try:
             async with asyncio.timeout(self.connect_timeout_s):
                 _, conn = await loop.create_connection(lambda: Connection(self, target), target.host,
