@@ -188,18 +188,22 @@ def replay(url: str, trace: traces.Trace, seed: int = 0) -> tuple[list[float], l
         threads.append(th)
     for th in threads:
         th.join()
-    ttft, itl, errors = [], [], 0
+    ttft, itl, errors, one_chunk = [], [], 0, 0
     for res in results:
-        v = mean_itl(res[2], res[3]) if res is not None and res[0] == "ok" else None
-        if v is None:
+        if res is None or res[0] != "ok":
             errors += 1
-            # say why (an exception, or fewer than two tokens back), once per request
-            print(f"  request failed: {res[1] if res and res[0] == 'error' else 'fewer than two tokens'}",
-                  file=sys.stderr, flush=True)
+            print(f"  request failed: {res[1] if res else 'no answer'}", file=sys.stderr, flush=True)
             continue
-        _, late, times, _ = res
+        _, late, times, tokens = res
         ttft.append(late + times[0])   # from the scheduled arrival: a late send counts as queueing
+        v = mean_itl(times, tokens)
+        if v is None:
+            # every token in one chunk (a lagging frontend merges them): its TTFT counts, its ITL is unknown
+            one_chunk += 1
+            continue
         itl.append(v)
+    if one_chunk:
+        print(f"  {one_chunk} of {len(results)} streams came in one chunk (TTFT kept, no ITL)", flush=True)
     return ttft, itl, errors
 
 
