@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from dataclasses import dataclass, field, replace
 from functools import cache, cached_property
 from pathlib import Path
@@ -247,9 +248,12 @@ class Profile:
     handoff points (optional): ``{tokens, seconds}``, a lone request's TTFT through the whole P/D path
     (router, prefill, KV pull, decode's first step), measured beside the worker's own points.
     Fit: prefill = a + b*sum(tokens) + c*sum(tokens^2); decode step = a + b*concurrency + c*sum(context);
-    hand-off = a + b*tokens, fitted to what the path took beyond this profile's own prefill and first
-    decode step: the router's hops, the KV pull and the frontends between them, which a worker measured
-    alone never shows (a CPU pair, 2026-12-02: 119-229 ms through the router against 16 ms of engine time).
+    hand-off = the median, over the points, of what the path took beyond this profile's own prefill and
+    first decode step: the router's hops, the KV pull and the frontends between them, which a worker
+    measured alone never shows (a CPU pair, 2026-12-02: 119-229 ms through the router against 16 ms of
+    engine time). A constant: its length-dependent part, the KV bytes, is the link's
+    (:meth:`PerfModel.handoff_time`), and a slope fitted to three lone requests follows their noise (the same
+    pair's points at 32/256/768 tokens: 463/530/132 ms in one profile, 968 us/token fitted in the next).
     """
 
     model: str
@@ -260,7 +264,7 @@ class Profile:
     handoff: tuple[dict[str, float], ...] = ()
     prefill_coef: tuple[float, float, float] = field(init=False)
     decode_coef: tuple[float, float, float] = field(init=False)
-    handoff_coef: tuple[float, float] | None = field(init=False)
+    handoff_base: float | None = field(init=False)
 
     def __post_init__(self) -> None:
         if len(self.prefill) < 3 or len(self.decode) < 3:
@@ -271,12 +275,12 @@ class Profile:
                            [d["seconds"] for d in self.decode])
         object.__setattr__(self, "prefill_coef", tuple(pc))
         object.__setattr__(self, "decode_coef", tuple(dc))
-        hc = None
+        base = None
         if self.handoff:
             beyond = [h["seconds"] - self.prefill_seconds([h["tokens"]]) - self.decode_seconds(1, h["tokens"])
                       for h in self.handoff]
-            hc = tuple(_lstsq_nonneg([[1.0, h["tokens"]] for h in self.handoff], beyond))
-        object.__setattr__(self, "handoff_coef", hc)
+            base = max(statistics.median(beyond), 0.0)
+        object.__setattr__(self, "handoff_base", base)
 
     def prefill_seconds(self, new_tokens: Sequence[float]) -> float:
         a, b, c = self.prefill_coef
@@ -287,12 +291,10 @@ class Profile:
         return a + b * concurrency + c * context_total
 
     def handoff_seconds(self, tokens: float) -> float | None:
-        """The P/D hand-off of a ``tokens`` prompt beyond prefill and the first decode step; None when the
-        profile did not measure the path."""
-        if self.handoff_coef is None:
-            return None
-        a, b = self.handoff_coef
-        return a + b * tokens
+        """The P/D hand-off of a ``tokens`` prompt beyond prefill and the first decode step (the measured
+        constant; :meth:`PerfModel.handoff_time` adds the link's floor); None when the profile did not
+        measure the path."""
+        return self.handoff_base
 
     def to_dict(self) -> dict[str, Any]:
         d = {"model": self.model, "gpu": self.gpu, "tensorParallelSize": self.tensor_parallel_size,

@@ -165,8 +165,7 @@ def run_cli(args: Any) -> int:
     print(f"wrote {args.out}: prefill = {a * 1000:.2f} ms + {b * 1e6:.3f} us/token + {c * 1e9:.4f} ns/token^2; "
           f"decode step = {profile.decode_coef[0] * 1000:.2f} ms + {profile.decode_coef[1] * 1000:.3f} ms/request + "
           f"{profile.decode_coef[2] * 1e6:.4f} us/context token")
-    if profile.handoff_coef is not None:
-        ha, hb = profile.handoff_coef
-        print(f"P/D hand-off through {args.path_url} = {ha * 1000:.2f} ms + {hb * 1e6:.3f} us/token "
-              f"(beyond prefill and the first decode step)")
+    if profile.handoff_base is not None:
+        print(f"P/D hand-off through {args.path_url} = {profile.handoff_base * 1000:.2f} ms (beyond prefill and "
+              f"the first decode step; points {', '.join('%.0f' % (h['seconds'] * 1000) for h in profile.handoff)} ms)")
     return 0

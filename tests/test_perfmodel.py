@@ -164,37 +164,40 @@ def test_online_correction_survives_denormal_and_huge_samples():
     assert corr.observe(5e-324, 2.0, 1e308, 1e-308).decode <= corr.hi
 
 
-def _with_handoff(base: float, per_token: float) -> pm.Profile:
-    """A profile whose lone requests through the P/D path took ``base + per_token x tokens`` beyond the
-    profile's own prefill and first decode step."""
+def _with_handoff(*extra: float) -> pm.Profile:
+    """A profile whose lone requests through the P/D path (32, 256, 768 tokens) took ``extra`` seconds beyond
+    the profile's own prefill and first decode step."""
     prefill = tuple({"tokens": n, "batch": 1, "seconds": 0.01 + 50e-6 * n} for n in (32, 256, 768))
     decode = tuple({"concurrency": c, "context": 100, "seconds": 0.004 + 0.001 * c} for c in (1, 2, 4))
     bare = pm.Profile("m", "g", 1, prefill, decode)
-    handoff = tuple({"tokens": n, "seconds": bare.prefill_seconds([n]) + bare.decode_seconds(1, n)
-                     + base + per_token * n} for n in (32, 256, 768))
+    handoff = tuple({"tokens": n, "seconds": bare.prefill_seconds([n]) + bare.decode_seconds(1, n) + x}
+                    for n, x in zip((32, 256, 768), extra))
     return pm.Profile("m", "g", 1, prefill, decode, handoff)
 
 
 def test_profile_fits_the_handoff_beyond_prefill_and_the_first_step_and_keeps_it_in_its_file(tmp_path):
-    profile = _with_handoff(0.1, 20e-6)
-    assert profile.handoff_coef == pytest.approx((0.1, 20e-6), rel=1e-6)
+    profile = _with_handoff(0.1, 0.12, 0.11)
+    assert profile.handoff_base == pytest.approx(0.11)
     assert profile.handoff_seconds(500) == pytest.approx(0.11)
+    # one slow sample does not move it (three lone requests on a shared host: 463, 530, 132 ms)
+    assert _with_handoff(0.1, 0.11, 2.0).handoff_base == pytest.approx(0.11)
     path = tmp_path / "profile.yaml"
     path.write_text(yaml.safe_dump(profile.to_dict()))
-    assert pm.Profile.load(path).handoff_coef == pytest.approx(profile.handoff_coef)
+    assert pm.Profile.load(path).handoff_base == pytest.approx(profile.handoff_base)
     # a profile of one worker alone (every file written before the path was measured) has no hand-off
     bare = pm.Profile.from_dict({k: v for k, v in profile.to_dict().items() if k != "handoff"})
-    assert bare.handoff_coef is None and bare.handoff_seconds(500) is None and "handoff" not in bare.to_dict()
+    assert bare.handoff_base is None and bare.handoff_seconds(500) is None and "handoff" not in bare.to_dict()
 
 
 def test_the_measured_handoff_replaces_the_wire_time_but_never_undercuts_it():
     shape = pm.model("meta-llama/Llama-3.1-8B-Instruct")
     base = pm.PerfModel(shape, pm.gpu("H100-SXM"), 1, pm.interconnect("tcp-25g"))
-    slow = replace(base, profile=_with_handoff(0.1, 20e-6))
+    slow = replace(base, profile=_with_handoff(0.11, 0.11, 0.11))
     assert slow.handoff_time(500) == pytest.approx(0.11)
     assert base.handoff_time(500) == base.kv_transfer_time_tokens(500)
     # a path measured faster than its KV bytes can cross the link is floored at the link
-    fast = replace(base, profile=_with_handoff(0.0, 0.0))
+    fast = replace(base, profile=_with_handoff(0.0, 0.0, 0.0))
     for n in (16, 4096, 65536):
         assert fast.handoff_time(n) == pytest.approx(base.kv_transfer_time_tokens(n))
         assert slow.handoff_time(n) >= base.kv_transfer_time_tokens(n)
+    assert slow.handoff_time(65536) == pytest.approx(base.kv_transfer_time_tokens(65536))  # 8 GiB over 25 Gb/s
