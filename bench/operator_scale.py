@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from datetime import datetime
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
@@ -210,6 +211,107 @@ def audit_events(path: Path, offset: int = 0) -> list[dict]:
                 if e.get("user", {}).get("username") == OPERATOR_USER]
 
 
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_by_program() -> Counter[str]:
+    """CPU seconds used so far by each program running here (user + system, summed over its processes;
+    the operator is `python -m disagg.operator`), to split a phase's CPU between the control plane's
+    parts and the operator: on this machine they share the same cores."""
+    out: Counter[str] = Counter()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        name = Path(cmdline[0].decode(errors="replace")).name if cmdline and cmdline[0] else "?"
+        if b"disagg.operator" in cmdline:
+            name = "operator"
+        out[name] += (int(fields[11]) + int(fields[12])) / _TICKS
+    return out
+
+
+def cpu_line(before: Counter[str], seconds: float) -> str:
+    used = cpu_by_program()
+    used.subtract(before)
+    top = [(k, v) for k, v in used.most_common(8) if v >= 1]
+    return (f"  CPU seconds in the phase ({seconds:.0f} s, 2 cores = {2 * seconds:.0f}): "
+            + ", ".join(f"{k} {v:.0f}" for k, v in top))
+
+
+def all_audit_events(path: Path, offset: int = 0) -> list[dict]:
+    with open(path) as f:
+        f.seek(offset)
+        return [json.loads(line) for line in f]
+
+
+def _stamp(e: dict) -> float:
+    """An audit event's completion time, in epoch seconds."""
+    ts = e.get("stageTimestamp") or e.get("requestReceivedTimestamp")
+    return datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp()
+
+
+_DEPLOYMENT_OF = re.compile(r"^d(\d+)(?:-|$)")
+
+
+def timeline(events: list[dict], namespace: str, start: float, created_by: str) -> str:
+    """Where a phase's time went, from the API server's audit log: for each deployment (d<i>), when the
+    stages of its way to running pods were written, as seconds since the phase started (p10/p50/p90/max over
+    the deployments), and who wrote what in the phase. `created_by`: the resource the benchmark creates
+    (disaggdeployments or deployments)."""
+    stages: dict[str, dict[int, float]] = {}
+    writers: Counter[str] = Counter()
+
+    def mark(stage: str, i: int, t: float, last: bool = False) -> None:
+        seen = stages.setdefault(stage, {})
+        seen[i] = max(seen.get(i, t), t) if last else min(seen.get(i, t), t)
+
+    for e in events:
+        ref = e.get("objectRef") or {}
+        if ref.get("namespace") != namespace or e.get("verb") not in ("create", "update", "patch", "delete"):
+            continue
+        t = _stamp(e) - start
+        if t < 0:
+            continue
+        user = (e.get("user") or {}).get("username", "?")
+        who = "operator" if user == OPERATOR_USER else user.rsplit(":", 1)[-1]
+        resource = ref.get("resource", "?") + (f"/{ref['subresource']}" if ref.get("subresource") else "")
+        writers[f"{who} {e['verb']} {resource}"] += 1
+        m = _DEPLOYMENT_OF.match(ref.get("name") or "")
+        if not m or (e.get("responseStatus") or {}).get("code", 200) >= 300:
+            continue
+        i = int(m.group(1))
+        if ref.get("resource") == created_by and e["verb"] == "create":
+            mark("created", i, t)
+        elif who == "operator" and ref.get("resource") == "disaggdeployments" and not ref.get("subresource"):
+            mark("operator's first patch of it (finalizer)", i, t)
+        elif who == "operator" and ref.get("resource") == "deployments":
+            mark("its Deployments written (last)", i, t, last=True)
+        elif ref.get("resource") == "replicasets" and e["verb"] == "create":
+            mark("its ReplicaSets created (last)", i, t, last=True)
+        elif resource == "pods/binding":
+            mark("first pod bound", i, t)
+            mark("last pod bound", i, t, last=True)
+        elif resource == "pods/status":
+            mark("last pod status write", i, t, last=True)
+        elif who == "operator" and resource == "disaggdeployments/status":
+            mark("last status write", i, t, last=True)
+
+    def pct(values: list[float], q: float) -> float:
+        values = sorted(values)
+        return values[min(len(values) - 1, int(q * len(values)))]
+
+    lines = [f"  {'stage (s since the phase began)':44s} {'n':>4s} {'p10':>7s} {'p50':>7s} {'p90':>7s} {'max':>7s}"]
+    for stage, seen in sorted(stages.items(), key=lambda kv: pct(list(kv[1].values()), 0.5)):
+        v = list(seen.values())
+        lines.append(f"  {stage:44s} {len(v):4d} {pct(v, .1):7.1f} {pct(v, .5):7.1f} {pct(v, .9):7.1f} {max(v):7.1f}")
+    lines.append("  writes in the namespace, by writer: " + ", ".join(f"{k} {n}" for k, n in writers.most_common(12)))
+    return "\n".join(lines)
+
+
 def reads_summary(events: list[dict]) -> dict[str, int]:
     """The operator's list/watch requests by resource, scope and what the API server filtered for it."""
     out: Counter[str] = Counter()
@@ -257,6 +359,7 @@ def main() -> int:
         # ---- baseline: the same pods as plain Deployments, then the same churn
         core.create_namespace({"metadata": {"name": "baseline"}})
         wait_for(lambda: core.list_namespaced_service_account("baseline").items, 60, "baseline SA")
+        base_audit, base_wall, base_cpu = cluster.audit_log.stat().st_size, time.time(), cpu_by_program()
         t = time.monotonic()
         for i in range(args.deployments):
             for dep in plain_deployments(i):
@@ -266,6 +369,9 @@ def main() -> int:
         t_base = time.monotonic() - t
         print(f"baseline: {3 * args.deployments} plain Deployments ({want} pods) ready in {t_base:.1f}s"
               f"{_split(t)}", flush=True)
+        print(cpu_line(base_cpu, t_base), flush=True)
+        print(timeline(all_audit_events(cluster.audit_log, base_audit), "baseline", base_wall, "deployments"),
+              flush=True)
         t_base_churn = churn_plain(apps, core, args.deployments, want)
         print(f"baseline churn settled in {t_base_churn:.1f}s", flush=True)
         core.delete_namespace("baseline")
@@ -293,6 +399,7 @@ def main() -> int:
         rss_empty = rss_mib(operator.pid)
         operator.send_signal(signal.SIGUSR1)
         _firsts.clear()   # what the baseline's churn recorded
+        op_audit, op_wall, op_cpu = cluster.audit_log.stat().st_size, time.time(), cpu_by_program()
         t = time.monotonic()
         for i in range(args.deployments):
             custom.create_namespaced_custom_object(GROUP, VERSION, "ops", PLURAL, disagg_deployment(i))
@@ -308,6 +415,14 @@ def main() -> int:
         t_op = time.monotonic() - t
         print(f"operator: {args.deployments} DisaggDeployments ({want} pods, gangs) Ready in {t_op:.1f}s"
               f"{_split(t)}", flush=True)
+        print(cpu_line(op_cpu, t_op), flush=True)
+        phase = all_audit_events(cluster.audit_log, op_audit)
+        print(timeline(phase, "ops", op_wall, "disaggdeployments"), flush=True)
+        mine = Counter(f"{e.get('verb')} {(e.get('objectRef') or {}).get('resource')}"
+                       + (f"/{e['objectRef']['subresource']}" if (e.get('objectRef') or {}).get('subresource') else "")
+                       for e in phase if (e.get("user") or {}).get("username") == OPERATOR_USER)
+        print(f"  the operator's requests in the phase, per deployment: "
+              + ", ".join(f"{k} {n / args.deployments:.1f}" for k, n in mine.most_common(14)), flush=True)
         # ---- idle: no write may come from the operator, once every status has settled (Ready can
         # come a refresh before Progressing turns False, and old gang objects are pruned after that)
         wait_for(lambda: all_converged(custom, args.deployments), 600, "every status settled", interval=1)

@@ -199,13 +199,19 @@ def compute(dd: DisaggDeployment, generation: int, previous: dict[str, Any] | No
               "prefill": roles[ROLE_PREFILL], "decode": roles[ROLE_DECODE], "router": roles[ROLE_ROUTER],
               "endpoint": endpoint}
 
+    # Events: a condition that turned (True/False), or anything worth a warning when it appears or its
+    # reason changes. Not a condition's first, unremarkable value, nor a new reason for the same state
+    # (NoReadyPrefill -> NoReadyDecode): the status shows those, and as events they were 9 writes per new
+    # deployment, at fleet scale the API server's most frequent write, posted one by one minutes late.
     events = []
     for cond in conds:
         old = prev_conds.get(cond["type"])
-        if old is None or old.get("status") != cond["status"] or old.get("reason") != cond["reason"]:
-            warn = (cond["type"] in (ConditionType.DEGRADED,) and cond["status"] == "True") or (
-                cond["type"] in (ConditionType.GANG_SCHEDULED, ConditionType.READY) and cond["status"] == "False"
-                and cond["reason"] not in ("Pending",) and not cond["reason"].startswith("NoReady"))
+        turned = old is not None and old.get("status") != cond["status"]
+        new_reason = old is None or old.get("reason") != cond["reason"]
+        warn = (cond["type"] in (ConditionType.DEGRADED,) and cond["status"] == "True") or (
+            cond["type"] in (ConditionType.GANG_SCHEDULED, ConditionType.READY) and cond["status"] == "False"
+            and cond["reason"] not in ("Pending",) and not cond["reason"].startswith("NoReady"))
+        if turned or (warn and new_reason):
             events.append(("Warning" if warn else "Normal", cond["reason"], f"{cond['type']}={cond['status']}: "
                                                                             f"{cond['message']}"))
     return status, events

@@ -89,6 +89,27 @@ def test_deleted_and_created_again_under_the_same_name(api_client, namespace, op
     assert not [e.message for e in events if e.reason == "ChildConflict"]
 
 
+def test_a_child_name_someone_else_controls_is_a_conflict_and_left_alone(api_client, namespace, operator):
+    """A new deployment's children are written without being read first; a name held by an object
+    another controller owns must still end as ChildConflict, with that object untouched."""
+    core = client.CoreV1Api(api_client)
+    owner = core.create_namespaced_config_map(namespace, {"metadata": {"name": "someone-else"}})
+    core.create_namespaced_service(namespace, {
+        "metadata": {"name": "taken", "labels": {"app": "theirs"},
+                     "ownerReferences": [{"apiVersion": "v1", "kind": "ConfigMap", "name": "someone-else",
+                                          "uid": owner.metadata.uid, "controller": True}]},
+        "spec": {"selector": {"app": "theirs"}, "ports": [{"port": 8000}]}})
+    dd = DD(api_client, namespace, dd_manifest("taken"))
+    wait_for(lambda: any(e.reason == "ChildConflict" and e.type == "Warning" and "ConfigMap someone-else" in e.message
+                         for e in core.list_namespaced_event(namespace, field_selector="involvedObject.name=taken"
+                                                             ).items
+                         if e.involved_object.kind == dd.get()["kind"]), 60, "a ChildConflict event")
+    svc = core.read_namespaced_service("taken", namespace)
+    assert [(o.kind, o.name, o.controller) for o in svc.metadata.owner_references] == [
+        ("ConfigMap", "someone-else", True)]
+    assert svc.metadata.labels == {"app": "theirs"} and svc.spec.ports[0].port == 8000
+
+
 def test_printer_columns_show_live_values(cluster, api_client, namespace, operator):
     dd = DD(api_client, namespace, dd_manifest("cols", decode={"replicas": 2}))
     dd.wait_phase("Ready")

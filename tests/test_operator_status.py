@@ -36,3 +36,36 @@ def test_other_config_errors_are_not_blamed_on_the_secret_ref():
                            waiting_message='configmap "other" not found')
     assert _degraded(dd, [pod])["message"] == \
         'CreateContainerConfigError on decode pod s-decode-1: configmap "other" not found'
+
+
+def _pod(role: str, i: int, node: str | None, ready: bool) -> statuses.PodView:
+    return statuses.PodView(name=f"s-{role}-{i}", role=role, node=node, ready=ready,
+                            phase="Running" if node else "Pending")
+
+
+def test_events_mark_turns_and_warnings_not_every_first_value_or_reworded_state():
+    """A new deployment's first status posts no event (its conditions' first values are unremarkable);
+    a reason that changes within the same state posts none; a condition that turns posts one."""
+    dd = _dd()
+    status, events = statuses.compute(dd, 1, {}, statuses.Observed(pods=[]), "s.n.svc:80")
+    assert events == []
+    ready = {c["type"]: c for c in status["conditions"]}["Ready"]
+    assert ready["status"] == "False"
+    # some pods bound and ready, the rest not: Ready's reason may change, its state does not
+    some = [_pod("prefill", 0, "n1", True), _pod("decode", 0, None, False), _pod("router", 0, "n2", True)]
+    status2, events = statuses.compute(dd, 1, status, statuses.Observed(pods=some), "s.n.svc:80")
+    assert {c["type"]: c for c in status2["conditions"]}["Ready"]["status"] == "False"
+    assert not [e for e in events if e[1].startswith("NoReady")]
+    everyone = [_pod(role, 0, "n1", True) for role in ("prefill", "decode", "router")]
+    status3, events = statuses.compute(dd, 1, status2, statuses.Observed(pods=everyone), "s.n.svc:80")
+    assert {c["type"]: c for c in status3["conditions"]}["Ready"]["status"] == "True"
+    assert ("Normal", "Serving") in [(kind, reason) for kind, reason, _ in events]
+
+
+def test_a_warning_is_an_event_from_its_first_value():
+    dd = _dd(model={"secretRef": {"name": "hf-token"}})
+    pod = statuses.PodView(name="s-decode-1", role="decode", node="n1", ready=False, phase="Pending",
+                           waiting_reason="CreateContainerConfigError",
+                           waiting_message='secret "hf-token" not found')
+    _, events = statuses.compute(dd, 1, {}, statuses.Observed(pods=[pod]), "s.n.svc:80")
+    assert [(kind, reason) for kind, reason, _ in events] == [("Warning", "CreateContainerConfigError")]
