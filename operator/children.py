@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from email.utils import parsedate_to_datetime
 from typing import Any
 
 from kubernetes import client, config
@@ -67,12 +66,6 @@ class Clients:
         api = client.ApiClient(cfg)
         return cls(api=api, core=client.CoreV1Api(api), custom=client.CustomObjectsApi(api))
 
-    def server_time(self) -> float:
-        """The API server's clock (its Date header, whole seconds), as epoch seconds: compared with
-        creationTimestamps, which that clock wrote."""
-        response = client.VersionApi(self.api).get_code(_preload_content=False)
-        return parsedate_to_datetime(response.headers["Date"]).timestamp()
-
     # Uniform get/apply/list/delete over the kinds in PLURALS (core kinds through CoreV1Api).
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         try:
@@ -121,25 +114,11 @@ def _snake(kind: str) -> str:
     return "".join(f"_{c.lower()}" if c.isupper() else c for c in kind).lstrip("_")
 
 
-def apply(clients: Clients, manifests: list[dict[str, Any]], owner_uid: str, fresh: bool = False) -> list[str]:
+def apply(clients: Clients, manifests: list[dict[str, Any]], owner_uid: str) -> list[str]:
     """Apply each manifest unless the live object already has its hash and nobody else has changed
-    its spec since. Returns the kinds written, one entry per write.
-
-    ``fresh``: the owner is new and its children cannot exist yet (:func:`disagg.operator.handlers`
-    decides), so each is applied without reading it first: half the requests of a new deployment's
-    reconcile, which at fleet scale is what new deployments queue on. A name someone else's object
-    holds still ends as :class:`ChildConflict`: an object with another controller refuses a second
-    controller reference (422), and that child then takes the checked path."""
+    its spec since. Returns the kinds written, one entry per write."""
     written = []
     for m in manifests:
-        if fresh:
-            try:
-                clients.apply(m)
-                written.append(m["kind"])
-                continue
-            except ApiException as e:
-                if e.status not in (409, 422):
-                    raise
         meta = m["metadata"]
         live = clients.get(m["apiVersion"], m["kind"], meta["namespace"], meta["name"])
         if live is not None:

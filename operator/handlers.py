@@ -6,9 +6,7 @@ only when it changed."""
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,9 +88,6 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     asyncio.get_running_loop().set_default_executor(settings.execution.executor)
     watch_only_owned(settings)
     memo.clients = children.Clients.create(pool=settings.execution.max_workers)
-    # deployments created after this (the API server's clock) are new to this process: see _fresh
-    memo.started = await asyncio.to_thread(memo.clients.server_time)
-    memo.deleted = {}   # (namespace, name) -> monotonic time this process saw it deleted
     memo.fleet = Fleet(memo.clients)
     memo.triggers = {}
     memo.applied = {}  # (namespace, name) -> (last applied generation, error applying the next one)
@@ -130,7 +125,7 @@ def _parse(body: kopf.Body) -> DisaggDeployment:
 @kopf.on.resume(GROUP, VERSION, PLURAL)
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
-def reconcile(body: kopf.Body, uid: str, name: str, namespace: str, memo: kopf.Memo, reason: str,
+def reconcile(body: kopf.Body, uid: str, name: str, namespace: str, memo: kopf.Memo,
               pods_by_deployment: kopf.Index, deployments_by_deployment: kopf.Index, **_: Any) -> None:
     try:
         dd = _parse(body)
@@ -145,7 +140,7 @@ def reconcile(body: kopf.Body, uid: str, name: str, namespace: str, memo: kopf.M
                               list(deployments_by_deployment.get(key, [])), memo)
     generation = body["metadata"].get("generation", 0)
     try:
-        written = children.apply(clients, manifests, uid, fresh=reason == "create" and _fresh(memo, body))
+        written = children.apply(clients, manifests, uid)
     except children.PredecessorChild as e:
         # deleted and created again under the same name: the old children go within seconds, and
         # waiting the 30 s of a real conflict made a re-creation 10x slower than for plain Deployments
@@ -187,32 +182,6 @@ def reconcile(body: kopf.Body, uid: str, name: str, namespace: str, memo: kopf.M
         for gone in children.prune_gangs(clients, namespace, name, keep, gang.name) or []:
             kopf.info(body, reason="GangObjectDeleted", message=f"deleted {gone}: no pod of it remains")
     _wake(memo, namespace, name)
-
-
-# How long a deletion this process saw keeps a re-created deployment of the same name off the fresh path:
-# the garbage collector deletes the old one's children within seconds, minutes on a saturated cluster.
-DELETED_MEMORY_SECONDS = 900
-
-
-def _fresh(memo: kopf.Memo, body: kopf.Body) -> bool:
-    """Whether nothing of this DisaggDeployment can exist yet but what this process made: it was created
-    after the process started (the API server's clock on both sides; a deployment created while the
-    operator was down may be a re-creation whose predecessor's children still stand), its first
-    generation, and no deployment of its name was deleted lately (the predecessor's children wait for the
-    garbage collector). Then its children need no read before they are written, and it has no gang of
-    an older naming to prune."""
-    meta = body["metadata"]
-    if meta.get("generation", 1) != 1 or not meta.get("creationTimestamp"):
-        return False
-    created = dt.datetime.fromisoformat(meta["creationTimestamp"].replace("Z", "+00:00")).timestamp()
-    deleted = memo.deleted.get((meta.get("namespace"), meta.get("name")))
-    return created > memo.started and (deleted is None or time.monotonic() - deleted > DELETED_MEMORY_SECONDS)
-
-
-def _forget_deleted(memo: kopf.Memo) -> None:
-    now = time.monotonic()
-    for key in [k for k, t in memo.deleted.items() if now - t > DELETED_MEMORY_SECONDS]:
-        memo.deleted.pop(key, None)
 
 
 def _render(dd: DisaggDeployment, uid: str, pods: list[statuses.PodView],
@@ -369,7 +338,7 @@ async def status_loop(name: str, namespace: str, body: kopf.Body, memo: kopf.Mem
                       pods_by_deployment: kopf.Index, deployments_by_deployment: kopf.Index, **_: Any) -> None:
     key = (namespace, name)
     trigger = memo.triggers[key] = asyncio.Event()
-    state = LoopState(fresh=_fresh(memo, body))
+    state = LoopState()
     deleted = False
     try:
         while not stopped:
@@ -405,8 +374,6 @@ async def status_loop(name: str, namespace: str, body: kopf.Body, memo: kopf.Mem
             memo.triggers.pop(key, None)
         if deleted or (stopped.reason and stopped.reason & kopf.DaemonStoppingReason.RESOURCE_DELETED):
             # nothing keyed by its name may outlive it (reconcile writes these again for a re-created one)
-            _forget_deleted(memo)
-            memo.deleted[key] = time.monotonic()
             memo.applied.pop(key, None)
             memo.revisions.pop(key, None)
             for drift in [k for k in memo.drift_seen if k[1] == namespace and k[2].startswith(f"{name}-")]:
@@ -439,9 +406,6 @@ class LoopState:
     # write, the live body still shows the status before it, and the write must not be repeated
     written: tuple[str, dict[str, Any]] | None = None
     pruned_for: str | None = None   # the gang whose predecessors' objects have been pruned
-    # created after this process started (_fresh): while at its first generation it has had one gang only,
-    # so there is nothing to prune (five list calls per new deployment saved)
-    fresh: bool = False
 
 
 def refresh(clients: children.Clients, namespace: str, name: str, pods: list[statuses.PodView],
@@ -491,8 +455,6 @@ def refresh(clients: children.Clients, namespace: str, name: str, pods: list[sta
     settled = status["phase"] == "Ready" and all(
         c["status"] == "False" for c in status["conditions"] if c["type"] in ("Progressing", "Degraded"))
     current = gangs.render(name, dd.spec)
-    if state.fresh and obj["metadata"].get("generation") == 1:
-        state.pruned_for = current.name
     if settled and current.objects and state.pruned_for != current.name \
             and not any(p.gang and p.gang != current.name for p in pods):
         # a rollout onto a new gang has finished: delete the old gang's objects (once per gang, not per

@@ -90,8 +90,8 @@ def test_deleted_and_created_again_under_the_same_name(api_client, namespace, op
 
 
 def test_a_child_name_someone_else_controls_is_a_conflict_and_left_alone(api_client, namespace, operator):
-    """A new deployment's children are written without being read first; a name held by an object
-    another controller owns must still end as ChildConflict, with that object untouched."""
+    """A name a child needs, held by an object another controller owns: ChildConflict, named in a
+    Warning event, and that object untouched."""
     core = client.CoreV1Api(api_client)
     owner = core.create_namespaced_config_map(namespace, {"metadata": {"name": "someone-else"}})
     core.create_namespaced_service(namespace, {
