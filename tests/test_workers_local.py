@@ -162,8 +162,14 @@ class Serve:
             raise AssertionError(f"{e}: {leaked()}; every holder: {_listeners(ports)}") from None
 
     def kill(self):
+        """After a failure: serve and everything below it (killed alone, serve leaves its router and
+        engines running for the rest of the suite)."""
         if self.proc.poll() is None:
-            self.proc.kill()
+            for pid in [self.proc.pid, *_descendants(self.proc.pid)]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             self.proc.wait()
 
 
