@@ -264,6 +264,7 @@ class Profile:
     handoff: tuple[dict[str, float], ...] = ()
     prefill_coef: tuple[float, float, float] = field(init=False)
     decode_coef: tuple[float, float, float] = field(init=False)
+    # the P/D hand-off beyond prefill and the first decode step; None when the path was not measured
     handoff_base: float | None = field(init=False)
 
     def __post_init__(self) -> None:
@@ -289,12 +290,6 @@ class Profile:
     def decode_seconds(self, concurrency: float, context_total: float) -> float:
         a, b, c = self.decode_coef
         return a + b * concurrency + c * context_total
-
-    def handoff_seconds(self, tokens: float) -> float | None:
-        """The P/D hand-off of a ``tokens`` prompt beyond prefill and the first decode step (the measured
-        constant; :meth:`PerfModel.handoff_time` adds the link's floor); None when the profile did not
-        measure the path."""
-        return self.handoff_base
 
     def to_dict(self) -> dict[str, Any]:
         d = {"model": self.model, "gpu": self.gpu, "tensorParallelSize": self.tensor_parallel_size,
@@ -709,7 +704,7 @@ class PerfModel:
         """Seconds from a prompt's prefill ending to decode starting on it: the profile's measured P/D
         hand-off where it has one (never below the KV bytes' time over the link), else that time alone."""
         wire = self.kv_transfer_time(self.kv_bytes(tokens), parallel_links=parallel_links)
-        measured = self.profile.handoff_seconds(tokens) if self.profile is not None else None
+        measured = self.profile.handoff_base if self.profile is not None else None
         return wire if measured is None else max(measured, wire)
 
 
