@@ -51,24 +51,39 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _listening_ports(pids: set[int]) -> set[int]:
-    """TCP ports the given processes listen on (their socket inodes matched in /proc/net/tcp{,6})."""
-    inodes = set()
-    for pid in pids:
-        try:
-            for fd in Path(f"/proc/{pid}/fd").iterdir():
-                target = os.readlink(fd)
-                if target.startswith("socket:["):
-                    inodes.add(target[8:-1])
-        except OSError:
-            continue
-    ports = set()
+def _listen_sockets() -> dict[str, int]:
+    """Socket inode -> port of every TCP socket listening on this machine (/proc/net/tcp{,6})."""
+    out = {}
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         for line in Path(table).read_text().splitlines()[1:]:
             f = line.split()
-            if f[3] == "0A" and f[9] in inodes:      # LISTEN
-                ports.add(int(f[1].rsplit(":", 1)[1], 16))
-    return ports
+            if f[3] == "0A":      # LISTEN
+                out[f[9]] = int(f[1].rsplit(":", 1)[1], 16)
+    return out
+
+
+def _sockets_of(pid: int) -> set[str]:
+    """The socket inodes a process holds (empty once it is gone; an fd closed while it is read is skipped,
+    not the rest with it)."""
+    out = set()
+    try:
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return out
+    for fd in fds:
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            out.add(target[8:-1])
+    return out
+
+
+def _listening_ports(pids: set[int]) -> set[int]:
+    """TCP ports the given processes listen on."""
+    listening = _listen_sockets()
+    return {listening[i] for pid in pids for i in _sockets_of(pid) if i in listening}
 
 
 def _started(pid: int) -> int:
@@ -81,29 +96,21 @@ def _now_ticks() -> int:
 
 
 def _listeners(ports: set[int]) -> dict[int, tuple[int, int, str]]:
-    """The processes on this machine that listen on any of ``ports`` (LISTEN in /proc/net/tcp{,6}): pid ->
-    (port, start time in ticks since boot, command line)."""
-    held: dict[str, int] = {}
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            f = line.split()
-            port = int(f[1].rsplit(":", 1)[1], 16)
-            if f[3] == "0A" and port in ports:
-                held[f[9]] = port
+    """The processes on this machine that listen on any of ``ports``: pid -> (port, start time in ticks
+    since boot, command line)."""
+    held = {inode: port for inode, port in _listen_sockets().items() if port in ports}
     out: dict[int, tuple[int, int, str]] = {}
     if not held:
         return out
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
-        try:
-            for fd in (proc / "fd").iterdir():
-                target = os.readlink(fd)
-                if target.startswith("socket:[") and target[8:-1] in held:
-                    cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:120]
-                    out[int(proc.name)] = (held[target[8:-1]], _started(int(proc.name)), cmd)
-        except OSError:
-            continue
+        for inode in _sockets_of(int(proc.name)) & held.keys():
+            try:
+                cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:120]
+                out[int(proc.name)] = (held[inode], _started(int(proc.name)), cmd)
+            except OSError:
+                continue
     return out
 
 
