@@ -364,14 +364,22 @@ def failures(pd, decode_b, tmp_path_factory):
             d.close()
 
 
-def _stream(url: str) -> tuple[dict, str, list[dict]]:
-    """One streamed completion of FAILURE_PROMPT at temperature 0: (route headers, text, chunks)."""
+def _stream(failures) -> tuple[dict, str, list[dict]]:
+    """One streamed completion of FAILURE_PROMPT at temperature 0 through the failure router: (route
+    headers, text, chunks). A refused request fails with the router's own message and the logs of the
+    router and the workers, which a CI run keeps nowhere else."""
     body = {"model": "tiny", "prompt": FAILURE_PROMPT, "max_tokens": MAX_TOKENS_LONG, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
+    req = urllib.request.Request(f"{failures['router'].url}/v1/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     chunks, text = [], []
-    with urllib.request.urlopen(req, timeout=300) as r:
+    try:
+        r = urllib.request.urlopen(req, timeout=300)
+    except urllib.error.HTTPError as e:
+        logs = [failures["router"], failures["prefill"], *failures["decodes"].values()]
+        pytest.fail(f"the router answered {e.code}: {e.read()[:1000]!r}\n" + "\n".join(
+            f"--- {p.name} (log tail):\n{p.tail(60 if p is logs[0] else 25)}" for p in logs))
+    with r:
         route = {k.lower(): v for k, v in r.headers.items() if k.lower().startswith("x-disagg-")}
         for line in r:
             if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
@@ -402,7 +410,7 @@ def _router_sees(failures) -> None:
 def test_a_decode_killed_mid_stream_is_continued_with_the_same_text(failures):
     url = failures["router"].url
     _router_sees(failures)
-    _, want, chunks = _stream(url)                    # uninterrupted
+    _, want, chunks = _stream(failures)                    # uninterrupted
     prompt_tokens = chunks[-1]["usage"]["prompt_tokens"]
     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": MAX_TOKENS_LONG,
              "total_tokens": prompt_tokens + MAX_TOKENS_LONG}
@@ -413,7 +421,7 @@ def test_a_decode_killed_mid_stream_is_continued_with_the_same_text(failures):
     for d in proxies:
         d.arm(KILL_AFTER)
     try:
-        route, text, chunks = _stream(url)
+        route, text, chunks = _stream(failures)
     finally:
         for d in proxies:
             d.disarm()
@@ -431,13 +439,13 @@ def test_a_decode_killed_mid_stream_is_continued_with_the_same_text(failures):
 def test_a_prefill_hung_after_it_answered_leaves_no_decode_waiting(failures):
     url = failures["router"].url
     _router_sees(failures)
-    _, want, _ = _stream(url)
+    _, want, _ = _stream(failures)
     series = f'{m.ROUTER_FALLBACKS}{{reason="{m.FALLBACK_PREFILL_LOST}"}}'
     before = scrape(url).get(series, 0)
     group = failures["prefill"].proc.pid             # its own session: the worker's process group
     failures["proxy"].arm(lambda: os.killpg(group, signal.SIGSTOP), FAILURE_PROMPT)
     try:
-        route, text, chunks = _stream(url)
+        route, text, chunks = _stream(failures)
     finally:
         os.killpg(group, signal.SIGCONT)
     assert failures["proxy"].done.is_set()
@@ -463,7 +471,7 @@ def test_a_prefill_killed_after_it_answered_and_requests_in_flight_complete(fail
     prefill_error, kv_transfer_failed, prefill_lost, or local prefill once the router counts it out)."""
     url = failures["router"].url
     _router_sees(failures)
-    _, want, _ = _stream(url)                             # the prefill still alive
+    _, want, _ = _stream(failures)                             # the prefill still alive
     reasons = (m.FALLBACK_KV_TRANSFER, m.FALLBACK_PREFILL_LOST)
 
     def fallbacks(reasons=reasons) -> float:
@@ -475,7 +483,7 @@ def test_a_prefill_killed_after_it_answered_and_requests_in_flight_complete(fail
     failures["proxy"].arm(failures["prefill"].kill, FAILURE_PROMPT)
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         others = [pool.submit(_complete, client, p) for p in prompts[:3]]
-        killed = pool.submit(_stream, url)
+        killed = pool.submit(_stream, failures)
         assert failures["proxy"].done.wait(300), "the proxy never saw the prefill answer"
         others += [pool.submit(_complete, client, p) for p in prompts[3:]]
         route, text, chunks = killed.result(timeout=300)
