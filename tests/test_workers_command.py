@@ -144,6 +144,39 @@ def test_cpu_build_gives_nixls_progress_thread_a_poll_timeout(monkeypatch):
     assert "DISAGG_NIXL_PROGRESS_DELAY_US" not in gpu and "PYTHONPATH" not in gpu
     assert build(WorkerSettings(role="decode", model="/m", nixl_progress_delay_us=250)).env[
         "DISAGG_NIXL_PROGRESS_DELAY_US"] == "250"
-    assert "PYTHONPATH" not in build(WorkerSettings(role="decode", model="/m", cpu=True, kv_transfer=False)).env
-    assert "PYTHONPATH" not in build(WorkerSettings(role="decode", model="/m", cpu=True,
-                                                    nixl_progress_delay_us=0)).env
+    aggregated = build(WorkerSettings(role="decode", model="/m", cpu=True, kv_transfer=False)).env
+    assert "DISAGG_NIXL_PROGRESS_DELAY_US" not in aggregated
+    assert "DISAGG_NIXL_PROGRESS_DELAY_US" not in build(WorkerSettings(role="decode", model="/m", cpu=True,
+                                                                       nixl_progress_delay_us=0)).env
+
+
+def test_cpu_build_keeps_the_compute_on_its_cores_and_stops_vllms_queue_spin(monkeypatch):
+    """The two other jobs of the engines' sitecustomize (bench/pd_path_timing.py has the figures): on the CPU
+    build with NIXL, vLLM's NIXL worker may not move the compute thread to the machine's last core, and every
+    CPU engine's shared-memory queue readers wait on a notification instead of spinning. GPU workers keep
+    vLLM's behaviour unless the settings ask; with everything off, nothing goes on PYTHONPATH."""
+    import os
+
+    from disagg.workers.command import CPU_VLLM_SHM_WAIT_MS, ENGINE_SITE_DIR
+
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    cpu = build(WorkerSettings(role="prefill", model="/m", cpu=True)).env
+    assert cpu["DISAGG_NIXL_KEEP_AFFINITY"] == "1"
+    assert cpu["DISAGG_VLLM_SHM_WAIT_MS"] == str(CPU_VLLM_SHM_WAIT_MS)
+    assert cpu["PYTHONPATH"] == ENGINE_SITE_DIR
+    # an aggregated CPU server has no NIXL, but the same queues
+    aggregated = build(WorkerSettings(role="decode", model="/m", cpu=True, kv_transfer=False)).env
+    assert "DISAGG_NIXL_KEEP_AFFINITY" not in aggregated and aggregated["PYTHONPATH"] == ENGINE_SITE_DIR
+    assert aggregated["DISAGG_VLLM_SHM_WAIT_MS"] == str(CPU_VLLM_SHM_WAIT_MS)
+    gpu = build(WorkerSettings(role="prefill", model="/m")).env
+    assert "DISAGG_NIXL_KEEP_AFFINITY" not in gpu and "DISAGG_VLLM_SHM_WAIT_MS" not in gpu
+    asked = build(WorkerSettings(role="decode", model="/m", nixl_keep_affinity=True, vllm_shm_wait_ms=2)).env
+    assert asked["DISAGG_NIXL_KEEP_AFFINITY"] == "1" and asked["DISAGG_VLLM_SHM_WAIT_MS"] == "2"
+    off = build(WorkerSettings(role="decode", model="/m", cpu=True, nixl_keep_affinity=False, vllm_shm_wait_ms=0,
+                               nixl_progress_delay_us=0)).env
+    assert not {"DISAGG_NIXL_KEEP_AFFINITY", "DISAGG_VLLM_SHM_WAIT_MS", "PYTHONPATH"} & set(off)
+    # as the operator passes them: DISAGG_* variables, read back by the worker entrypoint
+    env = WorkerSettings(role="decode", model="/m", cpu=True, nixl_keep_affinity=False, vllm_shm_wait_ms=0).to_env()
+    assert WorkerSettings.from_env(env).nixl_keep_affinity is False
+    assert WorkerSettings.from_env({**env, "DISAGG_NIXL_KEEP_AFFINITY": "false"}).nixl_keep_affinity is False
+    assert os.path.isfile(os.path.join(ENGINE_SITE_DIR, "sitecustomize.py"))

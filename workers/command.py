@@ -28,6 +28,9 @@ CPU_UCX_TLS = "tcp,self,cma"
 # NIXL's UCX progress thread polls with this timeout on the CPU build instead of busy-polling (see
 # engine_site/sitecustomize.py): an idle engine's spinning thread starved engines starting beside it.
 CPU_NIXL_PROGRESS_DELAY_US = 1000
+# vLLM's shared-memory queue readers wait for a notification this long (ms) instead of spinning for a
+# second after every read, on the CPU build (engine_site/sitecustomize.py; bench/pd_path_timing.py)
+CPU_VLLM_SHM_WAIT_MS = 1
 # On every engine's PYTHONPATH when the delay is set: its sitecustomize applies the delay in each of
 # the engine's processes (API server, engine core, spawned workers).
 ENGINE_SITE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "engine_site")
@@ -103,11 +106,22 @@ def build(s: WorkerSettings, python: str = "python") -> Command:
         env["VLLM_CPU_OMP_THREADS_BIND"] = s.cpu_cores or allowed_cores()
         env["VLLM_CPU_CI_ENV"] = "1"       # skip graph compilation at start-up
         env.setdefault("UCX_TLS", CPU_UCX_TLS)
+    # what the engines' sitecustomize (engine_site/) applies; the folder goes on PYTHONPATH when any is on
+    site = {}
     delay = s.nixl_progress_delay_us
     if delay is None:
         delay = CPU_NIXL_PROGRESS_DELAY_US if s.cpu else 0
     if s.kv_transfer and delay:
-        env["DISAGG_NIXL_PROGRESS_DELAY_US"] = str(delay)
+        site["DISAGG_NIXL_PROGRESS_DELAY_US"] = str(delay)
+    wait = s.vllm_shm_wait_ms
+    if wait is None:
+        wait = CPU_VLLM_SHM_WAIT_MS if s.cpu else 0
+    if wait:
+        site["DISAGG_VLLM_SHM_WAIT_MS"] = str(wait)
+    if s.kv_transfer and (s.cpu if s.nixl_keep_affinity is None else s.nixl_keep_affinity):
+        site["DISAGG_NIXL_KEEP_AFFINITY"] = "1"
+    if site:
+        env |= site
         env["PYTHONPATH"] = os.pathsep.join([ENGINE_SITE_DIR, *filter(None, [os.environ.get("PYTHONPATH")])])
     argv += s.engine_args
     return Command(argv=argv, env=env)

@@ -49,6 +49,17 @@ class WorkerSettings(BaseModel):
                                 "events). nixl 1.5 busy-polls (0), one core per idle engine; default: 1000 on the CPU "
                                 "build, where that core is the compute's, NIXL's own 0 otherwise "
                                 "(workers/engine_site/sitecustomize.py).")
+    vllm_shm_wait_ms: int | None = Field(
+        None, ge=0, description="In the second after each read, where a reader of vLLM's shared-memory queues "
+                                "(scheduler <-> worker process) spins on sched_yield, it waits this long (ms) "
+                                "for the writer's notification instead (0: vLLM's spin). Default: 1 on the CPU "
+                                "build, where each spinning process takes a core's time from the compute; 0 "
+                                "otherwise (workers/engine_site/sitecustomize.py).")
+    nixl_keep_affinity: bool | None = Field(
+        None, description="Keep the worker's compute thread on its own cores: vLLM's NIXL worker pins the "
+                          "thread that creates it to the machine's last core (a core it reserves for KV "
+                          "transfer, whatever cores the engine was given), which on the CPU build is the "
+                          "compute's thread. Default: on for the CPU build (with NIXL), off otherwise.")
     cpu: bool = Field(False, description="vLLM's CPU build: float32, eager mode, explicit OpenMP binding.")
     cpu_cores: str | None = Field(None, description="Cores this instance's OpenMP threads bind to, e.g. '0' or "
                                                     "'2-3' (VLLM_CPU_OMP_THREADS_BIND); distinct per instance.")
