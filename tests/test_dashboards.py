@@ -360,6 +360,14 @@ def stack(tiny_model, worker_python, tmp_path_factory):  # noqa: F811
         feed.connect(prom.url)
         feed.step()   # before any traffic: the planner holds for want of metrics
         feed.start()
+        # every target scraped before the traffic starts: it takes a few seconds with today's engines,
+        # and a counter whose every change came before its first scrape shows no increase (rates of
+        # 0, TTFT ratios of 0/0: every panel "no data", as in one run where Prometheus first scraped the
+        # router after the last request)
+        targets = len(pods) + 1                           # and the planner feed's exporter
+        wait_for(lambda: (r := prom.api("query", query="count(up == 1)").get("data", {}).get("result"))
+                 and int(float(r[0]["value"][1])) == targets, 60, f"Prometheus to scrape all {targets} targets",
+                 interval=0.5)
 
         start = time.time()
         url = procs["router"].url
