@@ -35,9 +35,10 @@ import time
 ENV = "DISAGG_NIXL_PROGRESS_DELAY_US"
 
 
-def _delay_us() -> int:
+def _env_int(name: str) -> int:
+    """A non-negative integer setting; unset, empty or malformed reads as 0 (vLLM's own behaviour)."""
     try:
-        return max(int(os.environ.get(ENV, "0") or 0), 0)
+        return max(int(os.environ.get(name, "0") or 0), 0)
     except ValueError:
         return 0
 
@@ -66,47 +67,8 @@ def patch_bindings(bindings, delay_us: int) -> bool:
     return True
 
 
-class _PatchingLoader(importlib.abc.Loader):
-    def __init__(self, loader, delay_us: int):
-        self._loader, self._delay_us = loader, delay_us
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module):
-        self._loader.exec_module(module)
-        patch_bindings(module, self._delay_us)
-
-
-class _NixlBindingsFinder(importlib.abc.MetaPathFinder):
-    """Finds `nixl*._bindings` through the other finders, then patches the module once loaded."""
-
-    def __init__(self, delay_us: int):
-        self._delay_us = delay_us
-
-    def find_spec(self, name, path, target=None):
-        if not (name.startswith("nixl") and name.endswith("._bindings")):
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(name, path, target)
-            if spec is not None:
-                if spec.loader is not None:
-                    spec.loader = _PatchingLoader(spec.loader, self._delay_us)
-                return spec
-        return None
-
-
 SHM_ENV = "DISAGG_VLLM_SHM_WAIT_MS"
 SHM_MODULE = "vllm.distributed.device_communicators.shm_broadcast"
-
-
-def _shm_wait_ms() -> int:
-    try:
-        return max(int(os.environ.get(SHM_ENV, "0") or 0), 0)
-    except ValueError:
-        return 0
 
 
 def patch_shm_broadcast(module, wait_ms: int) -> bool:
@@ -159,13 +121,14 @@ def _warn_unless(patched: bool, what: str) -> None:
 
 
 class _ModuleFinder(importlib.abc.MetaPathFinder):
-    """Finds the modules named in ``patches`` through the other finders, then runs their patch once loaded."""
+    """Finds the modules ``patches`` name (a module's name -> its patch, or None) through the other
+    finders, then runs the patch once the module is loaded."""
 
-    def __init__(self, patches: dict):
+    def __init__(self, patches):
         self._patches = patches
 
     def find_spec(self, name, path, target=None):
-        patch = self._patches.get(name)
+        patch = self._patches(name)
         if patch is None:
             return None
         for finder in sys.meta_path:
@@ -192,18 +155,21 @@ class _PatchingModuleLoader(importlib.abc.Loader):
 
 
 def install() -> None:
-    delay = _delay_us()
-    if delay and not any(isinstance(f, _NixlBindingsFinder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _NixlBindingsFinder(delay))
     patches = {}
-    wait_ms = _shm_wait_ms()
+    delay = _env_int(ENV)
+    wait_ms = _env_int(SHM_ENV)
     if wait_ms:
         patches[SHM_MODULE] = lambda m: _warn_unless(patch_shm_broadcast(m, wait_ms), "the shm queues' spin")
     if os.environ.get(KEEP_AFFINITY_ENV, "").lower() in ("1", "true", "yes"):
         patches[CPU_PLATFORM_MODULE] = lambda m: _warn_unless(patch_kv_core_reservation(m),
                                                               "NIXL's core reservation")
-    if patches and not any(isinstance(f, _ModuleFinder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _ModuleFinder(patches))
 
+    def patch_for(name: str):
+        if delay and name.startswith("nixl") and name.endswith("._bindings"):   # nixl's or nixl_cu12's
+            return lambda m: patch_bindings(m, delay)
+        return patches.get(name)
+
+    if (delay or patches) and not any(isinstance(f, _ModuleFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _ModuleFinder(patch_for))
 
 install()
