@@ -74,7 +74,13 @@ from vllm.distributed.device_communicators import shm_broadcast as shm
 ctx = zmq.Context()
 addr = "ipc:///tmp/disagg-shm-probe-%d" % __import__("os").getpid()
 writer, reader = shm.SpinCondition(False, ctx, addr), shm.SpinCondition(True, ctx, addr)
-time.sleep(0.2)
+# PUB/SUB's slow joiner: until the subscription is in place a notification is dropped, so notify until
+# one arrives (then the wake-up measured below cannot be lost)
+deadline = time.monotonic() + 10
+while not reader.local_notify_socket.poll(10):
+    assert time.monotonic() < deadline, "the reader never received a notification"
+    writer.notify()
+reader.local_notify_socket.recv()
 reader.record_read()
 cpu, start = time.process_time(), time.monotonic()
 while time.monotonic() - start < 0.5:
