@@ -39,7 +39,7 @@ import urllib.request
 from pathlib import Path
 
 from disagg.workers.envpath import worker_python
-from disagg.workers.local import free_port, metric_sum, pd_processes, scrape, stop_all
+from disagg.workers.local import free_port, metric_sum, pd_processes, scrape, start_pd, stop_all
 from disagg.workers.tinymodel import ensure
 
 LENGTHS = (16, 64, 128, 256, 400, 600, 800)
@@ -193,11 +193,7 @@ def run_variant(variant: str, args, model: str, python: str, work: Path) -> list
     rows = []
     try:
         print(f"\n=== variant {variant}: starting (logs in {log_dir}) ...", flush=True)
-        for p in procs[:2]:
-            p.start()
-        for p in procs[:2]:
-            p.wait_ready(timeout=900)
-        procs[2].start().wait_ready(timeout=300)
+        start_pd(procs, engine_timeout=900)
         print("threads' CPU affinity:\n" + "\n".join(affinity(procs)), flush=True)
         rng = random.Random(7)
         for i in range(3):     # warm the path: the first NIXL handshake, first shapes

@@ -57,7 +57,7 @@ from disagg.planner.profile import mean_itl, stream_tokens
 from disagg.planner.simulate import SimConfig, Simulation, StaticPolicy, _pct
 from disagg.workers.envpath import worker_python
 from disagg.api.metrics import ROUTER_TTFT_SECONDS, VLLM_NIXL_XFER_TIME_SECONDS, VLLM_TTFT_SECONDS
-from disagg.workers.local import free_port, metric_sum, pd_processes, scrape, stop_all
+from disagg.workers.local import free_port, metric_sum, pd_processes, scrape, start_pd, stop_all
 from disagg.workers.tinymodel import ensure
 
 REPO = Path(__file__).resolve().parent.parent
@@ -271,11 +271,7 @@ def main() -> int:
     load_before = os.getloadavg()
     try:
         print(f"starting prefill, decode, router (logs in {work}) ...", flush=True)
-        for p in procs[:2]:
-            p.start()
-        for p in procs[:2]:
-            p.wait_ready(timeout=900)
-        procs[2].start().wait_ready(timeout=300)
+        start_pd(procs, engine_timeout=900)
         print("profiling the workers (disagg profile) ...", flush=True)
         # warm the path (first NIXL handshake, first compiled shapes) before anything is timed through it
         warm = traces.Trace("warm", tuple(traces.Request(i * 0.5, 200, 8, None, ()) for i in range(4)))

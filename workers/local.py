@@ -260,6 +260,16 @@ def pd_processes(model: str, port: int, python: str, log_dir: Path) -> list[Loca
             router(log_dir / "router.json", port, log_dir)]
 
 
+def start_pd(procs: list[LocalProcess], engine_timeout: float = 300) -> None:
+    """Starts :func:`pd_processes`' processes: both engines at once, then the router once they are ready
+    (its first health check must find the prefill worker up)."""
+    for p in procs[:2]:
+        p.start()
+    for p in procs[:2]:
+        p.wait_ready(engine_timeout)
+    procs[2].start().wait_ready()
+
+
 def serve_local(port: int = 8080, model: str | None = None, once: bool = False, log_dir: Path | None = None,
                 out=sys.stdout) -> int:
     """`disagg serve --local`: a prefill and a decode worker (one core each) and the router on this
@@ -284,12 +294,7 @@ def _serve_local(port: int, model: str | None, once: bool, log_dir: Path | None,
     procs = pd_processes(model, port, python, log_dir)
     print(f"starting prefill, decode and router (logs in {log_dir}) ...", file=out, flush=True)
     try:
-        for p in procs[:2]:
-            p.start()
-        for p in procs[:2]:
-            p.wait_ready()
-        # the router after the workers: its first health check must find the prefill worker up
-        procs[2].start().wait_ready()
+        start_pd(procs)
         url = procs[2].url
         print(f"router: {url}/v1 (model 'tiny')", file=out, flush=True)
         # long enough for full KV blocks: NIXL moves whole blocks; a prompt shorter than one block is
