@@ -14,6 +14,12 @@ it makes to the API server during an idle window afterwards, and its read reques
 page sizes, so a watch of every pod in the cluster would show).
 
     .venv/bin/python bench/operator_scale.py [--nodes 3000] [--deployments 300] [--idle 60]
+        [--profile SECONDS] [--operator-only]
+
+`--profile S` samples the operator with py-spy (the bench extra) for the first S seconds
+of its phase, only while a thread holds the GIL (the operator is one Python process: what
+holds the GIL is what paces it), and prints where those samples went;
+`--operator-only` skips the baseline phases (for profiling: no ratio is reported).
 
 Goals: time ratio <= 1.1, peak RSS <= 300 MiB, 0 idle writes, churn ratio reported.
 """
@@ -327,6 +333,58 @@ def reads_summary(events: list[dict]) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
+def baseline(cluster: LocalCluster, core: client.CoreV1Api, apps: client.AppsV1Api, n: int,
+             want: int) -> tuple[float, float]:
+    """The same pods as plain Deployments, timed to ready, then the same churn; returns both times."""
+    core.create_namespace({"metadata": {"name": "baseline"}})
+    wait_for(lambda: core.list_namespaced_service_account("baseline").items, 60, "baseline SA")
+    base_audit, base_wall, base_cpu = cluster.audit_log.stat().st_size, time.time(), cpu_by_program()
+    t = time.monotonic()
+    for i in range(n):
+        for dep in plain_deployments(i):
+            apps.create_namespaced_deployment("baseline", dep)
+    wait_for(lambda: baseline_settled(core, apps, want, 3 * n), 1800, "baseline ready",
+             interval=1)
+    t_base = time.monotonic() - t
+    print(f"baseline: {3 * n} plain Deployments ({want} pods) ready in {t_base:.1f}s"
+          f"{_split(t)}", flush=True)
+    print(cpu_line(base_cpu, t_base), flush=True)
+    print(timeline(all_audit_events(cluster.audit_log, base_audit), "baseline", base_wall, "deployments"),
+          flush=True)
+    t_base_churn = churn_plain(apps, core, n, want)
+    print(f"baseline churn settled in {t_base_churn:.1f}s", flush=True)
+    core.delete_namespace("baseline")
+    wait_for(lambda: not core.list_namespaced_pod("baseline").items, 600, "baseline deleted", interval=1)
+    return t_base, t_base_churn
+
+
+def profile_summary(path: Path, top: int = 25) -> str:
+    """py-spy's raw output (one collapsed stack and its sample count per line) as the functions with
+    the largest share of samples: inclusive (anywhere on the stack) and self (the innermost frame)."""
+    inclusive: Counter[str] = Counter()
+    own: Counter[str] = Counter()
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n = int(count)
+        total += n
+        # a function per frame (no line numbers), its file from the package down
+        frames = [re.sub(r"\((?:[^)]*/(?:site-packages|python3\.\d+)/)?([^):]*)(?::\d+)?\)", r"(\1)", f)
+                  for f in stack.replace(f"{REPO}/", "").split(";")]
+        for frame in set(frames):
+            inclusive[frame] += n
+        own[frames[-1]] += n
+    if not total:
+        return "  profile: no samples"
+    lines = [f"  profile: {total} samples holding the GIL; inclusive share:"]
+    lines += [f"    {100 * n / total:5.1f}%  {f}" for f, n in inclusive.most_common(top)]
+    lines.append("  self share:")
+    lines += [f"    {100 * n / total:5.1f}%  {f}" for f, n in own.most_common(top)]
+    return "\n".join(lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--nodes", type=int, default=3000)
@@ -334,6 +392,9 @@ def main() -> int:
     ap.add_argument("--idle", type=int, default=60)
     ap.add_argument("--tracemalloc", type=int, default=0, metavar="FRAMES",
                     help="trace the operator's Python allocations (adds to its RSS); reports in operator-memory.txt")
+    ap.add_argument("--profile", type=int, default=0, metavar="SECONDS",
+                    help="py-spy the operator (GIL holders) for the first SECONDS of its phase")
+    ap.add_argument("--operator-only", action="store_true", help="skip the baseline phases (no ratio)")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="disagg-bench-"))
     (work / "pools.yaml").write_text(yaml.safe_dump(pools(args.nodes)))
@@ -357,25 +418,9 @@ def main() -> int:
         want = args.deployments * 5
 
         # ---- baseline: the same pods as plain Deployments, then the same churn
-        core.create_namespace({"metadata": {"name": "baseline"}})
-        wait_for(lambda: core.list_namespaced_service_account("baseline").items, 60, "baseline SA")
-        base_audit, base_wall, base_cpu = cluster.audit_log.stat().st_size, time.time(), cpu_by_program()
-        t = time.monotonic()
-        for i in range(args.deployments):
-            for dep in plain_deployments(i):
-                apps.create_namespaced_deployment("baseline", dep)
-        wait_for(lambda: baseline_settled(core, apps, want, 3 * args.deployments), 1800, "baseline ready",
-                 interval=1)
-        t_base = time.monotonic() - t
-        print(f"baseline: {3 * args.deployments} plain Deployments ({want} pods) ready in {t_base:.1f}s"
-              f"{_split(t)}", flush=True)
-        print(cpu_line(base_cpu, t_base), flush=True)
-        print(timeline(all_audit_events(cluster.audit_log, base_audit), "baseline", base_wall, "deployments"),
-              flush=True)
-        t_base_churn = churn_plain(apps, core, args.deployments, want)
-        print(f"baseline churn settled in {t_base_churn:.1f}s", flush=True)
-        core.delete_namespace("baseline")
-        wait_for(lambda: not core.list_namespaced_pod("baseline").items, 600, "baseline deleted", interval=1)
+        t_base = t_base_churn = float("nan")
+        if not args.operator_only:
+            t_base, t_base_churn = baseline(cluster, core, apps, args.deployments, want)
 
         # ---- the operator, as its own process under its own ServiceAccount
         kubeconfig = operator_kubeconfig(cluster, api, work / "operator.kubeconfig")
@@ -400,6 +445,11 @@ def main() -> int:
         operator.send_signal(signal.SIGUSR1)
         _firsts.clear()   # what the baseline's churn recorded
         op_audit, op_wall, op_cpu = cluster.audit_log.stat().st_size, time.time(), cpu_by_program()
+        profile = work / "operator-profile.txt"
+        spy = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(operator.pid),
+                                "--duration", str(args.profile), "--gil", "--nonblocking", "--rate", "50",
+                                "--format", "raw", "--output", str(profile)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) if args.profile else None
         t = time.monotonic()
         for i in range(args.deployments):
             custom.create_namespaced_custom_object(GROUP, VERSION, "ops", PLURAL, disagg_deployment(i))
@@ -423,6 +473,9 @@ def main() -> int:
                        for e in phase if (e.get("user") or {}).get("username") == OPERATOR_USER)
         print(f"  the operator's requests in the phase, per deployment: "
               + ", ".join(f"{k} {n / args.deployments:.1f}" for k, n in mine.most_common(14)), flush=True)
+        if spy is not None:
+            spy.wait(args.profile + 60)
+            print(profile_summary(profile) if profile.exists() else "  profile: py-spy wrote nothing", flush=True)
         # ---- idle: no write may come from the operator, once every status has settled (Ready can
         # come a refresh before Progressing turns False, and old gang objects are pruned after that)
         wait_for(lambda: all_converged(custom, args.deployments), 600, "every status settled", interval=1)
@@ -438,7 +491,7 @@ def main() -> int:
                                                                                    ).items())}
 
         # ---- churn on the operator's deployments
-        t_op_churn = churn_operator(custom, core, args.deployments, want)
+        t_op_churn = float("nan") if args.operator_only else churn_operator(custom, core, args.deployments, want)
         print(f"operator churn settled in {t_op_churn:.1f}s", flush=True)
         reads = reads_summary(audit_events(cluster.audit_log, audit_start))
         print(json.dumps({
