@@ -447,7 +447,8 @@ def refresh(clients: children.Clients, namespace: str, name: str, pods: list[sta
         clients.custom.patch_namespaced_custom_object_status(
             GROUP, VERSION, namespace, PLURAL, name,
             {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "metadata": {"name": name, "namespace": namespace},
-             "status": mine}, field_manager=children.FIELD_MANAGER, force=True, _content_type=children.APPLY)
+             "status": mine}, field_manager=children.FIELD_MANAGER, force=True, _content_type=children.APPLY,
+            _preload_content=False).data   # read, not parsed: the watch brings the object back
         metrics.status_writes.inc()
         state.written = (version, {**previous, **status})
         _observe_gang_wait(previous, status)
@@ -484,5 +485,5 @@ def _capacity(fleet: Fleet, dd: DisaggDeployment) -> tuple[bool, str]:
                                          (ROLE_DECODE, gang.min_decode, spec.decode))]
     topo = spec.scheduling.topology
     key = topo.key if topo and topo.mode == "required" else None
-    fits, message = capacity.explain(fleet.free_gpus(), roles, key)
+    fits, message = fleet.explain(roles, key)
     return fits, message if not fits else f"{message}; waiting for the scheduler ({GPU_RESOURCE} fits)"

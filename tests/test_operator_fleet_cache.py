@@ -76,3 +76,28 @@ def test_the_first_list_is_waited_for():
     second.join(30)
     # no counts existed yet, so the second caller waited and reused the first list
     assert fleet.lists == 1 and len(results) == 2 and results[0] is results[1]
+
+
+def test_an_explanation_is_computed_once_per_list_and_gang_shape(monkeypatch):
+    calls = []
+    real = capacity.explain
+
+    def counting(nodes, roles, key):
+        calls.append(key)
+        return real(nodes, roles, key)
+
+    monkeypatch.setattr(capacity, "explain", counting)
+    fleet = CountingFleet(max_age=3600.0)
+    gang = [capacity.RoleNeed("prefill", 1, 1), capacity.RoleNeed("decode", 1, 1)]
+    first = fleet.explain(gang, None)
+    # another gang of the same shape (new objects, equal fields) gets the same answer, not a recount
+    assert fleet.explain([capacity.RoleNeed("prefill", 1, 1), capacity.RoleNeed("decode", 1, 1)], None) == first
+    assert len(calls) == 1
+    # a different shape, or a topology key, is its own question
+    bigger = fleet.explain([capacity.RoleNeed("prefill", 1, 1), capacity.RoleNeed("decode", 2, 1)], None)
+    fleet.explain(gang, "zone")
+    assert len(calls) == 3 and bigger != first
+    # new counts: asked again, computed again, on them
+    fleet._max_age = 0.0
+    again = fleet.explain(gang, None)
+    assert fleet.lists == 2 and len(calls) == 4 and again[1] != first[1]   # n2 has 2 free GPUs, n1 had 1
