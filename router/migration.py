@@ -65,11 +65,13 @@ def unsupported(endpoint: str, body: dict) -> str | None:
 class TokenLog:
     """One stream's token ids as they pass (prompt and generated), and what a continuation needs."""
 
-    def __init__(self, endpoint: str, body: dict, prompt_ids: list[int],
+    def __init__(self, endpoint: str, body: dict, prompt_ids: list[int] | Callable[[], list[int]],
                  decode: Callable[[list[int], bool], str] | None = None):
         self.endpoint, self.body, self._decode = endpoint, body, decode
         self.client_wants_ids = body.get("return_token_ids") is True
-        self._prompt: list[int] = prompt_ids     # the router's own; replaced by the worker's when it says
+        # the router's own (or how to get them: tokenized only if a continuation needs them and the worker
+        # did not say); replaced by the worker's when it says
+        self._prompt: list[int] | Callable[[], list[int]] = prompt_ids
         self._head: dict | None = None           # the first chunk: the stream's id, created, model, object
         # the first chunk as it came, parsed only when a continuation needs it (never, on most streams):
         # no JSON parsing on the way to the client's first token
@@ -115,6 +117,8 @@ class TokenLog:
     @property
     def prompt(self) -> list[int]:
         self._note_head()
+        if callable(self._prompt):
+            self._prompt = self._prompt()
         return self._prompt
 
     def _note_head(self) -> None:

@@ -14,6 +14,7 @@ import ssl
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TypeVar
 
 import aiohttp
@@ -138,6 +139,12 @@ class Router:
                                  for role in (ROLE_PREFILL, ROLE_DECODE)}
         self._decisions: dict[tuple[str, str], object] = {}
         self._children: dict[tuple, object] = {}
+        # token ids before the first token only where routing uses them (prefix overlap, conditional
+        # disaggregation's uncached length, a prefill's pick by overlap); round-robin or least-loaded
+        # with disaggregation never skips tokenizing (a sixth of the router's CPU before the first token):
+        # the worker refuses an over-long prompt or a bad one itself, and a migration tokenizes then
+        self.needs_ids = not (spec.policy in ("round-robin", "least-loaded")
+                              and spec.disaggregation == Disaggregation.NEVER)
 
     def _labelled(self, metric, *values: str):
         """``metric.labels(*values)``, looked up once: prometheus_client's ``labels`` validates, joins and
@@ -289,10 +296,13 @@ class Router:
         return Plan(decode, prefill, len(token_ids), min(overlap * bs, len(token_ids)))
 
     # ---------------------------------------------------------------- requests
-    def validate(self, req: CompletionRequest | ChatCompletionRequest) -> list[int]:
+    def _check_model(self, req: CompletionRequest | ChatCompletionRequest) -> None:
         if req.model != self.config.model:
             raise NotFound(f"The model `{req.model}` does not exist; this router serves `{self.config.model}`.",
                            param="model")
+
+    def validate(self, req: CompletionRequest | ChatCompletionRequest) -> list[int]:
+        self._check_model(req)
         ids = self.tokenizer.prompt_ids(req)
         limit = self.max_model_len
         if limit is None:  # not learned yet: no worker has served; the workers refuse over-long prompts
@@ -310,14 +320,19 @@ class Router:
         """Non-streaming: the final JSON. Streaming: a :class:`Stream` of SSE bytes. Either with the
         route the request took (settled before the first byte)."""
         start = time.monotonic()
+        ids: list[int] = []      # unknown without tokenizing: no prefix keys, no prompt tokens counted
         try:
-            # long prompts tokenize off the event loop, so they do not stall every other stream
-            big = len(raw_text(req)) > TOKENIZE_INLINE_CHARS
-            ids = await asyncio.to_thread(self.validate, req) if big else self.validate(req)
+            if self.needs_ids:
+                # long prompts tokenize off the event loop, so they do not stall every other stream
+                big = len(raw_text(req)) > TOKENIZE_INLINE_CHARS
+                ids = await asyncio.to_thread(self.validate, req) if big else self.validate(req)
+            else:
+                self._check_model(req)
         except RouterError:
             self.metrics.requests.labels(m.OUTCOME_CLIENT_ERROR, "none").inc()
             raise
-        self.metrics.input_tokens.observe(len(ids))
+        if self.needs_ids:
+            self.metrics.input_tokens.observe(len(ids))
         try:
             plan = self.plan(ids)
         except NoWorkers:
@@ -331,13 +346,16 @@ class Router:
         route = Route(m.PATH_LOCAL_PREFILL, plan.decode.name, plan.prefill.name if plan.prefill else None,
                       revision=plan.decode.revision)
         kv_params = await self._prefill(endpoint, plan, body, route)
-        self.metrics.prompt_tokens.inc(plan.prompt_tokens)
-        self.metrics.cached_prompt_tokens.inc(plan.cached_tokens)
+        if self.needs_ids:
+            self.metrics.prompt_tokens.inc(plan.prompt_tokens)
+            self.metrics.cached_prompt_tokens.inc(plan.cached_tokens)
         decode_body = dict(body)
         if kv_params is not None:
             decode_body["kv_transfer_params"] = kv_params
         if req.stream:
-            return await self._stream(endpoint, plan, decode_body, route, start, ids), route
+            # without ids, a migration's continuation tokenizes the prompt when the worker did not send it
+            return await self._stream(endpoint, plan, decode_body, route, start, ids,
+                                      None if self.needs_ids else partial(self.tokenizer.prompt_ids, req)), route
         return await self._unary(endpoint, plan, decode_body, route, start, ids), route
 
     async def _prefill(self, endpoint: str, plan: Plan, body: dict, route: Route) -> dict | None:
@@ -502,7 +520,8 @@ class Router:
             raise _rejected_body(r.status, text)
         raise _Upstream(f"HTTP {r.status}: {text[:200].decode(errors='replace')}")
 
-    async def _stream(self, endpoint, plan, body, route: Route, start, ids) -> Stream:
+    async def _stream(self, endpoint, plan, body, route: Route, start, ids,
+                      lazy_ids: Callable[[], list[int]] | None = None) -> Stream:
         """Opens the decode stream (another worker if one fails before output), then relays events."""
         opts = body.get("stream_options") or {}
         client_wants_usage = bool(opts.get("include_usage"))
@@ -510,7 +529,7 @@ class Router:
         if self.config.spec.max_migrations:
             unsupported = migration.unsupported(endpoint, body)
             if unsupported is None:     # ids from the worker, for a continuation elsewhere (migration.py)
-                tokens = migration.TokenLog(endpoint, body, ids, self.tokenizer.decode)
+                tokens = migration.TokenLog(endpoint, body, lazy_ids or ids, self.tokenizer.decode)
         body = dict(body, stream_options={**opts, "include_usage": True},
                     **({"return_token_ids": True} if tokens else {}))
         tried: list[str] = []
