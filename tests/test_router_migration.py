@@ -173,3 +173,30 @@ def test_a_decode_waiting_for_kv_from_a_lost_prefill_is_given_up(routers, tiny_m
         s = scrape(r.url)
         assert s[f'{m.ROUTER_FALLBACKS}{{reason="{m.FALLBACK_PREFILL_LOST}"}}'] == 1
         assert s[f'{m.ROUTER_REQUESTS}{{outcome="success",path="{m.PATH_FALLBACK}"}}'] == 1
+
+
+def test_a_prompt_not_tokenized_up_front_is_tokenized_only_when_a_continuation_needs_it():
+    """A router that skips tokenizing (round-robin or least-loaded, disaggregation never) hands the log a
+    way to get the prompt's ids: called only when a continuation asks for the prompt and the worker's
+    first chunk did not carry it; the worker's ids, when sent, are used instead."""
+    from disagg.router.migration import TokenLog
+
+    calls = []
+
+    def lazy() -> list[int]:
+        calls.append(1)
+        return [1, 2, 3]
+
+    def chunk(prompt_ids) -> bytes:
+        return b"data: " + json.dumps({"id": "c", "object": "text_completion", "created": 1, "model": "tiny",
+                                       "choices": [{"index": 0, "text": "x", "prompt_token_ids": prompt_ids,
+                                                    "token_ids": [7]}]}, separators=(",", ":")).encode()
+
+    body = {"model": "tiny", "prompt": "abc", "max_tokens": 5}
+    told = TokenLog("/v1/completions", body, lazy)
+    told.scan(chunk([4, 5]))
+    assert told.prompt == [4, 5] and not calls
+    silent = TokenLog("/v1/completions", body, lazy)
+    silent.scan(chunk(None))
+    assert not calls
+    assert silent.prompt == [1, 2, 3] and silent.prompt == [1, 2, 3] and len(calls) == 1
