@@ -24,6 +24,7 @@ from . import capacity, children, render
 from . import gang as gangs
 from . import memory, metrics, revisions
 from . import status as statuses
+from .essence import LeanDiffBaseStorage
 from .fleet import PAGE, Fleet
 
 log = logging.getLogger("disagg.operator")
@@ -74,6 +75,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     # API server blip.
     settings.posting.default_backoffs = (1, 2, 4)
     settings.persistence.finalizer = "serving.disagg.dev/operator"
+    settings.persistence.diffbase_storage = LeanDiffBaseStorage()   # kopf's, without its deep copies
     settings.watching.server_timeout = 300
     # No CRD or Namespace watches: the resources it serves are found once at start-up through discovery
     # (the CRD is installed before the operator), namespaces are the ones it is told; so its role needs
@@ -94,6 +96,8 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     # (namespace, name) -> (KV revision generation, rollout hold) of its last apply (revisions.py)
     memo.revisions = {}
     memo.drift_seen = {}  # (kind, namespace, child) -> its generation (uid once deleted) last restored
+    # (namespace, name) -> gang of a deployment created while this operator runs: nothing older to prune
+    memo.created_gangs = {}
     metrics.serve()
     memory.start_tracing()  # opt-in (operator/memory.py)
     # freed heap pages back to the system once a minute: bursts (fleet lists, many deployments created
@@ -126,7 +130,8 @@ def _parse(body: kopf.Body) -> DisaggDeployment:
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
 def reconcile(body: kopf.Body, uid: str, name: str, namespace: str, memo: kopf.Memo,
-              pods_by_deployment: kopf.Index, deployments_by_deployment: kopf.Index, **_: Any) -> None:
+              pods_by_deployment: kopf.Index, deployments_by_deployment: kopf.Index, reason: str = "",
+              **_: Any) -> None:
     try:
         dd = _parse(body)
     except ValidationError as e:
@@ -159,6 +164,10 @@ def reconcile(body: kopf.Body, uid: str, name: str, namespace: str, memo: kopf.M
         _wake(memo, namespace, name)
         raise
     memo.applied[(namespace, name)] = (generation, None)
+    if reason == kopf.Reason.CREATE:
+        # its only gang objects are the ones just applied: the status loop's prune (four list calls, for
+        # objects of an older gang or an older operator's naming) has nothing to find
+        memo.created_gangs[key] = gang.name
     if not render.network_policy_enabled() and children.delete_owned(
             clients, "networking.k8s.io/v1", "NetworkPolicy", namespace, render.names(name)["network-policy"], uid):
         kopf.info(body, reason="NetworkPolicyDeleted", message="deleted the workers' NetworkPolicy: the operator's "
@@ -343,6 +352,7 @@ async def status_loop(name: str, namespace: str, body: kopf.Body, memo: kopf.Mem
     try:
         while not stopped:
             trigger.clear()
+            state.pruned_for = state.pruned_for or memo.created_gangs.pop(key, None)
             pods = list(pods_by_deployment.get(key, []))
             deps = list(deployments_by_deployment.get(key, []))
             try:
@@ -376,6 +386,7 @@ async def status_loop(name: str, namespace: str, body: kopf.Body, memo: kopf.Mem
             # nothing keyed by its name may outlive it (reconcile writes these again for a re-created one)
             memo.applied.pop(key, None)
             memo.revisions.pop(key, None)
+            memo.created_gangs.pop(key, None)
             for drift in [k for k in memo.drift_seen if k[1] == namespace and k[2].startswith(f"{name}-")]:
                 memo.drift_seen.pop(drift, None)
         metrics.observe_status(namespace, name, None)
