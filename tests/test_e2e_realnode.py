@@ -387,8 +387,15 @@ def test_pd_scale_down_under_steady_load_fails_nothing(api, pd):
     (a KV pull from a draining prefill that fails is covered by the decode's local prefill, counted)."""
     dd, url = pd
     dd.patch_spec({"prefill": {"replicas": 2}, "decode": {"replicas": 2}})
+    # both new pods ready, then the router serving with both: its healthy count alone can still include a
+    # pod of the previous test's rollout that is on its way out (CI saw 2 healthy with one new decode ready)
+    decode_pods = f"{LABEL_DEPLOYMENT}={PD},{LABEL_ROLE}=decode"
+    wait_for(lambda: len(realnode.ready_pods(api, NS, decode_pods)) == 2
+             and len(realnode.ready_pods(api, NS, f"{LABEL_DEPLOYMENT}={PD},{LABEL_ROLE}=prefill")) == 2
+             and len(client.CoreV1Api(api).list_namespaced_pod(NS, label_selector=decode_pods).items) == 2,
+             900, "two ready prefill and two ready decode pods, no other decode pod (terminating included)")
     realnode.wait_serving(url, prefill=2, decode=2, timeout=900)
-    decodes = {_pod_url(p) for p in realnode.ready_pods(api, NS, f"{LABEL_DEPLOYMENT}={PD},{LABEL_ROLE}=decode")}
+    decodes = {_pod_url(p) for p in realnode.ready_pods(api, NS, decode_pods)}
     assert len(decodes) == 2
     stop = threading.Event()
     results: list[tuple[str, float, float, str | None, int]] = []   # decode, start, end, finish, tokens
