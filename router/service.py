@@ -405,6 +405,15 @@ class Router:
         except TimeoutError as e:          # the total timeout (aiohttp raises asyncio's own)
             raise TimeoutError(str(e)) from e
 
+    def _count_prompt(self, prompt_tokens: int | None, cached_tokens: int | None) -> None:
+        """Prompt-token metrics from the worker's usage where the router did not tokenize (it counts its
+        own before routing otherwise): the worker's cached count stands in for the router's index's."""
+        if self.needs_ids or prompt_tokens is None:
+            return
+        self.metrics.input_tokens.observe(prompt_tokens)
+        self.metrics.prompt_tokens.inc(prompt_tokens)
+        self.metrics.cached_prompt_tokens.inc(cached_tokens or 0)
+
     def _account(self, w: Worker, delta: int) -> None:
         w.active += delta     # the gauge reads it at scrape time (_watch)
 
@@ -437,6 +446,7 @@ class Router:
         self._labelled(self.metrics.e2e, path).observe(time.monotonic() - start)
         usage = data.get("usage") or {}
         self.metrics.output_tokens.observe(usage.get("completion_tokens", 0))
+        self._count_prompt(usage.get("prompt_tokens"), (usage.get("prompt_tokens_details") or {}).get("cached_tokens"))
         self._labelled(self.metrics.requests, m.OUTCOME_SUCCESS, path).inc()
         return data
 
@@ -594,6 +604,7 @@ class Router:
                             m.TIMEOUT_IDLE if end.first_token_at is not None else m.TIMEOUT_FIRST_TOKEN).inc()
                 if end.outcome == m.OUTCOME_SUCCESS:
                     outcome, output_tokens = m.OUTCOME_SUCCESS, end.output_tokens
+                    self._count_prompt(end.prompt_tokens, end.cached_tokens)
                     break
                 last = end.last_token_at or last
                 outcome = m.OUTCOME_TIMEOUT if end.idle_timeout else m.OUTCOME_UPSTREAM_ERROR
@@ -653,20 +664,27 @@ class Router:
         ids = tokens.prompt + tokens.generated()
         body = tokens.continuation()
         err: Exception = NoWorkers("no healthy decode workers are available")
-        for exclude in (set(tried), set()):
+        local = False        # a continuation whose KV pull failed is prefilled by its decode worker next
+        excludes = [set(tried), set()]
+        while excludes:
+            exclude = excludes.pop(0)
             try:
                 plan = self.plan(ids, exclude)
             except NoWorkers as e:
                 err = e
                 continue
             w = plan.decode
-            kv = await self._prefill(migration.COMPLETIONS, plan, body, Route(m.PATH_LOCAL_PREFILL, w.name))
+            kv = None if local else await self._prefill(migration.COMPLETIONS, plan, body,
+                                                        Route(m.PATH_LOCAL_PREFILL, w.name))
             self._account(w, +1)
             try:
                 resp = await self._open_stream(w, migration.COMPLETIONS, dict(body, kv_transfer_params=kv)
                                                if kv else body)
                 try:
-                    head, head_error = await first_token(resp, w.name)
+                    # as a first open: a decode waiting for KV from a prefill worker that stopped answering
+                    # is given up once the probes find that worker unhealthy, not at the first-token timeout
+                    head, head_error = await self._unless_prefill_lost(first_token(resp, w.name),
+                                                                       plan.prefill if kv else None)
                 except BaseException:
                     resp.close()
                     raise
@@ -675,6 +693,10 @@ class Router:
                 self._account(w, -1)
                 tried.append(w.name)
                 err = e
+                if kv and not isinstance(e, UpstreamRejected):
+                    self.metrics.fallbacks.labels(_fallback_reason(e)).inc()
+                    local = True
+                    excludes.insert(0, exclude)     # the same choice again, without the prefill's KV
             except BaseException:
                 self._account(w, -1)
                 raise

@@ -11,7 +11,8 @@ stream sends token ids, and is served in full), `all` cuts every stream.
 As a prefill (a request with kv_transfer_params do_remote_decode) it answers with kv_transfer_params;
 SSE_EXIT_AFTER_PREFILL=1: the process then dies (a prefill lost after it answered). SSE_KV_WAIT=1: a
 request handed remote KV gets nothing (streamed: the headers, no event), as a decode waiting for KV from a
-hung prefill; without KV it serves. SSE_END_DELAY=S: the chunked body ends S seconds after [DONE].
+hung prefill; without KV it serves. Either set to `continuation` applies only to requests whose prompt is
+token ids (a router's continuation of a cut stream). SSE_END_DELAY=S: the chunked body ends S seconds after [DONE].
 GET /stats: how many connections streams came on.
 """
 
@@ -50,17 +51,22 @@ def chunk(i: int, chat: bool, text: str | None, finish: str | None = None, ids: 
     return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
 
 
+def _applies(setting: str | None, continuation: bool) -> bool:
+    return setting == "1" or (setting == "continuation" and continuation)
+
+
 async def generate(request: web.Request) -> web.StreamResponse:
     body = await request.json()
     chat = request.path.endswith("/chat/completions")
     kv = body.get("kv_transfer_params") or {}
+    continuation = isinstance(body.get("prompt"), list)
     if kv.get("do_remote_decode"):
-        if os.environ.get("SSE_EXIT_AFTER_PREFILL") == "1":
+        if _applies(os.environ.get("SSE_EXIT_AFTER_PREFILL"), continuation):
             asyncio.get_running_loop().call_later(0.2, os._exit, 0)
         return web.json_response({"id": "p", "object": "text_completion", "model": "tiny",
                                   "choices": [{"index": 0, "text": "tok ", "finish_reason": "length"}],
                                   "kv_transfer_params": {"remote_engine_id": "sse", "remote_block_ids": [0]}})
-    if kv.get("remote_engine_id") and os.environ.get("SSE_KV_WAIT") == "1":
+    if kv.get("remote_engine_id") and _applies(os.environ.get("SSE_KV_WAIT"), continuation):
         if body.get("stream"):
             wait = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await wait.prepare(request)    # headers at once, as vLLM's stream; no token
@@ -75,7 +81,6 @@ async def generate(request: web.Request) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)
     ids = body.get("return_token_ids") is True
-    continuation = isinstance(body.get("prompt"), list)
     prompt = body["prompt"] if continuation else [1, 2, 3]
     sid = f"x-{next(STREAMS)}"         # one id per stream, as vLLM's
     cut = CUT_AFTER if CUT_AFTER and (CUT_ALL or not continuation) else None

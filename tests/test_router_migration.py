@@ -175,6 +175,29 @@ def test_a_decode_waiting_for_kv_from_a_lost_prefill_is_given_up(routers, tiny_m
         assert s[f'{m.ROUTER_REQUESTS}{{outcome="success",path="{m.PATH_FALLBACK}"}}'] == 1
 
 
+def test_a_continuation_waiting_for_kv_from_a_lost_prefill_is_given_up(routers, tiny_model, tmp_path):
+    """A stream cut mid-way is continued P/D: the prefill answers the continuation (KV params) and dies,
+    and the decode waits for that KV for ever. Once the router's probe finds the prefill gone, the
+    continuation is given up there and prefilled by the decode worker: the client's one stream ends
+    whole, counted as a migration and a prefill_lost fallback, well before the first-token timeout."""
+    from disagg.router.tokenizer import Tokenizer
+
+    tok_id = Tokenizer(tiny_model)._encode("tok ", add_special_tokens=False)[0]
+    prefill = routers.upstream(tmp_path, "prefill", TOKENS, 0.005, env={"SSE_EXIT_AFTER_PREFILL": "continuation"})
+    decode = routers.upstream(tmp_path, "decode", TOKENS, 0.005, CUT, "first",
+                              env={"SSE_KV_WAIT": "continuation", "SSE_TOKEN_ID": str(tok_id)})
+    with routers.serving(tiny_model, tmp_path, [decode], prefill=[prefill], spec={"disaggregation": "always"},
+                         health_interval_s=0.5) as r:
+        events = _events(r.url, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": TOKENS,
+                                                     "stream": True})
+        assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == "tok " * TOKENS
+        assert len({e["id"] for e in events}) == 1
+        assert prefill.proc.poll() is not None                 # it did die after answering the continuation
+        s = scrape(r.url)
+        assert s[f'{m.ROUTER_MIGRATIONS}{{outcome="{m.MIGRATION_MIGRATED}"}}'] == 1
+        assert s[f'{m.ROUTER_FALLBACKS}{{reason="{m.FALLBACK_PREFILL_LOST}"}}'] == 1
+
+
 def test_a_prompt_not_tokenized_up_front_is_tokenized_only_when_a_continuation_needs_it():
     """A router that skips tokenizing (round-robin or least-loaded, disaggregation never) hands the log a
     way to get the prompt's ids: called only when a continuation asks for the prompt and the worker's
@@ -200,3 +223,21 @@ def test_a_prompt_not_tokenized_up_front_is_tokenized_only_when_a_continuation_n
     silent.scan(chunk(None))
     assert not calls
     assert silent.prompt == [1, 2, 3] and silent.prompt == [1, 2, 3] and len(calls) == 1
+
+
+def test_a_router_that_does_not_tokenize_counts_prompt_tokens_from_the_workers_usage(routers, tiny_model, tmp_path):
+    """Round-robin with disaggregation never skips tokenizing: the prompt-token metrics then come from
+    the worker's usage (the upstream reports 3 prompt tokens a stream, 1 a non-streamed answer), once
+    each request succeeds, whether or not the client asked for usage."""
+    up = routers.upstream(tmp_path, "upstream", TOKENS, 0.001)
+    with routers.serving(tiny_model, tmp_path, [up], spec={"policy": "round-robin"}) as r:
+        body = {"model": "tiny", "prompt": "x", "max_tokens": 4, "stream": True}
+        assert all("usage" not in e or e["usage"] is None for e in _events(r.url, "/v1/completions", body))
+        _events(r.url, "/v1/completions", dict(body, stream_options={"include_usage": True}))
+        OpenAI(base_url=f"{r.url}/v1", api_key="unused", max_retries=0).completions.create(
+            model="tiny", prompt="x", max_tokens=4)
+        s = scrape(r.url)
+        assert s[f"{m.ROUTER_INPUT_TOKENS}_count"] == 3
+        assert s[f"{m.ROUTER_INPUT_TOKENS}_sum"] == 3 + 3 + 1
+        assert s[m.ROUTER_PROMPT_TOKENS] == 7
+        assert s[m.ROUTER_CACHED_PROMPT_TOKENS] == 0

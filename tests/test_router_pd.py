@@ -366,8 +366,8 @@ def failures(pd, decode_b, tmp_path_factory):
 
 def _stream(failures) -> tuple[dict, str, list[dict]]:
     """One streamed completion of FAILURE_PROMPT at temperature 0 through the failure router: (route
-    headers, text, chunks). A refused request fails with the router's own message and the logs of the
-    router and the workers, which a CI run keeps nowhere else."""
+    headers, text, chunks). A refused, stalled or broken request fails with what the router said and the
+    logs of the router and the workers, which a CI run keeps nowhere else."""
     body = {"model": "tiny", "prompt": FAILURE_PROMPT, "max_tokens": MAX_TOKENS_LONG, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     req = urllib.request.Request(f"{failures['router'].url}/v1/completions", data=json.dumps(body).encode(),
@@ -376,21 +376,28 @@ def _stream(failures) -> tuple[dict, str, list[dict]]:
     try:
         r = urllib.request.urlopen(req, timeout=300)
     except urllib.error.HTTPError as e:
-        logs = [failures["router"], failures["prefill"], *failures["decodes"].values()]
-        pytest.fail(f"the router answered {e.code}: {e.read()[:1000]!r}\n" + "\n".join(
-            f"--- {p.name} (log tail):\n{p.tail(60 if p is logs[0] else 25)}" for p in logs))
-    with r:
-        route = {k.lower(): v for k, v in r.headers.items() if k.lower().startswith("x-disagg-")}
-        for line in r:
-            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                continue
-            event = json.loads(line[6:])
-            error = event.get("error")
-            assert error is None, f"an error event: {str(error)[:300]}"
-            chunks.append(event)
-            if event["choices"]:
-                text.append(event["choices"][0]["text"])
+        pytest.fail(f"the router answered {e.code}: {e.read()[:1000]!r}\n{_log_tails(failures)}")
+    try:
+        with r:
+            route = {k.lower(): v for k, v in r.headers.items() if k.lower().startswith("x-disagg-")}
+            for line in r:
+                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                    continue
+                event = json.loads(line[6:])
+                error = event.get("error")
+                assert error is None, f"an error event: {str(error)[:300]}"
+                chunks.append(event)
+                if event["choices"]:
+                    text.append(event["choices"][0]["text"])
+    except (OSError, AssertionError) as e:       # a stream that stalled (the socket's timeout) or broke
+        pytest.fail(f"the stream failed after {len(text)} tokens: {e!r}\n{_log_tails(failures)}")
     return route, "".join(text), chunks
+
+
+def _log_tails(failures) -> str:
+    """The log tails of the failure router and its workers (a CI run keeps them nowhere else)."""
+    logs = [failures["router"], failures["prefill"], *failures["decodes"].values()]
+    return "\n".join(f"--- {p.name} (log tail):\n{p.tail(60 if p is logs[0] else 25)}" for p in logs)
 
 
 def _router_sees(failures) -> None:
@@ -403,7 +410,10 @@ def _router_sees(failures) -> None:
         s = scrape(url)
         return (s.get(f'{m.ROUTER_WORKERS}{{role="prefill",state="healthy"}}'),
                 s.get(f'{m.ROUTER_WORKERS}{{role="decode",state="healthy"}}')) == (1, decodes)
-    wait_for(settled, 120, f"the failure router to count the prefill and {decodes} decode(s) healthy")
+    try:
+        wait_for(settled, 120, f"the failure router to count the prefill and {decodes} decode(s) healthy")
+    except AssertionError as e:
+        pytest.fail(f"{e}\n{_log_tails(failures)}")
 
 
 @pytest.mark.timeout(FIRST_FAILURE_TEST_TIMEOUT)     # its setup waits for decode-b (DECODE_B_WAIT_S)
