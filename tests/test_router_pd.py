@@ -30,6 +30,7 @@ import json
 import os
 import signal
 import socket
+import sys
 import threading
 import urllib.error
 import urllib.request
@@ -82,17 +83,59 @@ def reference(tiny_model, worker_python, tmp_path_factory):
     return answers
 
 
+# decode-b's first KV pull from the (long-running) prefill, made before the failure tests; a start whose
+# first pull does not end within FIRST_PULL_S is killed and started again, at most FIRST_PULL_STARTS times
+FIRST_PULL_S, FIRST_PULL_STARTS = 90, 3
+
+
+def _first_pull(prefill_url: str, decode_url: str) -> None:
+    """One P/D hand-off straight to the workers (the router's two hops): the prefill with
+    do_remote_decode, then the decode with the kv_transfer_params it returned."""
+    from disagg.router.service import REMOTE_DECODE
+
+    def post(url: str, body: dict) -> dict:
+        req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=FIRST_PULL_S) as r:
+            return json.loads(r.read())
+    body = {"model": "tiny", "prompt": "The first pull of a new decode worker " * 4, "max_tokens": 2,
+            "temperature": 0}
+    params = post(prefill_url, dict(body, max_tokens=1, kv_transfer_params=REMOTE_DECODE))["kv_transfer_params"]
+    post(decode_url, dict(body, kv_transfer_params=params))
+
+
 @pytest.fixture(scope="module")
-def decode_b(tiny_model, worker_python, tmp_path_factory):
+def decode_b(pd, tiny_model, worker_python, tmp_path_factory):
     """A second decode worker (core 0) that only the failure tests' router knows. Started alone, once the
     tests on the pair have run (the first failure test asks for it), so its start-up competes with no
     other. (Engines that started beside others used to "hang" here: the idle engines' NIXL progress
     threads busy-polled a core each and starved the starting one, pinned to a busy core, of CPU; the
-    engines' sitecustomize now gives that thread a poll timeout, tests/test_nixl_progress.py.)"""
-    p = worker("decode-b", cpu_settings("decode", tiny_model, "0"), worker_python,
-               tmp_path_factory.mktemp("decode-b")).start()
+    engines' sitecustomize now gives that thread a poll timeout, tests/test_nixl_progress.py.)
+
+    Then its first KV pull from the prefill, before any test: a new decode's first pull from a prefill
+    that has served for minutes has stalled here for minutes (twice: a CI run's first failure test, and
+    once in two local runs beside two busy loops; the prefill's and then the decode's worker process
+    each blocked, the decode's until the prefill's process group was stopped and continued; pulls
+    between engines that had made one went through). The tests are about what the router does when
+    workers die, not about that stall; a start whose first pull stalls is replaced, as a liveness
+    probe would replace it, and the stall is printed (its log kept as decode-b.stalled-N.log)."""
+    logs = tmp_path_factory.mktemp("decode-b")
+    p = worker("decode-b", cpu_settings("decode", tiny_model, "0"), worker_python, logs)
     try:
-        p.wait_ready(DECODE_B_WAIT_S)
+        for start in range(1, FIRST_PULL_STARTS + 1):
+            p.start().wait_ready(DECODE_B_WAIT_S)
+            try:
+                _first_pull(pd["prefill"].url, p.url)
+                break
+            except OSError as e:               # a timeout, or the worker's own error
+                if start == FIRST_PULL_STARTS:
+                    pytest.fail(f"decode-b's first KV pull failed {start} times (last: {e!r}); decode-b's "
+                                f"log tail:\n{p.tail(40)}\n--- prefill (log tail):\n{pd['prefill'].tail(40)}")
+                p.kill()
+                stalled = p.log_path.with_name(f"decode-b.stalled-{start}.log")
+                p.log_path.replace(stalled)
+                print(f"decode-b: its first KV pull failed ({e!r}); killed and started again (log: {stalled})",
+                      file=sys.stderr, flush=True)
         yield p
     finally:
         p.stop()
