@@ -141,13 +141,17 @@ def _packs_roles(roles: list[RoleNeed], nodes: list[NodeFree]) -> bool:
     return True
 
 
-def _role_part(r: RoleNeed, nodes: list[NodeFree]) -> tuple[bool, str]:
-    """(fits alone, "needs N, F free on M nodes ...") for one role on these nodes."""
+def _role_part(r: RoleNeed, nodes: list[NodeFree], free_counts: bool = True) -> tuple[bool, str]:
+    """(fits alone, "needs N, F free on M nodes ...") for one role on these nodes; without
+    `free_counts`, "needs N, M nodes admit it" (for a role that fits, see _roles_sentence)."""
     eligible = [n for n in nodes if r.admits(n)]
-    free = sum(max(n.free_gpus, 0) for n in eligible)
     fits = _packs([r.gpus] * r.replicas, [n.free_gpus for n in eligible])
     shape = f"{r.need} = {r.replicas} x {r.gpus}" if r.replicas > 1 else str(r.need)
-    text = f"needs {shape}, {free} free on {len(eligible)} node{'' if len(eligible) == 1 else 's'}"
+    nodes_text = f"{len(eligible)} node{'' if len(eligible) == 1 else 's'}"
+    if fits and not free_counts:
+        return fits, f"needs {shape}, {nodes_text} admit it"
+    free = sum(max(n.free_gpus, 0) for n in eligible)
+    text = f"needs {shape}, {free} free on {nodes_text}"
     if not fits:
         text += " its nodeSelector and tolerations admit"
         if free >= r.need:
@@ -165,7 +169,9 @@ def _roles_sentence(roles: list[RoleNeed], nodes: list[NodeFree]) -> tuple[bool,
         return False, blocked + (f"; {rest}" if rest else "")
     each = ", ".join(f"{r.role} ({parts[r.role][1]})" for r in roles)
     if _packs_roles(roles, nodes):
-        return True, ", ".join(f"{r.role} fits ({parts[r.role][1]})" for r in roles)
+        # no free counts in a gang that fits: they change with every pod bound anywhere, and a waiting
+        # gang's status would be rewritten with each (300 gangs waiting at once: thousands of writes)
+        return True, ", ".join(f"{r.role} fits ({_role_part(r, nodes, free_counts=False)[1]})" for r in roles)
     names = " and ".join(r.role for r in roles)
     return False, f"{names} each fit alone but not together on the nodes they share: {each}"
 
@@ -196,5 +202,7 @@ def explain(nodes: list[NodeFree], roles: list[RoleNeed], key: str | None) -> tu
     # the domain to explain: one that fits, else the one where the most roles fit alone, then the most free
     best = placed[0] if placed else max(sorted(domains), key=lambda d: (
         sum(_role_part(r, domains[d])[0] for r in roles), total(d)))
+    if placed:       # as above: no free counts where it fits
+        return True, f"{head}; in {key}={best}: {verdicts[best][1]}"
     largest = max(total(d) for d in domains)
-    return bool(placed), (f"{head}; the largest free domain has {largest}; in {key}={best}: {verdicts[best][1]}")
+    return False, f"{head}; the largest free domain has {largest}; in {key}={best}: {verdicts[best][1]}"

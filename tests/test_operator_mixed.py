@@ -60,8 +60,8 @@ def test_roles_on_different_gpu_products_fit(api_client, namespace, operator, mi
     dd = DD(api_client, namespace, dd_manifest("mixed-wait", prefill=PREFILL, decode=DECODE,
                                                scheduling={"gang": {"backend": "coscheduling"}}))
     assert gang_message(dd, "Pending") == (
-        "gang needs 2 nvidia.com/gpu: prefill fits (needs 1, 16 free on 2 nodes), decode fits (needs 1, 16 free "
-        "on 2 nodes); waiting for the scheduler (nvidia.com/gpu fits)")
+        "gang needs 2 nvidia.com/gpu: prefill fits (needs 1, 2 nodes admit it), decode fits (needs 1, 2 nodes "
+        "admit it); waiting for the scheduler (nvidia.com/gpu fits)")
     # with the cluster's own scheduler the same layout is placed, each role on its product
     placed = DD(api_client, namespace, dd_manifest("mixed", prefill=PREFILL, decode=DECODE))
     placed.wait_condition("GangScheduled", "True", "GangPlaced")
