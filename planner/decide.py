@@ -46,6 +46,8 @@ BURST_MEMORY = 3600.0       # seconds a rise of the load above its forecast is k
 BURST_NOISE = 2.0           # ... less this many Poisson standard deviations of one interval's rate
 CAPACITY_ALPHA = 0.5        # weight of a new saturated interval in the learnt capacity (service-time scale)
 CAPACITY_MAX_CV2 = 1.0      # ... learnt for prefill only from a prompt mix whose service cv^2 is at most this
+MARGIN_AT = 0.5             # TTFT above this share of target adds prefill (before a breach) when ...
+MARGIN_DRAIN = 0.5          # ... the prefill queue takes this share of the TTFT target to drain on the replicas
 
 
 
@@ -427,10 +429,19 @@ def decide(obs: Observation, target: Target, memory: Memory, model: PerfModel | 
     # old size, and one more each interval stacked up past the need (flash: decode 1 -> 5 where 2 serve
     # the crowd). A model that is wrong about the hardware is corrected by the capacity measured while
     # saturated (learn_capacity), not by this rule.
+    # Before a breach, a margin: TTFT above half its target with a prefill queue that alone takes half the
+    # target to drain on the replicas (at the capacity the utilisation cap reserves) is a backlog building,
+    # not the noise of a heavy tail (a 100k-token prompt piles up a few requests the others drain in a
+    # second; a TTFT percentile near target with nothing queued is a long prompt's own prefill). Tenants'
+    # first RAG step: one prefill replica at TTFT 1.1 s of 2 s with 26 waiting asks at 270 s, not 315 s.
     decode_waiting = (obs.decode_queue or 0.0) >= 1.0
-    if (ttft_obs is not None and ttft_obs > target.ttft_target and need_p <= target.prefill
-            and _all_ready(obs.prefill_ready, target.prefill, target)
-            and not decode_waiting and (obs.prefill_queue is None or obs.prefill_queue >= target.prefill)):
+    breach_p = (ttft_obs is not None and ttft_obs > target.ttft_target
+                and (obs.prefill_queue is None or obs.prefill_queue >= target.prefill))
+    margin_p = (ttft_obs is not None and ttft_obs > MARGIN_AT * target.ttft_target
+                and obs.prefill_queue is not None and obs.prefill_queue >= MARGIN_DRAIN * target.ttft_target
+                * _prefill_capacity(capacity, load, target.prefill, target.percentile))
+    if ((breach_p or margin_p) and need_p <= target.prefill
+            and _all_ready(obs.prefill_ready, target.prefill, target) and not decode_waiting):
         need_p = target.prefill + 1
     if (((itl_obs is not None and itl_obs > target.itl_target) or decode_waiting) and need_d <= target.decode
             and _all_ready(obs.decode_ready, target.decode, target)):

@@ -476,6 +476,28 @@ def test_observed_latency_adds_a_replica_only_when_the_roles_replicas_all_serve(
     assert d.prefill.replicas == 2 and d.decode.replicas == 2
 
 
+
+def test_ttft_past_half_its_target_with_a_backlog_building_adds_prefill_before_a_breach():
+    """The SLO margin: TTFT above half its target with a prefill queue that alone takes half the target to
+    drain on the serving replicas adds a replica before the target breaks; the same TTFT with a short
+    queue (a long prompt's own prefill, a heavy tail's pile-up) or a long queue at a low TTFT does not."""
+    t = target(prefill=2, decode=2)
+    base = obs(rate=0.5, ttft=0.6, itl=0.02, decode_queue=0.0, prefill_ready=2.0, decode_ready=2.0)
+    m = dc.Memory()
+    load = dc.Load(0.5, base.input_tokens_mean, base.input_tokens_p, base.output_tokens_mean)
+    per_second = dc._prefill_capacity(dc._capacity(MODEL, m), load, 2, t.percentile)  # both replicas
+    drain = lambda seconds: replace(base, prefill_queue=float(math.ceil(seconds * per_second)))
+    quiet, _ = dc.decide(replace(base, prefill_queue=0.0), t, m, MODEL, now=0)
+    assert quiet.prefill.replicas == 2  # the model alone keeps two at this load
+    d, _ = dc.decide(drain(0.6 * t.ttft_target), t, m, MODEL, now=0)
+    assert d.prefill.replicas == 3 and d.decode.replicas == 2
+    short, _ = dc.decide(drain(0.3 * t.ttft_target), t, m, MODEL, now=0)
+    assert short.prefill.replicas == 2
+    low, _ = dc.decide(replace(drain(0.6 * t.ttft_target), ttft=0.4), t, m, MODEL, now=0)
+    assert low.prefill.replicas == 2
+    starting, _ = dc.decide(replace(drain(0.6 * t.ttft_target), prefill_ready=1.0), t, m, MODEL, now=0)
+    assert starting.prefill.replicas == 2  # a replica still starting: the latency measures the old size
+
 def _memory_after(o, t):
     _, m = dc.decide(o, t, dc.Memory(), MODEL, now=0)
     return m
