@@ -197,6 +197,35 @@ def test_the_router_refuses_by_the_context_the_workers_run_with(pd):
     assert client.completions.create(model="tiny", prompt="word " * 100, max_tokens=4).choices[0].text is not None
 
 
+def test_a_router_that_does_not_tokenize_passes_the_workers_refusal_on(pd, tmp_path):
+    """Round-robin with disaggregation never: the router does not tokenize, so an over-long prompt reaches
+    the decode worker, whose own 400 the client gets (OpenAI's shape, vLLM's words); a prompt that fits is
+    served, and the router's prompt-token metrics are the worker's usage."""
+    import openai
+
+    first = json.loads(Path(pd["router"].argv[-1]).read_text())
+    port = free_port()
+    config = {"model": first["model"], "tokenizer": first["tokenizer"], "block_size": first["block_size"],
+              "port": port, "host": "127.0.0.1", "health_interval_s": 60,
+              "spec": {"disaggregation": "never", "policy": "round-robin"}, "decode": first["decode"]}
+    (tmp_path / "router.json").write_text(json.dumps(config))
+    r = router(tmp_path / "router.json", port, tmp_path)
+    try:
+        r.start().wait_ready()
+        client = OpenAI(base_url=f"{r.url}/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="tiny", prompt="word " * 1500, max_tokens=4)
+        assert "1024" in str(e.value)                     # the worker's message names its context length
+        chunks = list(client.completions.create(model="tiny", prompt="word " * 100, max_tokens=4, stream=True,
+                                                stream_options={"include_usage": True}))
+        prompt_tokens = chunks[-1].usage.prompt_tokens
+        s = scrape(r.url)
+        assert s[m.ROUTER_PROMPT_TOKENS] == prompt_tokens > 100
+        assert s[f"{m.ROUTER_INPUT_TOKENS}_count"] == 1
+    finally:
+        r.stop()
+
+
 def test_streaming_gets_the_same_text_and_usage(pd, reference):
     client = OpenAI(base_url=f"{pd['router'].url}/v1", api_key="unused")
     for prompt, want in zip(PROMPTS, reference["completions"]):
