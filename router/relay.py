@@ -41,9 +41,7 @@ class StreamEnd:
     last_activity: float = 0.0
     resp: Connection | None = None
     last_token_at: float | None = None     # when the client got this stream's last token event
-    # the worker's usage chunk: its prompt's token count and how many of them it found cached
-    prompt_tokens: int | None = None
-    cached_tokens: int = 0
+    usage: dict | None = None              # the worker's usage chunk's, as it came
     # a failed stream: why, and what the client gets if the router does not continue it elsewhere
     error: str | None = None
     failure: bytes = b""
@@ -211,8 +209,7 @@ class _Relay:
             if usage_only:
                 usage = json.loads(event[6:]).get("usage") or {}
                 end.output_tokens = usage.get("completion_tokens", end.output_tokens)
-                end.prompt_tokens = usage.get("prompt_tokens")
-                end.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                end.usage = usage
                 if self.client_wants_usage:
                     out.append(event + b"\n\n")
                 continue

@@ -405,14 +405,15 @@ class Router:
         except TimeoutError as e:          # the total timeout (aiohttp raises asyncio's own)
             raise TimeoutError(str(e)) from e
 
-    def _count_prompt(self, prompt_tokens: int | None, cached_tokens: int | None) -> None:
+    def _count_prompt(self, usage: dict | None) -> None:
         """Prompt-token metrics from the worker's usage where the router did not tokenize (it counts its
         own before routing otherwise): the worker's cached count stands in for the router's index's."""
+        prompt_tokens = (usage or {}).get("prompt_tokens")
         if self.needs_ids or prompt_tokens is None:
             return
         self.metrics.input_tokens.observe(prompt_tokens)
         self.metrics.prompt_tokens.inc(prompt_tokens)
-        self.metrics.cached_prompt_tokens.inc(cached_tokens or 0)
+        self.metrics.cached_prompt_tokens.inc((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
 
     def _account(self, w: Worker, delta: int) -> None:
         w.active += delta     # the gauge reads it at scrape time (_watch)
@@ -446,7 +447,7 @@ class Router:
         self._labelled(self.metrics.e2e, path).observe(time.monotonic() - start)
         usage = data.get("usage") or {}
         self.metrics.output_tokens.observe(usage.get("completion_tokens", 0))
-        self._count_prompt(usage.get("prompt_tokens"), (usage.get("prompt_tokens_details") or {}).get("cached_tokens"))
+        self._count_prompt(usage)
         self._labelled(self.metrics.requests, m.OUTCOME_SUCCESS, path).inc()
         return data
 
@@ -604,7 +605,7 @@ class Router:
                             m.TIMEOUT_IDLE if end.first_token_at is not None else m.TIMEOUT_FIRST_TOKEN).inc()
                 if end.outcome == m.OUTCOME_SUCCESS:
                     outcome, output_tokens = m.OUTCOME_SUCCESS, end.output_tokens
-                    self._count_prompt(end.prompt_tokens, end.cached_tokens)
+                    self._count_prompt(end.usage)
                     break
                 last = end.last_token_at or last
                 outcome = m.OUTCOME_TIMEOUT if end.idle_timeout else m.OUTCOME_UPSTREAM_ERROR
