@@ -428,9 +428,9 @@ def main() -> int:
         audit_start = cluster.audit_log.stat().st_size
         # where its memory goes (operator/memory.py): a report when empty, when full and at exit
         memory_report = work / "operator-memory.txt"
-        # MALLOC_ARENA_MAX as the chart's operator Deployment sets it
+        # the allocator settings of the chart's operator Deployment (tests/test_chart.py checks them there)
         env = {**os.environ, "KUBECONFIG": str(kubeconfig), "DISAGG_OPERATOR_MEMORY": str(memory_report),
-               "MALLOC_ARENA_MAX": "2"}
+               "MALLOC_ARENA_MAX": "2", "PYTHONMALLOC": "malloc"}
         if args.tracemalloc:
             env["DISAGG_OPERATOR_TRACEMALLOC"] = str(args.tracemalloc)
         operator = subprocess.Popen([sys.executable, "-m", "disagg.operator", "--liveness",

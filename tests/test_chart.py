@@ -221,6 +221,7 @@ def test_operator_pod_runs_the_images_entrypoints_with_values(helm):
     assert {"name": "DISAGG_OPERATOR_METRICS_PORT", "value": "8000"} in op["env"]
     # glibc's malloc arenas capped (operator/memory.py; bench/operator_scale.py runs it the same way)
     assert {"name": "MALLOC_ARENA_MAX", "value": "2"} in op["env"]
+    assert {"name": "PYTHONMALLOC", "value": "malloc"} in op["env"]
     # each its own ServiceAccount
     assert pod["serviceAccountName"] == "disagg"
     assert planner_pod["serviceAccountName"] == "disagg-planner"
