@@ -138,7 +138,8 @@ def trim() -> bool:
     """Give the free pages inside glibc's heap back to the system (malloc_trim). A list of a
     fleet's nodes, a burst of reconciles or of TLS connections leaves freed chunks scattered through
     the heap, which glibc keeps resident (the report's free_in_arenas); trimming costs a walk of the
-    heap, milliseconds. False off glibc."""
+    heap, milliseconds. With PYTHONMALLOC=malloc (the chart's setting) Python's small objects live in
+    that heap too, instead of pymalloc's 1 MiB arenas that only go back when wholly empty. False off glibc."""
     try:
         return bool(ctypes.CDLL(None).malloc_trim(0))
     except (OSError, AttributeError):
