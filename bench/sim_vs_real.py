@@ -17,11 +17,15 @@ What runs (no GPU, the tiny test model):
    and at most ``--decode-concurrency`` requests decoding at once; random token ids (no prefix sharing: the
    simulator's prefix cache and vLLM's are both idle, so neither is judged here);
 4. the trace replayed open-loop (each request sent at its arrival time, streaming, ``ignore_eos``)
-   through the router, TTFT and ITL measured by the client;
+   through the router, TTFT and ITL measured by the client; ``--arrivals``: with the trace's own arrival
+   times (the Mooncake trace logs its requests in bursts, ~10 at one instant every few seconds), and/or with
+   each burst spread evenly over the time to the next one (same requests, same mean rate);
 5. the same trace through :class:`disagg.planner.simulate.Simulation` with one prefill and one decode
    replica (a static policy), its performance model built from the two profiles.
 
-Printed: TTFT and ITL p50/p90, real, simulated and simulated / real, and whether each is within 20%;
+Printed, per replay: TTFT and ITL p50/p90, real, simulated and simulated / real, and whether each is
+within 20%; the TTFT p50 by a request's position in its burst, real and simulated (where queueing behind a
+burst goes);
 and the p50s of ``--unloaded`` requests of the trace sent one at a time (rows "alone"), which separate
 the profile's shape and the path's fixed costs from queueing. For the lone requests and for the replay,
 the mean TTFT as each component's own histogram saw it (router; prefill engine and decode engine, each
@@ -135,14 +139,55 @@ def path_seconds(models: tuple[perfmodel.PerfModel, perfmodel.PerfModel], tokens
     return pre.ttft(tokens) + serving.kv_transfer_time(pre, tokens, dec.tp) + dec.decode_step_time(1, tokens)
 
 
+class _Recording(Simulation):
+    """The simulator as it is, also keeping each request's TTFT by its arrival time (the burst table)."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.by_arrival: list[tuple[float, float]] = []
+
+    def _ttft(self, a) -> None:
+        super()._ttft(a)
+        self.by_arrival.append((a.r.t, a.first - a.r.t))
+
+
 def simulate(trace: traces.Trace, models: tuple[perfmodel.PerfModel, perfmodel.PerfModel],
-             max_batch_tokens: int) -> tuple[list[float], list[float]]:
+             max_batch_tokens: int) -> tuple[list[float], list[float], list[tuple[float, float]]]:
     cfg = ProfiledConfig(model="tiny", gpu="L40S", ttft_target=1e9, itl_target=1e9, interval=60.0,
                          startup=0.0, max_batch_tokens=max_batch_tokens, max_num_seqs=MAX_NUM_SEQS,
                          drain_limit=3600.0)
     cfg.with_models(*models)
-    res = Simulation(cfg, trace, StaticPolicy(1, 1)).run()
-    return res.ttft, res.itl
+    sim = _Recording(cfg, trace, StaticPolicy(1, 1))
+    res = sim.run()
+    return res.ttft, res.itl, sorted(sim.by_arrival)
+
+
+def spread(trace: traces.Trace) -> traces.Trace:
+    """The trace with each burst (requests logged at the same instant: the Mooncake trace logs its
+    arrivals in clumps of ~10 every few seconds) spread evenly over the time to the next burst, in
+    the trace's order: the same requests at the same mean rate without the simultaneous arrivals."""
+    reqs = list(trace.requests)
+    out, i = [], 0
+    while i < len(reqs):
+        j = i
+        while j < len(reqs) and reqs[j].t == reqs[i].t:
+            j += 1
+        end = reqs[j].t if j < len(reqs) else reqs[i].t + (reqs[i].t - reqs[0].t) / max(len(out), 1) * (j - i)
+        for k in range(i, j):
+            out.append(replace(reqs[k], t=reqs[i].t + (end - reqs[i].t) * (k - i) / (j - i)))
+        i = j
+    return traces.Trace(trace.name + "-spread", tuple(out))
+
+
+def by_position(arrivals: list[tuple[float, float]], positions: tuple[int, ...] = (0, 1, 3, 6, 9)) -> dict[int, float]:
+    """Median TTFT of the requests at each position in their burst (0: the fastest of the requests that
+    arrived at the same instant, 1 the next, ...): queueing behind a burst shows as a rise with it."""
+    ranks, last, k = {}, None, 0
+    for t, v in sorted(arrivals):
+        k = k + 1 if t == last else 0
+        last = t
+        ranks.setdefault(k, []).append(v)
+    return {p: _pct(ranks[p], 50) for p in positions if p in ranks}
 
 
 def _send(url: str, prompt: list[int], max_tokens: int, sent: float, out: list, i: int) -> None:
@@ -170,7 +215,8 @@ def unloaded(url: str, trace: traces.Trace, n: int, gap: float = 120.0) -> tuple
                                             for i, r in enumerate(picked))), ttft, itl)
 
 
-def replay(url: str, trace: traces.Trace, seed: int = 0) -> tuple[list[float], list[float], int]:
+def replay(url: str, trace: traces.Trace, seed: int = 0,
+           arrivals: list[tuple[float, float]] | None = None) -> tuple[list[float], list[float], int]:
     """Open loop: each request at its arrival time; TTFT from the scheduled arrival (so a late send
     counts against the real system, as a queue would)."""
     rng = random.Random(seed)
@@ -189,13 +235,15 @@ def replay(url: str, trace: traces.Trace, seed: int = 0) -> tuple[list[float], l
     for th in threads:
         th.join()
     ttft, itl, errors, one_chunk = [], [], 0, 0
-    for res in results:
+    for r, res in zip(trace.requests, results):
         if res is None or res[0] != "ok":
             errors += 1
             print(f"  request failed: {res[1] if res else 'no answer'}", file=sys.stderr, flush=True)
             continue
         _, late, times, tokens = res
         ttft.append(late + times[0])   # from the scheduled arrival: a late send counts as queueing
+        if arrivals is not None:
+            arrivals.append((r.t, ttft[-1]))
         v = mean_itl(times, tokens)
         if v is None:
             # every token in one chunk (a lagging frontend merges them): its TTFT counts, its ITL is unknown
@@ -258,6 +306,9 @@ def main() -> int:
     ap.add_argument("--start", type=float, default=600.0, help="trace offset in seconds")
     ap.add_argument("--unloaded", type=int, default=8,
                     help="requests of the trace also sent one at a time (rows '... alone': no queueing)")
+    ap.add_argument("--arrivals", default="trace,spread",
+                    help="replays, in order: 'trace' (the trace's own arrival times: bursts of ~10 at one "
+                         "instant) and/or 'spread' (each burst spread evenly to the next)")
     ap.add_argument("--json", help="write the rows and settings here")
     ap.add_argument("--keep", help="keep logs and profiles in this directory")
     args = ap.parse_args()
@@ -305,36 +356,49 @@ def main() -> int:
         print(f"  {text}; the model charges {sum(sim_alone) / len(sim_alone) * 1000:.1f} ms "
               f"(hand-off {1000 * sum(serving.kv_transfer_time(models[0], r.input_tokens) for r in alone.requests) / len(sim_alone):.1f} ms)",
               flush=True)
-        print("replaying through the router ...", flush=True)
-        t = time.perf_counter()
-        before = ttft_totals(procs)
-        real_ttft, real_itl, errors = replay(procs[2].url, trace)
-        after = ttft_totals(procs)
-        print(f"  done in {time.perf_counter() - t:.0f} s, {errors} failed", flush=True)
-        means, text = ttft_split(before, after, real_ttft)
-        print(f"  {text}", flush=True)
+        replays = {}
+        for mode in args.arrivals.split(","):
+            t_mode = spread(trace) if mode == "spread" else trace
+            print(f"replaying through the router (arrivals: {mode}) ...", flush=True)
+            t = time.perf_counter()
+            before = ttft_totals(procs)
+            arrivals: list[tuple[float, float]] = []
+            real_ttft, real_itl, errors = replay(procs[2].url, t_mode, arrivals=arrivals)
+            after = ttft_totals(procs)
+            print(f"  done in {time.perf_counter() - t:.0f} s, {errors} failed", flush=True)
+            means, text = ttft_split(before, after, real_ttft)
+            print(f"  {text}", flush=True)
+            replays[mode] = (t_mode, real_ttft, real_itl, errors, arrivals, means)
         mbt = engine_max_batch_tokens(procs[0].log_path)
     finally:
         stop_all(procs)
     load_after = os.getloadavg()
 
-    sim_ttft, sim_itl = simulate(trace, models, mbt)
-    rows = table({"ttft": real_ttft, "itl": real_itl}, {"ttft": sim_ttft, "itl": sim_itl})
-    a_ttft, a_itl = simulate(alone, models, mbt)
-    rows += table({"ttft": alone_ttft, "itl": alone_itl}, {"ttft": a_ttft, "itl": a_itl}, " alone", (50,))
-    print(f"\nsimulator (profile of these workers, max_batch_tokens {mbt}) vs the real CPU P/D pair, "
-          f"{len(real_ttft)} requests; load average {load_before[0]:.1f} before, {load_after[0]:.1f} after")
-    print(f"{'metric':<10}{'real ms':>10}{'sim ms':>10}{'sim/real':>10}  within 20%")
-    for r in rows:
-        print(f"{r['metric']:<10}{r['real_ms']:>10.1f}{r['sim_ms']:>10.1f}{r['ratio']:>10.2f}  "
-              f"{'yes' if r['within'] else 'NO'}")
+    print(f"\nsimulator (profile of these workers, max_batch_tokens {mbt}) vs the real CPU P/D pair; "
+          f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after")
+    a_ttft, a_itl, _ = simulate(alone, models, mbt)
+    alone_rows = table({"ttft": alone_ttft, "itl": alone_itl}, {"ttft": a_ttft, "itl": a_itl}, " alone", (50,))
+    report = {"requests": n, "rate": n / trace.duration, "max_batch_tokens": mbt, "alone_ttft_seen_by": alone_means,
+              "load_before": load_before, "load_after": load_after, "prefill_profile": pre.to_dict(),
+              "decode_profile": dec.to_dict(), "replays": {}}
+    for mode, (t_mode, real_ttft, real_itl, errors, arrivals, means) in replays.items():
+        sim_ttft, sim_itl, sim_arrivals = simulate(t_mode, models, mbt)
+        rows = table({"ttft": real_ttft, "itl": real_itl}, {"ttft": sim_ttft, "itl": sim_itl})
+        if mode == "trace":
+            rows += alone_rows
+        print(f"\narrivals: {mode}, {len(real_ttft)} requests")
+        print(f"{'metric':<16}{'real ms':>10}{'sim ms':>10}{'sim/real':>10}  within 20%")
+        for r in rows:
+            print(f"{r['metric']:<16}{r['real_ms']:>10.1f}{r['sim_ms']:>10.1f}{r['ratio']:>10.2f}  "
+                  f"{'yes' if r['within'] else 'NO'}")
+        real_pos, sim_pos = by_position(arrivals), by_position(sim_arrivals)
+        print("TTFT p50 by position in its burst (requests that arrived at the same instant, fastest first), "
+              "real / sim ms: " + ", ".join(f"#{k} {real_pos[k] * 1000:.0f} / {sim_pos.get(k, math.nan) * 1000:.0f}"
+                                            for k in real_pos))
+        report["replays"][mode] = {"rows": rows, "errors": errors, "mean_ttft_seen_by": means,
+                                   "ttft_by_position": {"real": real_pos, "sim": sim_pos}}
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "requests": n, "rate": n / trace.duration,
-                                               "errors": errors, "max_batch_tokens": mbt,
-                                               "mean_ttft_seen_by": means, "alone_ttft_seen_by": alone_means,
-                                               "load_before": load_before, "load_after": load_after,
-                                               "prefill_profile": pre.to_dict(),
-                                               "decode_profile": dec.to_dict()}, indent=2))
+        Path(args.json).write_text(json.dumps(report, indent=2))
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
     return 0
