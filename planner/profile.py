@@ -162,7 +162,8 @@ def run_cli(args: Any) -> int:
     doc = configmap(profile, args.configmap, args.namespace) if args.configmap else profile.to_dict()
     Path(args.out).write_text(yaml.safe_dump(doc, sort_keys=False))
     a, b, c = profile.prefill_coef
-    print(f"wrote {args.out}: prefill = {a * 1000:.2f} ms + {b * 1e6:.3f} us/token + {c * 1e9:.4f} ns/token^2; "
+    print(f"wrote {args.out}: prefill = {a * 1000:.2f} ms + {profile.prefill_per_prompt * 1000:.2f} ms/prompt + "
+          f"{b * 1e6:.3f} us/token + {c * 1e9:.4f} ns/token^2; "
           f"decode step = {profile.decode_coef[0] * 1000:.2f} ms + {profile.decode_coef[1] * 1000:.3f} ms/request + "
           f"{profile.decode_coef[2] * 1e6:.4f} us/context token")
     if profile.handoff_base is not None:

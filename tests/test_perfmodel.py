@@ -200,3 +200,24 @@ def test_the_measured_handoff_replaces_the_wire_time_but_never_undercuts_it():
         assert fast.handoff_time(n) == pytest.approx(base.kv_transfer_time_tokens(n))
         assert slow.handoff_time(n) >= base.kv_transfer_time_tokens(n)
     assert slow.handoff_time(65536) == pytest.approx(base.kv_transfer_time_tokens(65536))  # 8 GiB over 25 Gb/s
+
+
+def test_a_prompts_own_cost_is_fitted_where_the_profile_has_batches_of_more_than_one():
+    # a CPU worker (2026-12-04): 13.7 ms for 32 tokens alone, 27.2 ms for three at once
+    points = [{"tokens": n, "batch": b, "seconds": 0.008 + 0.006 * b + 20e-6 * n * b}
+              for n in (32, 256, 768) for b in (1, 3)]
+    decode = tuple({"concurrency": c, "context": 100, "seconds": 0.004 + 0.001 * c} for c in (1, 2, 4))
+    profile = pm.Profile("m", "g", 1, tuple(points), decode)
+    assert profile.prefill_per_prompt == pytest.approx(0.006, rel=1e-3)
+    assert profile.prefill_coef[0] == pytest.approx(0.008, rel=1e-3)
+    # ten short prompts of a burst cost ten prompts' handling, not one batch's intercept
+    ten = profile.prefill_seconds([32] * 10)
+    assert ten == pytest.approx(0.008 + 0.06 + 20e-6 * 320, rel=1e-3)
+    assert ten > 4 * profile.prefill_seconds([32])
+    # a request alone is predicted as measured, and per-token growth is kept
+    for p in points:
+        assert profile.prefill_seconds([p["tokens"]] * p["batch"]) == pytest.approx(p["seconds"], rel=1e-3)
+    # one batch size cannot tell a prompt's cost from the step's: none is fitted, the fit is as before
+    alone = pm.Profile("m", "g", 1, tuple(p for p in points if p["batch"] == 1), decode)
+    assert alone.prefill_per_prompt == 0.0
+    assert alone.prefill_seconds([256]) == pytest.approx(0.014 + 20e-6 * 256, rel=1e-3)
