@@ -20,8 +20,10 @@ What runs (no GPU, the tiny test model):
    through the router, TTFT and ITL measured by the client; ``--arrivals``: with the trace's own arrival
    times (the Mooncake trace logs its requests in bursts, ~10 at one instant every few seconds), and/or with
    each burst spread evenly over the time to the next one (same requests, same mean rate);
-5. the same trace through :class:`disagg.planner.simulate.Simulation` with one prefill and one decode
-   replica (a static policy), its performance model built from the two profiles.
+5. the two workers profiled again after the replays, the same way (this host's speed drifts within minutes);
+6. the same trace through :class:`disagg.planner.simulate.Simulation` with one prefill and one decode
+   replica (a static policy), its performance model fitted to both profiles' points (and, to show the
+   drift, to each profile alone).
 
 Printed, per replay: TTFT and ITL p50/p90, real, simulated and simulated / real, and whether each is
 within 20%; the TTFT p50 by a request's position in its burst, real and simulated (where queueing behind a
@@ -56,6 +58,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from pd_path_timing import cpu_times   # this directory's: CPU seconds of every process of the pair and router
 from disagg.planner import perfmodel, serving, traces
 from disagg.planner.profile import mean_itl, stream_tokens
 from disagg.planner.simulate import SimConfig, Simulation, StaticPolicy, _pct
@@ -130,6 +133,12 @@ def role_models(model_dir: str, prefill: perfmodel.Profile,
     # a same-host link: NIXL over UCX/TCP on loopback
     base = perfmodel.PerfModel(shape, perfmodel.gpu("L40S"), 1, perfmodel.interconnect("tcp-25g"))
     return replace(base, profile=prefill), replace(base, profile=decode)
+
+
+def merged(a: perfmodel.Profile, b: perfmodel.Profile) -> perfmodel.Profile:
+    """One profile fitted to both profiles' points (the same worker measured twice)."""
+    return perfmodel.Profile(a.model, a.gpu, a.tensor_parallel_size, a.prefill + b.prefill, a.decode + b.decode,
+                             a.handoff + b.handoff)
 
 
 def path_seconds(models: tuple[perfmodel.PerfModel, perfmodel.PerfModel], tokens: int) -> float:
@@ -323,13 +332,16 @@ def main() -> int:
     try:
         print(f"starting prefill, decode, router (logs in {work}) ...", flush=True)
         start_pd(procs, engine_timeout=900)
-        print("profiling the workers (disagg profile) ...", flush=True)
-        # warm the path (first NIXL handshake, first compiled shapes) before anything is timed through it
-        warm = traces.Trace("warm", tuple(traces.Request(i * 0.5, 200, 8, None, ()) for i in range(4)))
+        # warm the path (first NIXL handshake, compiled shapes, the engines' first minute) before anything
+        # is timed through it: 40 requests, 16-800 tokens, over 20 s
+        print("warming the path ...", flush=True)
+        warm = traces.Trace("warm", tuple(traces.Request(i * 0.5, 16 + (i * 97) % 785, 8 + i % 24, None, ())
+                                          for i in range(40)))
         replay(procs[2].url, warm, seed=1)
+        print("profiling the workers (disagg profile) ...", flush=True)
         pre = profile_worker(procs[0].url, work / "prefill-profile.yaml", "prefill", procs[2].url)
         dec = profile_worker(procs[1].url, work / "decode-profile.yaml", "decode")
-        models = role_models(model, pre, dec)
+        models = role_models(model, pre, dec)   # the rate is set from this one (the replays have not run)
 
         base = scaled_trace(args.minutes, args.in_scale, args.out_scale, args.start)
         ins = [r.input_tokens for r in base.requests]
@@ -361,17 +373,31 @@ def main() -> int:
             t_mode = spread(trace) if mode == "spread" else trace
             print(f"replaying through the router (arrivals: {mode}) ...", flush=True)
             t = time.perf_counter()
-            before = ttft_totals(procs)
+            before, cpu_before, own_before = ttft_totals(procs), cpu_times(procs), sum(os.times()[:2])
             arrivals: list[tuple[float, float]] = []
             real_ttft, real_itl, errors = replay(procs[2].url, t_mode, arrivals=arrivals)
-            after = ttft_totals(procs)
-            print(f"  done in {time.perf_counter() - t:.0f} s, {errors} failed", flush=True)
+            after, cpu_after, own = ttft_totals(procs), cpu_times(procs), sum(os.times()[:2]) - own_before
+            served = sum(cpu_after.values()) - sum(cpu_before.get(k, 0.0) for k in cpu_after)
+            wall = time.perf_counter() - t
+            print(f"  done in {wall:.0f} s, {errors} failed; CPU per request: {served / len(t_mode.requests) * 1000:.0f} ms "
+                  f"in the engines, frontends and router, {own / len(t_mode.requests) * 1000:.0f} ms in this client "
+                  f"({(served + own) / wall / (os.cpu_count() or 1) * 100:.0f}% of the machine's {os.cpu_count()} "
+                  f"cores over the replay)", flush=True)
             means, text = ttft_split(before, after, real_ttft)
             print(f"  {text}", flush=True)
             replays[mode] = (t_mode, real_ttft, real_itl, errors, arrivals, means)
+        # the same workers profiled again after the replays: this host's speed drifts within minutes (two
+        # runs' profiles 2026-12-04: hand-off 5.8 and 41.4 ms, decode step 4.3 and 8.7 ms), so the
+        # simulator is driven by both profiles' points in one fit, and by each alone to show the drift
+        print("profiling the workers again ...", flush=True)
+        pre_after = profile_worker(procs[0].url, work / "prefill-profile-after.yaml", "prefill", procs[2].url)
+        dec_after = profile_worker(procs[1].url, work / "decode-profile-after.yaml", "decode")
         mbt = engine_max_batch_tokens(procs[0].log_path)
     finally:
         stop_all(procs)
+    profiles = {"before": (pre, dec), "after": (pre_after, dec_after),
+                "both": (merged(pre, pre_after), merged(dec, dec_after))}
+    models = role_models(model, *profiles["both"])
     load_after = os.getloadavg()
 
     print(f"\nsimulator (profile of these workers, max_batch_tokens {mbt}) vs the real CPU P/D pair; "
@@ -379,8 +405,11 @@ def main() -> int:
     a_ttft, a_itl, _ = simulate(alone, models, mbt)
     alone_rows = table({"ttft": alone_ttft, "itl": alone_itl}, {"ttft": a_ttft, "itl": a_itl}, " alone", (50,))
     report = {"requests": n, "rate": n / trace.duration, "max_batch_tokens": mbt, "alone_ttft_seen_by": alone_means,
-              "load_before": load_before, "load_after": load_after, "prefill_profile": pre.to_dict(),
-              "decode_profile": dec.to_dict(), "replays": {}}
+              "load_before": load_before, "load_after": load_after,
+              "profiles": {k: {"prefill": p.to_dict(), "decode": d.to_dict()} for k, (p, d) in profiles.items()
+                           if k != "both"},
+              "handoff_ms": {k: p.handoff_base * 1000 for k, (p, _) in profiles.items() if p.handoff_base is not None},
+              "replays": {}}
     for mode, (t_mode, real_ttft, real_itl, errors, arrivals, means) in replays.items():
         sim_ttft, sim_itl, sim_arrivals = simulate(t_mode, models, mbt)
         rows = table({"ttft": real_ttft, "itl": real_itl}, {"ttft": sim_ttft, "itl": sim_itl})
@@ -391,11 +420,17 @@ def main() -> int:
         for r in rows:
             print(f"{r['metric']:<16}{r['real_ms']:>10.1f}{r['sim_ms']:>10.1f}{r['ratio']:>10.2f}  "
                   f"{'yes' if r['within'] else 'NO'}")
+        drift = {}
+        for label in ("before", "after"):
+            d_ttft, d_itl, _ = simulate(t_mode, role_models(model, *profiles[label]), mbt)
+            drift[label] = {"ttft_p50": _pct(d_ttft, 50) / _pct(real_ttft, 50), "itl_p50": _pct(d_itl, 50) / _pct(real_itl, 50)}
+        print("  sim / real with one profile alone: " + "; ".join(
+            f"{k}: TTFT p50 {v['ttft_p50']:.2f}, ITL p50 {v['itl_p50']:.2f}" for k, v in drift.items()))
         real_pos, sim_pos = by_position(arrivals), by_position(sim_arrivals)
         print("TTFT p50 by position in its burst (requests that arrived at the same instant, fastest first), "
               "real / sim ms: " + ", ".join(f"#{k} {real_pos[k] * 1000:.0f} / {sim_pos.get(k, math.nan) * 1000:.0f}"
                                             for k in real_pos))
-        report["replays"][mode] = {"rows": rows, "errors": errors, "mean_ttft_seen_by": means,
+        report["replays"][mode] = {"rows": rows, "errors": errors, "mean_ttft_seen_by": means, "one_profile": drift,
                                    "ttft_by_position": {"real": real_pos, "sim": sim_pos}}
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))

@@ -24,8 +24,12 @@ what that means for a deployment under load, and it is the only place that does:
 * **TP communication** is in every step (:meth:`.perfmodel.PerfModel.tp_comm_time`); **KV transfer** runs
   over ``min(prefill TP, decode TP)`` links in parallel (each prefill rank sends its shard; a narrower
   decode side receives on fewer). A profile that measured the P/D path through the router replaces it
-  with the measured **hand-off** (router hops, KV pull, the frontends between): a delay per request, not
-  a server's time, so it adds to TTFT and not to any queue's utilisation.
+  with the measured **hand-off** (router hops, KV pull, the frontends between). It adds to TTFT and not to
+  any prefill queue's utilisation. The simulator also queues it, one hand-off at a time per serving decode
+  replica (a burst's prompts reach decode one after another: measured on a CPU pair, 2026-12-04); this
+  module does not charge that queue's wait: at a planned rate per decode replica it is a few per cent
+  busy (a KV transfer of milliseconds, a few requests per second), and a burst is outside the Poisson
+  arrivals every queue here assumes.
 """
 
 from __future__ import annotations

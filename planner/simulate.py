@@ -391,6 +391,9 @@ class Simulation:
         self.cache: OrderedDict = OrderedDict()
         self.prefill_queue: deque[_Req] = deque()
         self.decode_queue: deque[_Req] = deque()
+        # when each hand-off lane is next free: one lane per serving decode replica (its frontend takes
+        # in one request and one KV transfer at a time; a burst's hand-offs queue, they do not overlap)
+        self.handoff_free: list[float] = []
         self.now = 0.0
         # per-interval accumulators
         self._acc_arrivals: list = []
@@ -493,12 +496,25 @@ class Simulation:
                 self.cache.move_to_end(b)
             while len(self.cache) > cap:
                 self.cache.popitem(last=False)
-            self._at(now + serving.kv_transfer_time(self.prefill_model, req.r.input_tokens, self.cfg.decode_tp),
-                     "kv_done", req)
+            self._at(self._handoff(now, serving.kv_transfer_time(self.prefill_model, req.r.input_tokens,
+                                                                 self.cfg.decode_tp)), "kv_done", req)
         rep.busy = False
         rep.running = 0
         self._start_prefill(rep, now)
         self._maybe_retire(rep, now)
+
+    def _handoff(self, now: float, seconds: float) -> float:
+        """When a hand-off of ``seconds`` that can start at ``now`` ends: on the first free of one lane per
+        serving decode replica (at least one). A CPU P/D pair, 2026-12-04: ten prompts arriving at once
+        reached their first tokens 20-25 ms apart beyond their prefill, the decode side taking them in one
+        after another; charged as overlapping delays, a burst's TTFT p50 was simulated at 0.57 of the real."""
+        lanes = max(sum(1 for r in self.replicas["decode"] if r.ready(now)), 1)
+        free = sorted(self.handoff_free)[:lanes]
+        free += [now] * (lanes - len(free))
+        i = min(range(lanes), key=free.__getitem__)
+        free[i] = max(free[i], now) + seconds
+        self.handoff_free = free
+        return free[i]
 
     # -- decode
     def _kv_done(self, req: _Req, now: float) -> None:

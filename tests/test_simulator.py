@@ -251,3 +251,21 @@ def test_planner_learns_capacity_while_saturated_and_reacts_to_queue_growth_betw
     slow = sm.PlannerPolicy(replace(cfg, fast_check=0.0))
     sm.simulate(trace, slow, replace(cfg, fast_check=0.0))
     assert not slow.reactions
+
+
+def test_a_bursts_hand_offs_queue_one_per_decode_replica(monkeypatch):
+    # a CPU P/D pair (bench/sim_vs_real.py, 2026-12-04): ten prompts arriving at once reached decode one
+    # after another; as overlapping delays the simulator put the whole burst's TTFT at 0.57 of the real
+    handoff = 0.5   # far above prefill and a decode step here, so the order is the hand-off's alone
+    monkeypatch.setattr(sm.serving, "kv_transfer_time", lambda model, tokens, tp=None: handoff)
+    burst = traces.Trace("burst", tuple(traces.Request(0.0, 16, 4, None, ()) for _ in range(8)))
+
+    def first_tokens(decode: int) -> list[float]:
+        cfg = replace(SMALL, initial_prefill=1, initial_decode=decode, ttft_target=60.0)
+        return sorted(sm.simulate(burst, sm.StaticPolicy(1, decode), cfg).ttft)
+
+    one = first_tokens(1)
+    assert [b - a for a, b in zip(one, one[1:])] == pytest.approx([handoff] * 7, abs=0.05)
+    four = first_tokens(4)
+    assert four[-1] - four[0] == pytest.approx(handoff, abs=0.05)   # two waves of four
+    assert four[3] - four[0] < 0.05 and four[4] - four[3] == pytest.approx(handoff, abs=0.05)
