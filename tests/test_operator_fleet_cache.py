@@ -87,7 +87,10 @@ def test_an_explanation_is_computed_once_per_list_and_gang_shape(monkeypatch):
         return real(nodes, roles, key)
 
     monkeypatch.setattr(capacity, "explain", counting)
-    fleet = CountingFleet(max_age=3600.0)
+    # max_share: the lists' own (microseconds of) CPU must not stretch the age below (age_limit); with
+    # the default share, a list that took 50 us kept its counts for 500 us, and a CI run's next call
+    # came within that and got them back
+    fleet = CountingFleet(max_age=3600.0, max_share=1e9)
     gang = [capacity.RoleNeed("prefill", 1, 1), capacity.RoleNeed("decode", 1, 1)]
     first = fleet.explain(gang, None)
     # another gang of the same shape (new objects, equal fields) gets the same answer, not a recount
@@ -99,7 +102,7 @@ def test_an_explanation_is_computed_once_per_list_and_gang_shape(monkeypatch):
     assert len(calls) == 3 and bigger != first
     # new counts: asked again, computed again, on them (the gang that does not fit: its message has the
     # counts; one that fits says so without them, operator/capacity.py)
-    fleet._max_age = 0.0
+    fleet._max_age, fleet._taken = 0.0, fleet._taken - 1.0   # counts a second old, kept for none
     again = fleet.explain([capacity.RoleNeed("prefill", 1, 1), capacity.RoleNeed("decode", 2, 1)], None)
     assert fleet.lists == 2 and len(calls) == 4 and again[1] != bigger[1]   # n2 has 2 free GPUs, n1 had 1
     assert "2 free" in again[1] and "2 free" not in bigger[1]

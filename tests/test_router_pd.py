@@ -118,7 +118,7 @@ def decode_b(pd, tiny_model, worker_python, tmp_path_factory):
     each blocked, the decode's until the prefill's process group was stopped and continued; pulls
     between engines that had made one went through). The tests are about what the router does when
     workers die, not about that stall; a start whose first pull stalls is replaced, as a liveness
-    probe would replace it, and the stall is printed (its log kept as decode-b.stalled-N.log)."""
+    probe would replace it, and the stall is printed (its log kept as decode-b.pull-stalled-N.log)."""
     logs = tmp_path_factory.mktemp("decode-b")
     p = worker("decode-b", cpu_settings("decode", tiny_model, "0"), worker_python, logs)
     try:
@@ -132,7 +132,7 @@ def decode_b(pd, tiny_model, worker_python, tmp_path_factory):
                     pytest.fail(f"decode-b's first KV pull failed {start} times (last: {e!r}); decode-b's "
                                 f"log tail:\n{p.tail(40)}\n--- prefill (log tail):\n{pd['prefill'].tail(40)}")
                 p.kill()
-                stalled = p.log_path.with_name(f"decode-b.stalled-{start}.log")
+                stalled = p.log_path.with_name(f"decode-b.pull-stalled-{start}.log")
                 p.log_path.replace(stalled)
                 print(f"decode-b: its first KV pull failed ({e!r}); killed and started again (log: {stalled})",
                       file=sys.stderr, flush=True)

@@ -237,8 +237,8 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[2])), Health).serve_forever()
 
 def test_a_process_whose_start_up_hangs_is_started_once_more(tmp_path):
     """LocalProcess's stall restart (vLLM engines use it): no log line for stall_restart_s while not
-    ready -> killed and started again once, the hung run's log kept; a process that keeps hanging
-    still fails (no endless restarts)."""
+    ready -> killed and started again once per wait, the hung run's log kept; a process that keeps
+    hanging still fails (no endless restarts), and is given the net again when started again."""
     from disagg.workers.local import LocalProcess
 
     port = free_port()
@@ -247,7 +247,7 @@ def test_a_process_whose_start_up_hangs_is_started_once_more(tmp_path):
     try:
         p.start().wait_ready(timeout=60)
         assert p.restarts == 1
-        assert (tmp_path / "hangs-once.stalled.log").read_text().strip() == "starting"
+        assert (tmp_path / "hangs-once.stalled-1.log").read_text().strip() == "starting"
     finally:
         p.stop(grace=2)
 
@@ -259,5 +259,10 @@ def test_a_process_whose_start_up_hangs_is_started_once_more(tmp_path):
         with pytest.raises(TimeoutError, match="not ready after 4s"):
             hangs.start().wait_ready(timeout=4)
         assert hangs.restarts == 1
+        hangs.kill()
+        # started again by its caller (decode-b after a stalled first pull): the net is there again
+        with pytest.raises(TimeoutError, match="not ready after 4s"):
+            hangs.start().wait_ready(timeout=4)
+        assert hangs.restarts == 2 and (tmp_path / "always" / "hangs.stalled-2.log").exists()
     finally:
         hangs.stop(grace=2)

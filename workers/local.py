@@ -70,7 +70,10 @@ class LocalProcess:
     def __init__(self, name: str, argv: list[str], env: dict[str, str], url: str, log_dir: Path,
                  stall_restart_s: float | None = None):
         """`stall_restart_s`: while waiting to be ready, a process whose log has not grown for this long
-        is killed and started once more (its log kept as <name>.stalled.log). For vLLM engines, a safety
+        is killed and started once more, at most once per `wait_ready` (its log kept as
+        <name>.stalled-N.log). Once per wait, not per object: a caller that starts the same process
+        again (tests/test_router_pd.py's decode-b after a stalled first KV pull) gets the net again; a
+        CI run's second start of decode-b hung after a first start had used it, and waited 1200 s. For vLLM engines, a safety
         net: engines starting beside idle ones printed nothing for minutes here, starved of CPU by the
         idle engines' busy-polling NIXL threads (fixed in workers/engine_site); should a start-up stall
         again, a second start is the cheap way through and the kept log the evidence. Slow start-ups
@@ -92,6 +95,7 @@ class LocalProcess:
     def wait_ready(self, timeout: float = 300, path: str = "/health") -> LocalProcess:
         deadline = time.monotonic() + timeout
         log_size, grew_at = -1, time.monotonic()
+        restarted = False
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; log tail:\n{self.tail()}")
@@ -101,12 +105,13 @@ class LocalProcess:
                         return self
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
-            if self.stall_restart_s and not self.restarts:
+            if self.stall_restart_s and not restarted:
                 size = self._log_size()
                 if size != log_size:
                     log_size, grew_at = size, time.monotonic()
                 elif time.monotonic() - grew_at > self.stall_restart_s:
                     self._restart_stalled()
+                    restarted = True
                     deadline, log_size, grew_at = time.monotonic() + timeout, -1, time.monotonic()
             time.sleep(0.5)
         raise TimeoutError(f"{self.name} not ready after {timeout}s; log tail:\n{self.tail()}")
@@ -119,7 +124,7 @@ class LocalProcess:
 
     def _restart_stalled(self) -> None:
         self.kill()
-        stalled = self.log_path.with_name(f"{self.name}.stalled.log")
+        stalled = self.log_path.with_name(f"{self.name}.stalled-{self.restarts + 1}.log")
         self.log_path.replace(stalled)
         print(f"{self.name}: no log line for {self.stall_restart_s:.0f}s while starting; killed and started "
               f"once more (its log: {stalled})", file=sys.stderr, flush=True)
