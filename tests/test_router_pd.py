@@ -116,9 +116,12 @@ def decode_b(pd, tiny_model, worker_python, tmp_path_factory):
     that has served for minutes has stalled here for minutes (twice: a CI run's first failure test, and
     once in two local runs beside two busy loops; the prefill's and then the decode's worker process
     each blocked, the decode's until the prefill's process group was stopped and continued; pulls
-    between engines that had made one went through). The tests are about what the router does when
-    workers die, not about that stall; a start whose first pull stalls is replaced, as a liveness
-    probe would replace it, and the stall is printed (its log kept as decode-b.pull-stalled-N.log)."""
+    between engines that had made one went through). The cause found (2026-12-04): each worker had its
+    own session, so its own scheduler autogroup, and decode-b's group, pinned to the prefill's core, went
+    unscheduled while the prefill's NIXL progress thread ran (workers/local.py, LocalProcess.start: a
+    process group now, not a session). The tests are about what the router does when workers die, not
+    about that stall; should a first pull stall again, the start is replaced, as a liveness probe would
+    replace it, and the stall is printed (its log kept as decode-b.pull-stalled-N.log)."""
     logs = tmp_path_factory.mktemp("decode-b")
     p = worker("decode-b", cpu_settings("decode", tiny_model, "0"), worker_python, logs)
     try:

@@ -87,9 +87,16 @@ class LocalProcess:
     def start(self) -> LocalProcess:
         log = open(self.log_path, "wb")
         # Not the repository root as cwd: `python -m` would put its `operator` folder on sys.path.
-        self.proc = subprocess.Popen(self.argv, env={**os.environ, **self.env}, stdout=log,
-                                     stderr=subprocess.STDOUT, cwd=tempfile.gettempdir(),
-                                     start_new_session=True)
+        # Its own process group (stop and kill signal the group), not its own session: the kernel puts
+        # each session in its own scheduler autogroup, and on this kind of host (Linux 6.18, EEVDF) a
+        # second decode engine pinned to the prefill's core, in its own autogroup, went unscheduled for
+        # minutes while the prefill's NIXL progress thread ran: runnable, its group entity never
+        # eligible (/sys/kernel/debug/sched/debug), its first KV pull "stalled" (the decode-b stalls of
+        # tests/test_router_pd.py). Same workers, same cores, one autogroup: 7 of 7 first pulls in 0.1 s,
+        # against 3 of 3 stalled with a session each.
+        self.proc = subprocess.Popen(self.argv, env={**os.environ, **self.env}, stdin=subprocess.DEVNULL,
+                                     stdout=log, stderr=subprocess.STDOUT, cwd=tempfile.gettempdir(),
+                                     process_group=0)
         return self
 
     def wait_ready(self, timeout: float = 300, path: str = "/health") -> LocalProcess:
