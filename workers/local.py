@@ -73,11 +73,12 @@ class LocalProcess:
         is killed and started once more, at most once per `wait_ready` (its log kept as
         <name>.stalled-N.log). Once per wait, not per object: a caller that starts the same process
         again (tests/test_router_pd.py's decode-b after a stalled first KV pull) gets the net again; a
-        CI run's second start of decode-b hung after a first start had used it, and waited 1200 s. For vLLM engines, a safety
-        net: engines starting beside idle ones printed nothing for minutes here, starved of CPU by the
-        idle engines' busy-polling NIXL threads (fixed in workers/engine_site); should a start-up stall
-        again, a second start is the cheap way through and the kept log the evidence. Slow start-ups
-        still print, so they are not restarted."""
+        CI run's second start of decode-b hung after a first start had used it, and waited 1200 s.
+        For vLLM engines, a safety net: engines starting beside others printed nothing for minutes
+        here, starved of CPU (by idle engines' busy-polling NIXL threads, fixed in workers/engine_site;
+        then by a scheduler autogroup per engine, see `start`); should a start-up stall again, a second
+        start is the cheap way through and the kept log the evidence. Slow start-ups still print, so
+        they are not restarted."""
         self.name, self.argv, self.env, self.url = name, argv, env, url
         self.log_path = log_dir / f"{name}.log"
         self.proc: subprocess.Popen | None = None
@@ -93,7 +94,7 @@ class LocalProcess:
         # minutes while the prefill's NIXL progress thread ran: runnable, its group entity never
         # eligible (/sys/kernel/debug/sched/debug), its first KV pull "stalled" (the decode-b stalls of
         # tests/test_router_pd.py). Same workers, same cores, one autogroup: 7 of 7 first pulls in 0.1 s,
-        # against 3 of 3 stalled with a session each.
+        # against 3 of 4 stalled with a session each.
         self.proc = subprocess.Popen(self.argv, env={**os.environ, **self.env}, stdin=subprocess.DEVNULL,
                                      stdout=log, stderr=subprocess.STDOUT, cwd=tempfile.gettempdir(),
                                      process_group=0)
