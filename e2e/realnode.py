@@ -101,14 +101,14 @@ def remove_model(api: client.ApiClient, namespace: str) -> None:
 
 def deployment(name: str, source: str, worker_image: str, prefill: int = 1, decode: int = 1,
                disaggregation: str = "always") -> dict[str, Any]:
-    """The tiny model as a DisaggDeployment whose every pod lands on the real node."""
+    """The tiny model as a DisaggDeployment whose every pod lands on the real node. spec.kvTransfer is left at
+    its defaults: what a user applies unchanged to a CPU cluster must serve."""
     p = placement()
     role = {"tensorParallelSize": 1, **p}
     spec: dict[str, Any] = {
         "model": {"name": SERVED_MODEL, "source": source},
         "engine": {"image": worker_image, "imagePullPolicy": "Never", "args": list(ENGINE_ARGS),
                    "env": [{"name": k, "value": v} for k, v in ENGINE_ENV.items()]},
-        "kvTransfer": {"bufferDevice": "cpu"},
         "prefill": {"replicas": prefill, "minReplicas": 0 if prefill == 0 else 1, **role},
         "decode": {"replicas": decode, **role},
         "router": {"replicas": 1, "disaggregation": disaggregation, **p},

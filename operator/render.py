@@ -119,6 +119,7 @@ def worker_args(dd: DisaggDeployment, role: str) -> list[str]:
         "--served-model-name", spec.model.name,
         "--tensor-parallel-size", str(role_spec.tensor_parallel_size),
         "--port", str(HTTP_PORT),
+        "--metrics-port", str(contract.WORKER_METRICS_PORT),
         "--kv-connector", spec.kv_transfer.connector,
         "--kv-buffer-device", spec.kv_transfer.buffer_device,
         "--nixl-backends", ",".join(spec.kv_transfer.backends),
@@ -227,6 +228,7 @@ def kv_revision(dd: DisaggDeployment) -> str:
     return contract.kv_revision(
         model=spec.model.source, model_revision=spec.model.revision, tokenizer=spec.model.tokenizer,
         image=spec.engine.image, engine_args=spec.engine.args,
+        engine_env={e.name: e.value for e in spec.engine.env},
         kv_transfer={"connector": spec.kv_transfer.connector, "backends": list(spec.kv_transfer.backends),
                      "buffer_device": spec.kv_transfer.buffer_device},
         roles={role: (getattr(spec, role).tensor_parallel_size, getattr(spec, role).extra_args)
@@ -272,6 +274,7 @@ def worker_deployment(dd: DisaggDeployment, uid: str, role: str, gang: gangs.Gan
         "args": worker_args(dd, role),
         "env": env,
         "ports": [{"name": "http", "containerPort": HTTP_PORT},
+                  {"name": contract.WORKER_METRICS_PORT_NAME, "containerPort": contract.WORKER_METRICS_PORT},
                   {"name": "nixl", "containerPort": NIXL_PORT},
                   {"name": "kv-events", "containerPort": KV_EVENTS_PORT},
                   {"name": "kv-replay", "containerPort": contract.KV_REPLAY_PORT}],
@@ -471,10 +474,12 @@ def network_policy(dd: DisaggDeployment, uid: str) -> dict[str, Any]:
     """Ingress to the deployment's prefill and decode pods, which serve vLLM's API, the NIXL side channel
     and the KV events without authentication: from its own workers on every port (NIXL's side channel,
     and the ports UCX's TCP transport picks for the KV itself, which are not fixed), from its own routers
-    to vLLM's HTTP port, the KV events and their replay socket, from Prometheus (prometheus_peers) to
-    vLLM's HTTP port, which serves /metrics. Nothing else, including other deployments in the namespace. Router pods are not
-    selected: their port stays as open as it is without this policy. Egress is not restricted (model
-    downloads). Only enforced by a CNI that implements NetworkPolicy."""
+    to vLLM's HTTP port, the KV events and their replay socket, from Prometheus (prometheus_peers) to the
+    workers' metrics port only (contract.WORKER_METRICS_PORT: vLLM's /metrics relayed alone, since its API
+    port also serves the model to anyone admitted there). Nothing else, including other deployments in the
+    namespace. Router pods are not selected: their port stays as open as it is without this policy. Egress
+    is not restricted (model downloads). Only enforced by a CNI that implements NetworkPolicy
+    (tests/test_network_policy.py proves it with traffic under a real enforcer)."""
     name = dd.metadata.name
     ingress: list[dict[str, Any]] = [
         {"from": [{"podSelector": _workers_of(name)}]},
@@ -483,7 +488,7 @@ def network_policy(dd: DisaggDeployment, uid: str) -> dict[str, Any]:
     ]
     peers = prometheus_peers()
     if peers:  # an empty `from` would admit every source: no peers, no rule
-        ingress.append({"from": peers, "ports": _tcp(HTTP_PORT)})
+        ingress.append({"from": peers, "ports": _tcp(contract.WORKER_METRICS_PORT)})
     return {
         "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
         "metadata": _meta(dd, uid, names(name)["network-policy"]),

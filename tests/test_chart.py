@@ -161,7 +161,8 @@ def test_monitors_render_when_the_prometheus_operator_is_there(helm):
                             if r.get("source_labels") == ["__meta_kubernetes_pod_container_port_name"]]
     assert [(r["action"], r.get("regex")) for r in port_rules(jobs[routers["metadata"]["name"]])] == \
         [("keep", contract.ROUTER_METRICS_PORT_NAMES), ("replace", None)]
-    assert [(r["action"], r["regex"]) for r in port_rules(jobs[workers["metadata"]["name"]])] == [("keep", "http")]
+    assert [(r["action"], r["regex"]) for r in port_rules(jobs[workers["metadata"]["name"]])] == \
+        [("keep", contract.WORKER_METRICS_PORT_NAME)]
     assert routers["spec"]["selector"]["matchExpressions"][0]["values"] == ["router"]
     assert workers["spec"]["selector"]["matchExpressions"][0]["values"] == ["prefill", "decode"]
 

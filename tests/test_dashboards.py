@@ -312,8 +312,9 @@ def _prometheus_sum(prom: LocalPrometheus, selector: str) -> float | None:
 @pytest.fixture(scope="module")
 def stack(tiny_model, worker_python, tmp_path_factory):  # noqa: F811
     logs = tmp_path_factory.mktemp("dashboards")
-    prefill_s = cpu_settings("prefill", tiny_model, "0")
-    decode_s = cpu_settings("decode", tiny_model, "1")
+    # each worker's metrics on their own port, relayed by its supervisor, as in a pod
+    prefill_s = cpu_settings("prefill", tiny_model, "0", metrics_port=free_port())
+    decode_s = cpu_settings("decode", tiny_model, "1", metrics_port=free_port())
     procs = {"prefill": worker("prefill", prefill_s, worker_python, logs),
              "decode": worker("decode", decode_s, worker_python, logs)}
     closers = []
@@ -356,8 +357,8 @@ def stack(tiny_model, worker_python, tmp_path_factory):  # noqa: F811
         closers.append(feed.close)
         # the router scraped on its process's own metrics port, as the chart's monitor does in a cluster
         pods = {"tiny-router-0": ("router", f"127.0.0.1:{metrics_port}", contract.router_metrics_port_name(0)),
-                "tiny-prefill-0": ("prefill", f"127.0.0.1:{prefill_s.port}", "http"),
-                "tiny-decode-0": ("decode", f"127.0.0.1:{decode_s.port}", "http")}
+                "tiny-prefill-0": ("prefill", f"127.0.0.1:{prefill_s.metrics_port}", contract.WORKER_METRICS_PORT_NAME),
+                "tiny-decode-0": ("decode", f"127.0.0.1:{decode_s.metrics_port}", contract.WORKER_METRICS_PORT_NAME)}
         prom = LocalPrometheus(logs / "prometheus", [], rule_groups=groups,
                                scrape_configs=scrape_configs(monitors, pods, f"127.0.0.1:{feed.port}"))
         prom.start()

@@ -21,7 +21,8 @@ def test_what_changes_the_revision():
     base = render.kv_revision(_dd())
     same = [dict(engine={"args": ["--max-model-len", "512", "--max-num-seqs", "8"]}),
             dict(decode={"replicas": 4}), dict(prefill={"extraArgs": ["--max-num-batched-tokens", "4096"]}),
-            dict(model={"name": "other-name", "source": "hf://example/tiny"}), dict(router={"replicas": 2})]
+            dict(model={"name": "other-name", "source": "hf://example/tiny"}), dict(router={"replicas": 2}),
+            dict(engine={"env": [{"name": "VLLM_LOGGING_LEVEL", "value": "DEBUG"}]})]
     for spec in same:
         assert render.kv_revision(_dd(**spec)) == base, spec
     changed = [dict(engine={"args": ["--kv-cache-dtype", "fp8"]}), dict(engine={"args": ["--dtype=bfloat16"]}),
@@ -29,7 +30,10 @@ def test_what_changes_the_revision():
                dict(engine={"image": "disagg/worker:0.2.0"}), dict(model={"name": "tiny", "source": "hf://x/y"}),
                dict(model={"name": "tiny", "source": "hf://example/tiny", "revision": "v2"}),
                dict(decode={"extraArgs": ["--kv_cache_dtype=fp8"]}),
-               dict(kvTransfer={"bufferDevice": "cpu"})]
+               dict(kvTransfer={"bufferDevice": "cpu"}),
+               # an environment variable that changes the KV layout splits pairing like a flag does
+               dict(engine={"env": [{"name": "VLLM_KV_CACHE_LAYOUT", "value": "HND"}]}),
+               dict(engine={"env": [{"name": "VLLM_KV_CACHE_LAYOUT", "value": "NHD"}]})]
     seen = {base}
     for spec in changed:
         rev = render.kv_revision(_dd(**spec))

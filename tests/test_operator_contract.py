@@ -22,7 +22,8 @@ from disagg.workers.command import build, kv_events_config
 
 # The worker settings a pod depends on, each of which the operator must set (not leave to a default).
 WORKER_SETTINGS = {"role", "model", "served_model_name", "port", "nixl_port", "kv_events_port",
-                   "kv_replay_port", "kv_buffer_device", "nixl_backends", "block_size", "drain_seconds"}
+                   "kv_replay_port", "kv_buffer_device", "nixl_backends", "block_size", "drain_seconds",
+                   "metrics_port"}
 ROUTER_SETTINGS = {"model", "tokenizer", "port", "block_size", "kv_events_topic", "spec"}
 
 
@@ -116,6 +117,8 @@ def test_router_and_workers_agree_on_everything_a_pod_depends_on(spec):
         assert int(_last(argv, "--port")) == settings.port == _port(c, "http")
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert c[probe]["httpGet"] == {"path": contract.WORKER_HEALTH_PATH, "port": "http"}
+        assert settings.metrics_port == contract.WORKER_METRICS_PORT == _port(c, contract.WORKER_METRICS_PORT_NAME)
+        assert settings.metrics_port != settings.port, "the metrics port serves /metrics alone, not the API"
         assert cmd.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(settings.nixl_port) == str(_port(c, "nixl"))
         env = {e["name"]: e.get("value") for e in c["env"]}
         assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "$(POD_IP)"

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from disagg.api import contract
 from disagg.api.names import (
     DISK_OFFLOAD_PATH,
     MODEL_MOUNT_ROOT,
@@ -288,7 +289,7 @@ def test_network_policy_follows_the_operators_options(monkeypatch):
              {"ipBlock": {"cidr": "10.0.0.0/8"}}]
     monkeypatch.setenv(render.NETWORK_POLICY_PROMETHEUS_ENV, json.dumps(peers))
     rule = render.network_policy(_dd(), "uid")["spec"]["ingress"][-1]
-    assert rule == {"from": peers, "ports": [{"protocol": "TCP", "port": render.HTTP_PORT}]}
+    assert rule == {"from": peers, "ports": [{"protocol": "TCP", "port": contract.WORKER_METRICS_PORT}]}
     monkeypatch.setenv(render.NETWORK_POLICY_PROMETHEUS_ENV, "[]")
     assert all(rule["from"] for rule in render.network_policy(_dd(), "uid")["spec"]["ingress"]), \
         "no peers: no rule (an empty `from` admits everyone)"

@@ -152,7 +152,8 @@ def test_network_policy_admits_only_the_deployments_own_pods(api_client, namespa
     assert ports_for(labels("router", "other")) == set() and ports_for(labels("decode", "other")) == set()
     assert ports_for({"app": "anything"}) == set()
     (prometheus,) = [r for r in spec.ingress if any(p.namespace_selector is not None for p in r._from)]
-    assert [p.port for p in prometheus.ports] == [render.HTTP_PORT], "Prometheus scrapes vLLM's /metrics only"
+    assert [p.port for p in prometheus.ports] == [contract.WORKER_METRICS_PORT], \
+        "Prometheus reaches the metrics port only, never vLLM's API port"
     assert prometheus._from[0].pod_selector.match_labels == {"app.kubernetes.io/name": "prometheus"}
 
     # a hand edit (opening the workers to everyone) is reverted at once, and so is a deletion

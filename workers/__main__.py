@@ -36,8 +36,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor-parallel-size", type=int)
     p.add_argument("--port", type=int)
     p.add_argument("--kv-connector", choices=["NixlConnector"])
-    p.add_argument("--kv-buffer-device", choices=["cuda", "cpu"])
+    p.add_argument("--kv-buffer-device", choices=["auto", "cuda", "cpu"])
     p.add_argument("--nixl-backends", help="comma-separated, in order of preference")
+    p.add_argument("--metrics-port", type=int, help="serve vLLM's /metrics alone on this port too")
     p.add_argument("--nixl-side-channel-port", type=int)
     p.add_argument("--kv-events-port", type=int)
     p.add_argument("--kv-replay-port", type=int, help="where vLLM resends KV event batches a router missed")
@@ -66,7 +67,8 @@ def settings_from(args: argparse.Namespace, engine_args: list[str]) -> WorkerSet
         role=args.role, model=local_model_path(args.model) if args.model else None,
         served_model_name=args.served_model_name, port=args.port, kv_buffer_device=args.kv_buffer_device,
         nixl_backends=args.nixl_backends.split(",") if args.nixl_backends else None,
-        nixl_port=args.nixl_side_channel_port, kv_events_port=args.kv_events_port,
+        metrics_port=args.metrics_port, nixl_port=args.nixl_side_channel_port,
+        kv_events_port=args.kv_events_port,
         kv_replay_port=args.kv_replay_port,
         offload_cpu_gib=args.kv_offload_cpu_gib,
         offload_disk_gib=args.kv_offload_disk_gib, block_size=args.block_size, max_model_len=args.max_model_len,
@@ -104,6 +106,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from .supervisor import run
 
+    if settings.metrics_port:
+        from .metrics_port import serve
+
+        serve(settings.metrics_port, settings.port, host=settings.host)
     return run(cmd, settings.drain_seconds)
 
 

@@ -46,7 +46,7 @@ def kv_transfer_config(s: WorkerSettings) -> dict:
     """NixlConnector for the role; with offload tiers, MultiConnector(NIXL, vLLM's OffloadingConnector):
     the CPU tier alone (CPUOffloadingSpec), or CPU then disk (TieringOffloadingSpec with its fs tier)."""
     role = KV_ROLE[s.role]
-    nixl = {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": s.kv_buffer_device,
+    nixl = {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": s.resolved_buffer_device(),
             "kv_connector_extra_config": {"backends": s.nixl_backends,
                                           "kv_lease_duration": s.kv_lease_seconds}}
     if not s.offload_cpu_gib and not s.offload_disk_gib:

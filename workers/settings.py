@@ -34,13 +34,19 @@ class WorkerSettings(BaseModel):
     port: int = Field(8000, ge=1, le=65535, description="vLLM's HTTP port (OpenAI API, /health, /metrics).")
     advertise_host: str = Field("127.0.0.1", description="This pod's address as peers reach it (the pod IP): "
                                                          "the NIXL side channel and the KV event endpoint.")
+    metrics_port: int | None = Field(None, ge=1, le=65535,
+                                     description="Also serve vLLM's /metrics alone on this port (and nothing else "
+                                                 "there), so a NetworkPolicy can admit scrapers to it without "
+                                                 "admitting them to the API (workers/metrics_port.py). Off if unset.")
     nixl_port: int = Field(5600, ge=1, le=65535, description="NIXL side-channel port (distinct per instance).")
     kv_events_port: int = Field(5557, ge=1, le=65535, description="ZMQ PUB port of vLLM's KV events.")
     kv_replay_port: int = Field(KV_REPLAY_PORT, ge=1, le=65535,
                                 description="ZMQ port where vLLM resends KV event batches a router missed.")
     kv_transfer: bool = Field(True, description="NIXL KV transfer on; off for an aggregated server "
                                                 "(disaggregation: never, or a reference in tests).")
-    kv_buffer_device: Literal["cuda", "cpu"] = Field("cuda", description="Where KV is staged for NIXL transfer.")
+    kv_buffer_device: Literal["auto", "cuda", "cpu"] = Field(
+        "auto", description="Where KV is staged for NIXL transfer; auto: host memory on the CPU build, GPU "
+                            "memory otherwise (resolved_buffer_device).")
     nixl_backends: list[str] = Field(default_factory=lambda: ["UCX"], min_length=1)
     ucx_tls: str | None = Field(None, description="UCX transports (UCX_TLS); on CPU it must include tcp.")
     kv_lease_seconds: int = Field(30, ge=1, description="How long a prefill keeps KV that nobody pulled.")
@@ -75,6 +81,13 @@ class WorkerSettings(BaseModel):
     drain_seconds: int = Field(DRAIN_SECONDS, ge=0, description="On SIGTERM, how long in-flight requests may finish "
                                                                 "(vLLM's --shutdown-timeout).")
     engine_args: list[str] = Field(default_factory=list, description="Extra vLLM arguments, in order.")
+
+    def resolved_buffer_device(self) -> str:
+        """The buffer device vLLM is given. `auto` follows the build, so one spec serves on GPU and CPU
+        clusters alike; an explicit `cuda` on the CPU build stays `cuda`, and vLLM refuses it by name."""
+        if self.kv_buffer_device == "auto":
+            return "cpu" if self.cpu else "cuda"
+        return self.kv_buffer_device
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, **overrides) -> WorkerSettings:

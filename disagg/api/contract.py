@@ -46,6 +46,12 @@ KV_REPLAY_PORT = 5558
 # HTTP paths the pods' probes use: vLLM's health (its engine is alive and serving), the router's
 # readiness (it can serve: a healthy decode worker) and its liveness (the process answers).
 WORKER_HEALTH_PATH = "/health"
+# vLLM serves /metrics on its API port, and a NetworkPolicy cannot tell paths apart: admitting Prometheus to
+# that port would admit it to the model API, past the router's keys. So each worker pod also serves
+# /metrics alone on this port (the supervisor relays vLLM's, workers/metrics_port.py), the container port
+# named WORKER_METRICS_PORT_NAME, and Prometheus is admitted to this port only (operator/render.py).
+WORKER_METRICS_PORT = 9400
+WORKER_METRICS_PORT_NAME = "metrics"
 ROUTER_READY_PATH = "/health"
 ROUTER_LIVE_PATH = "/livez"
 # A router replica runs spec.router.processes processes on one serving port; a scrape of that port would
@@ -197,15 +203,38 @@ def kv_layout_args(args: Sequence[str]) -> list[str]:
     return out
 
 
+# Engine environment variables that cannot change what KV a worker computes or how it lays it out: logging
+# and tracing. Every other variable of spec.engine.env counts for the KV revision (VLLM_KV_CACHE_LAYOUT,
+# VLLM_ATTENTION_BACKEND, VLLM_USE_V2_MODEL_RUNNER, UCX_* and the like do, and a new one may): the engine's
+# environment has no list of which variables matter, so the safe default is that all do, at the cost of
+# a held rollout (not a rolling one) when only one of these harmless ones would have changed.
+KV_NEUTRAL_ENV = frozenset({
+    "VLLM_LOGGING_LEVEL", "VLLM_CONFIGURE_LOGGING", "VLLM_LOGGING_CONFIG_PATH", "VLLM_LOGGING_PREFIX",
+    "VLLM_LOG_STATS_INTERVAL", "VLLM_TRACE_FUNCTION", "VLLM_DEBUG_LOG_API_SERVER_RESPONSE",
+    "NCCL_DEBUG", "NCCL_DEBUG_SUBSYS", "UCX_LOG_LEVEL", "NIXL_LOG_LEVEL", "PYTHONUNBUFFERED",
+    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_SERVICE_NAME",
+})
+
+
+def kv_env(env: dict[str, str] | Sequence[tuple[str, str]]) -> dict[str, str]:
+    """The engine environment variables that count for the KV revision (all but KV_NEUTRAL_ENV)."""
+    items = env.items() if isinstance(env, dict) else env
+    return {k: v for k, v in items if k not in KV_NEUTRAL_ENV}
+
+
 def kv_revision(*, model: str, model_revision: str | None, tokenizer: str | None, image: str,
                 kv_transfer: dict, roles: dict[str, tuple[int, Sequence[str]]],
-                engine_args: Sequence[str]) -> str:
+                engine_args: Sequence[str], engine_env: dict[str, str] | None = None) -> str:
     """The KV revision (16 hex digits) of workers built from these parts; ``roles`` maps each role to
-    (tensor parallel size, its extra args). Same parts, same revision, in any process."""
+    (tensor parallel size, its extra args); ``engine_env``: the engine's environment (kv_env picks what
+    counts). Same parts, same revision, in any process."""
     import hashlib
     import json
 
     parts = {"model": model, "model_revision": model_revision, "tokenizer": tokenizer, "image": image,
              "kv_transfer": kv_transfer, "engine_args": kv_layout_args(engine_args),
              "roles": {role: [tp, kv_layout_args(extra)] for role, (tp, extra) in sorted(roles.items())}}
+    env = kv_env(engine_env or {})
+    if env:  # absent when empty, so a deployment without engine env keeps the revision it had
+        parts["engine_env"] = env
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]

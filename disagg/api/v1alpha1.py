@@ -169,8 +169,11 @@ class KVTransferSpec(_Model):
     backends: list[Annotated[str, Field(json_schema_extra={"enum": ["UCX", "LIBFABRIC", "GDS", "POSIX"]})]] = Field(
         default=["UCX"], min_length=1, max_length=4,
         description="NIXL backends, in order of preference.")
-    buffer_device: str = Field("cuda", json_schema_extra={"enum": ["cuda", "cpu"]},
-                               description="Where KV blocks are staged for transfer: GPU memory or host memory.")
+    buffer_device: str = Field("auto", json_schema_extra={"enum": ["auto", "cuda", "cpu"]},
+                               description="Where KV blocks are staged for transfer: GPU memory (cuda) or host "
+                                           "memory (cpu). auto: host memory where the worker image is vLLM's "
+                                           "CPU build, GPU memory otherwise, so one manifest serves on GPU and CPU "
+                                           "clusters alike.")
     ipc_lock: bool = Field(False, description="Give worker containers the IPC_LOCK capability (all others stay "
                                               "dropped): NIXL over RDMA (UCX on InfiniBand or RoCE) pins memory, "
                                               "and on nodes whose container runtime keeps the default locked-memory "
