@@ -386,6 +386,7 @@ def router_deployment(dd: DisaggDeployment, uid: str) -> dict[str, Any]:
                  "--max-in-flight", str(r.max_in_flight), "--max-queued", str(r.max_queued),
                  "--queue-timeout-seconds", str(r.queue_timeout_seconds),
                  "--connect-timeout-seconds", str(r.connect_timeout_seconds),
+                 "--prefill-timeout-seconds", str(r.prefill_timeout_seconds),
                  "--first-token-timeout-seconds", str(r.first_token_timeout_seconds),
                  "--idle-timeout-seconds", str(r.idle_timeout_seconds),
                  "--max-migrations", str(r.max_migrations),
@@ -395,7 +396,8 @@ def router_deployment(dd: DisaggDeployment, uid: str) -> dict[str, Any]:
                  "--discovery", "endpointslices", "--namespace", dd.metadata.namespace or "default",
                  "--prefill-service", n[ROLE_PREFILL], "--decode-service", n[ROLE_DECODE],
                  # N processes on the http port, process i scraped alone on metrics-i (router/processes.py)
-                 "--processes", str(r.processes), "--metrics-port", str(contract.ROUTER_METRICS_PORT)],
+                 "--processes", str(r.processes), "--metrics-port", str(contract.ROUTER_METRICS_PORT),
+                 "--drain-seconds", str(contract.DRAIN_SECONDS)],
         "ports": [{"name": "http", "containerPort": HTTP_PORT},
                   *({"name": contract.router_metrics_port_name(i), "containerPort": contract.ROUTER_METRICS_PORT + i}
                     for i in range(r.processes))],
@@ -403,6 +405,9 @@ def router_deployment(dd: DisaggDeployment, uid: str) -> dict[str, Any]:
         # takes routers out of the Service and never restarts them (their prefix index survives).
         "readinessProbe": {**ready, "periodSeconds": 5, "timeoutSeconds": 5},
         "livenessProbe": {**live, "periodSeconds": 10, "timeoutSeconds": 10, "failureThreshold": 6},
+        # the workers' drain contract: a terminating router keeps accepting until kube-proxy and any
+        # gateway have dropped it from the Service, then stops accepting and lets its streams finish
+        "lifecycle": {"preStop": {"sleep": {"seconds": contract.ENDPOINT_GRACE_SECONDS}}},
     }
     res = {k: {kk: str(vv) for kk, vv in v.items()}
            for k, v in (("requests", r.resources.requests), ("limits", r.resources.limits)) if v}
@@ -415,6 +420,9 @@ def router_deployment(dd: DisaggDeployment, uid: str) -> dict[str, Any]:
     volumes, mounts = _model_volumes(dd)
     # the router keeps its ServiceAccount token: it watches the workers' EndpointSlices (router_rbac)
     pod_spec: dict[str, Any] = {"serviceAccountName": n[ROLE_ROUTER], "containers": [container],
+                                # preStop sleep + the streams' drain + the margin: without it, the kubelet's
+                                # default 30 s cut every stream older than that at each router rollout
+                                "terminationGracePeriodSeconds": contract.termination_grace_seconds(),
                                 "enableServiceLinks": False, "affinity": _OFF_GPU_NODES,
                                 "securityContext": _pod_security()}
     if r.node_selector:

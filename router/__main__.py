@@ -18,6 +18,7 @@ import uvloop
 import yaml
 from aiohttp import web
 
+from disagg.api.contract import DRAIN_SECONDS
 from disagg.api.names import ROLE_DECODE, ROLE_PREFILL, local_model_path
 
 from .app import make_app
@@ -29,7 +30,8 @@ from .processes import LIVENESS_S
 _LIMITS = (("max-in-flight", int), ("max-queued", int), ("queue-timeout-seconds", float),
            ("connect-timeout-seconds", float), ("first-token-timeout-seconds", float),
            ("idle-timeout-seconds", float), ("request-timeout-seconds", float), ("max-migrations", int),
-           ("max-body-bytes", int), ("body-timeout-seconds", float), ("processes", int))
+           ("max-body-bytes", int), ("body-timeout-seconds", float), ("processes", int),
+           ("prefill-timeout-seconds", float))
 
 
 def _camel(flag: str) -> str:
@@ -73,6 +75,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --processes N and --metrics-port: a process that has not answered /livez on its "
                         "metrics port this long is killed and the replica stops (exits non-zero), so the kubelet "
                         "restarts it; the pod's own probe reaches only one process through the shared port")
+    p.add_argument("--drain-seconds", type=float, default=DRAIN_SECONDS,
+                   help="on SIGTERM, how long requests in flight may finish (streams included) before they are cut; "
+                        "the pod's grace period covers it (disagg.api.contract.termination_grace_seconds)")
     p.add_argument("--namespace", default="default")
     p.add_argument("--prefill-service")
     p.add_argument("--decode-service")
@@ -139,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:         # the API keys file: a router told to authenticate never starts open
         print(f"cannot read {e.filename}: {e.strerror}", file=sys.stderr)
         return 2
-    web.run_app(app, host=config.host, port=config.port, access_log=None,
+    # shutdown_timeout: aiohttp stops accepting at SIGTERM, then lets in-flight streams run this long
+    web.run_app(app, host=config.host, port=config.port, access_log=None, shutdown_timeout=args.drain_seconds,
                 print=None, backlog=4096, reuse_port=args.reuse_port or None,
                 loop=uvloop.new_event_loop() if args.event_loop == "uvloop" else asyncio.new_event_loop())
     return 0

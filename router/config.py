@@ -38,7 +38,6 @@ class RouterConfig(BaseModel):
                                                               "(max_model_len), what vLLM derived itself.")
     max_prefill_active: int = Field(8, ge=1, description="Active prefills per prefill worker above which "
                                                          "prefill counts as saturated (conditional mode).")
-    prefill_timeout_s: float = Field(30, gt=0, description="A slower prefill falls back to local prefill.")
     decode_attempts: int = Field(2, ge=1, description="Decode workers tried before the first token.")
     health_interval_s: float = Field(2, gt=0, description="How often each worker's /health is checked.")
     kv_events_topic: str = Field(KV_EVENTS_TOPIC, description="ZMQ topic of the workers' KV events.")

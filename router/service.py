@@ -366,7 +366,7 @@ class Router:
         w = plan.prefill
         self._account(w, +1)
         try:
-            data = await self._post(w, endpoint, pbody, timeout=self.config.prefill_timeout_s)
+            data = await self._post(w, endpoint, pbody, timeout=self.config.spec.prefill_timeout_seconds)
             params = data.get("kv_transfer_params")
             if not params:
                 raise _Upstream(f"prefill worker {w.name} returned no kv_transfer_params")

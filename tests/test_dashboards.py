@@ -331,8 +331,9 @@ def stack(tiny_model, worker_python, tmp_path_factory):  # noqa: F811
         # process on a busy machine (any outgoing connection) may take a port picked before
         port, metrics_port = free_port(), free_port()
         config = {"model": "tiny", "tokenizer": tiny_model, "block_size": 32, "max_model_len": 1024, "port": port,
-                  "metrics_port": metrics_port, "host": "127.0.0.1", "health_interval_s": 2, "prefill_timeout_s": 120,
-                  "spec": {"disaggregation": "conditional", "localPrefillThresholdTokens": 48},
+                  "metrics_port": metrics_port, "host": "127.0.0.1", "health_interval_s": 2,
+                  "spec": {"disaggregation": "conditional", "localPrefillThresholdTokens": 48,
+                           "prefillTimeoutSeconds": 120},
                   "prefill": [{"url": proxy.url, "kv_events": f"tcp://127.0.0.1:{prefill_s.kv_events_port}",
                                "kv_replay": f"tcp://127.0.0.1:{prefill_s.kv_replay_port}"}],
                   "decode": [{"url": decode_proxy.url, "kv_events": f"tcp://127.0.0.1:{decode_s.kv_events_port}",

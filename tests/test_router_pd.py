@@ -153,10 +153,10 @@ def pd(reference, tiny_model, worker_python, tmp_path_factory):
     port = free_port()
     # no max_model_len: the router learns the workers' (1024, cpu_settings) from their /v1/models
     config = {"model": "tiny", "tokenizer": tiny_model, "block_size": prefill_s.block_size, "port": port,
-              "host": "127.0.0.1", "spec": {"disaggregation": "always"}, "health_interval_s": 60,
+              "host": "127.0.0.1", "health_interval_s": 60,
               # vLLM CPU workers sometimes stall for one NIXL lease (30 s) on a loaded 2-core machine; the
               # test checks the P/D path, so a slow prefill must not turn into a (correct) fallback
-              "prefill_timeout_s": 120,
+              "spec": {"disaggregation": "always", "prefillTimeoutSeconds": 120},
               "prefill": [{"url": f"http://127.0.0.1:{prefill_s.port}",
                            "kv_events": f"tcp://127.0.0.1:{prefill_s.kv_events_port}"}],
               "decode": [{"url": f"http://127.0.0.1:{decode_s.port}",
@@ -421,9 +421,9 @@ def failures(pd, decode_b, tmp_path_factory):
               "port": port, "host": "127.0.0.1", "health_interval_s": 1,
               # a starved router (nice 19 under a load average of 40 here) timed out a local connect after
               # 5 s and, with one decode left, the request failed: the timeouts are not what is tested
-              "spec": {"disaggregation": "always", "policy": "round-robin", "connectTimeoutSeconds": 30},
               # a slow prefill on a loaded 2-core machine must not turn into a (correct) fallback
-              "prefill_timeout_s": 120,
+              "spec": {"disaggregation": "always", "policy": "round-robin", "connectTimeoutSeconds": 30,
+                       "prefillTimeoutSeconds": 120},
               "prefill": [{"url": proxy.url}],
               "decode": [{"url": d.url} for d in decode_proxies]}
     (logs / "router.json").write_text(json.dumps(config))

@@ -336,6 +336,11 @@ class RouterSpec(_Model):
         description="How long a request may wait for admission before a 429 with Retry-After.")
     connect_timeout_seconds: float = Field(5, gt=0, le=3600,
                                            description="Connecting to a worker; then the next worker is tried.")
+    prefill_timeout_seconds: float = Field(
+        30, gt=0, le=3600,
+        description="How long the router waits for a prefill worker's answer (its KV ready to pull) before the "
+                    "decode worker prefills the prompt itself, counted as a prefill_timeout fallback. Raise it "
+                    "for long prompts on slow prefill workers; the request is served either way.")
     first_token_timeout_seconds: float = Field(
         600, gt=0, le=86400,
         description="A decode stream that sends no token this long after the request is cut with an error "
