@@ -8,7 +8,9 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
+from disagg.api import parallelism as par
 from disagg.api import v1alpha1 as api
+from disagg.api.names import MAX_GROUP_REPLICAS
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = yaml.safe_load((REPO / "examples" / "small.yaml").read_text())
@@ -84,6 +86,82 @@ def test_models_refuse_the_same_specs(case, edits, field):
         api.DisaggDeployment.model_validate(invalid(edits))
 
 
+# Replicas of several pods: (id, edits, the field the API server names, the message both it and the
+# models give). examples/small.yaml sets tensorParallelSize: 1 on both roles.
+LAYOUT_INVALID = [
+    ("tensor-both-different", {"spec.prefill.parallelism": {"tensor": 2}}, "spec.prefill.parallelism.tensor",
+     par.TENSOR_CONFLICT),
+    ("data-without-expert", {"spec.decode.parallelism": {"data": 2}}, "spec.decode.parallelism.data",
+     par.DATA_NEEDS_EXPERT),
+    ("pods-split-ranks-unevenly", {"spec.prefill.tensorParallelSize": 3, "spec.prefill.podsPerReplica": 2},
+     "spec.prefill.podsPerReplica", par.PODS_DIVIDE_RANKS),
+    ("pods-split-data-unevenly", {"spec.prefill.parallelism": {"data": 3, "expert": True},
+                                  "spec.prefill.podsPerReplica": 2}, "spec.prefill.podsPerReplica",
+     par.PODS_DIVIDE_DATA),
+    ("data-local-wrong", {"spec.prefill.parallelism": {"data": 16, "dataLocal": 4, "expert": True},
+                          "spec.prefill.podsPerReplica": 2}, "spec.prefill.parallelism.dataLocal",
+     par.DATA_LOCAL_MISMATCH),
+    ("gpus-per-pod-wrong", {"spec.prefill.parallelism": {"pipeline": 2}, "spec.prefill.podsPerReplica": 2,
+                            "spec.prefill.resources": {"limits": {"nvidia.com/gpu": 2}}},
+     "spec.prefill.resources.limits", "nvidia.com/gpu must equal the GPUs of each pod of a replica"),
+    ("decode-pipeline", {"spec.decode.parallelism": {"pipeline": 2}, "spec.decode.podsPerReplica": 2},
+     "spec.decode.parallelism.pipeline", par.DECODE_PIPELINE),
+    ("group-names-too-long", {"spec.prefill.tensorParallelSize": 2, "spec.prefill.podsPerReplica": 2,
+                              "spec.prefill.maxReplicas": MAX_GROUP_REPLICAS + 1}, "spec.prefill.replicas",
+     f"maxReplicas may be at most {MAX_GROUP_REPLICAS} when podsPerReplica is above 1"),
+    ("pods-per-replica-zero", {"spec.prefill.podsPerReplica": 0}, "spec.prefill.podsPerReplica", None),
+    ("gpu-budget-counts-every-pod", {"spec.prefill.tensorParallelSize": _DELETE,
+                                     "spec.prefill.parallelism": {"tensor": 4, "pipeline": 2},
+                                     "spec.prefill.podsPerReplica": 2, "spec.slo": {"ttftMs": 500, "itlMs": 50},
+                                     "spec.planner": {"enabled": True, "gpuBudget": 8}},
+     "spec.planner.gpuBudget", "planner.gpuBudget is below the GPUs the gang minimum needs"),
+]
+
+
+@pytest.mark.parametrize("case,edits,field,message", LAYOUT_INVALID, ids=[c[0] for c in LAYOUT_INVALID])
+def test_layouts_refused_at_admission_and_by_the_models_alike(case, edits, field, message, cluster,
+                                                               crd_installed, namespace):
+    doc = invalid(edits)
+    out = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(doc), check=False)
+    assert out.returncode != 0, f"{case}: accepted but should have been refused"
+    assert field in out.stderr, f"{case}: message does not name {field}: {out.stderr}"
+    with pytest.raises(ValidationError) as err:
+        api.DisaggDeployment.model_validate(doc)
+    if message:
+        assert message in out.stderr and message in str(err.value)
+
+
+# Layouts admission takes, with the GPUs each pod and each replica gets.
+LAYOUT_VALID = [
+    ("tp2-over-2-pods", {"parallelism": {"tensor": 2}, "podsPerReplica": 2}, 1, 2),
+    ("pp2-over-2-pods", {"parallelism": {"pipeline": 2}, "podsPerReplica": 2,
+                         "resources": {"limits": {"nvidia.com/gpu": 1}}}, 1, 2),
+    ("tp8xpp2-over-4-pods", {"parallelism": {"tensor": 8, "pipeline": 2}, "podsPerReplica": 4,
+                             "resources": {"limits": {"nvidia.com/gpu": "4"}}}, 4, 16),
+    ("dp16-ep-over-2-pods", {"parallelism": {"data": 16, "dataLocal": 8, "expert": True}, "podsPerReplica": 2}, 8, 16),
+]
+
+
+@pytest.mark.parametrize("case,prefill,per_pod,per_replica", LAYOUT_VALID, ids=[c[0] for c in LAYOUT_VALID])
+def test_multi_pod_layouts_are_accepted(case, prefill, per_pod, per_replica, cluster, crd_installed, namespace):
+    """Set with parallelism alone (no tensorParallelSize anywhere), with a GPU budget whose rule reads the
+    sizes: the API server defaults, validates and stores it, and the models read back the same layout."""
+    doc = copy.deepcopy(EXAMPLE)
+    doc["spec"]["prefill"] = {"replicas": 1, **prefill}
+    del doc["spec"]["decode"]["tensorParallelSize"]
+    doc["spec"]["slo"] = {"ttftMs": 500, "itlMs": 50}
+    doc["spec"]["planner"] = {"enabled": True, "gpuBudget": per_replica + 1}
+    out = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(doc), check=False)
+    assert out.returncode == 0, out.stderr
+    got = yaml.safe_load(cluster.kubectl("get", "dd", "qwen-small", "-n", namespace, "-o", "yaml").stdout)
+    assert "tensorParallelSize" not in got["spec"]["prefill"]  # no default contradicts parallelism.tensor
+    assert got["spec"]["decode"]["parallelism"] == {"pipeline": 1, "data": 1, "expert": False}
+    stored = api.DisaggDeployment.model_validate({k: v for k, v in got.items() if k != "status"})
+    lay = stored.spec.prefill.layout()
+    assert (lay.gpus_per_pod, lay.gpus_per_replica) == (per_pod, per_replica)
+    assert stored.spec.decode.layout().gpus_per_replica == 1 and stored.spec.decode.tensor_parallel_size == 1
+
+
 @pytest.mark.parametrize("gpus", [2, "2"])
 def test_cross_field_message_explains_the_rule(gpus, cluster, crd_installed, namespace):
     doc = invalid({"spec.prefill.tensorParallelSize": 4, "spec.prefill.resources": {"limits": {"nvidia.com/gpu": gpus}}})
@@ -113,11 +191,18 @@ def test_valid_example_is_accepted_with_defaults(cluster, crd_installed, namespa
 
 
 def test_explain_prints_the_descriptions(cluster, crd_installed):
-    out = cluster.kubectl("explain", "dd.spec.prefill").stdout
+    out = " ".join(cluster.kubectl("explain", "dd.spec.prefill").stdout.split())  # as read, not as wrapped
     assert "Prefill workers." in out
-    assert "tensorParallelSize" in out and "GPUs one replica shards the model over" in out
+    assert "tensorParallelSize" in out and "the GPUs each layer is sharded over" in out
     out = cluster.kubectl("explain", "dd.spec.scheduling.gang.backend").stdout
     assert "workload-api" in out
+    out = cluster.kubectl("explain", "dd.spec.prefill.parallelism").stdout
+    for field in ("tensor", "pipeline", "data", "dataLocal", "expert"):
+        assert f"{field}\t" in out, out
+    out = " ".join(cluster.kubectl("explain", "dd.spec.prefill.parallelism.tensor").stdout.split())
+    assert "The same setting as tensorParallelSize, its older spelling" in out
+    out = " ".join(cluster.kubectl("explain", "dd.spec.decode.podsPerReplica").stdout.split())
+    assert "Pod 0 is the leader: it serves HTTP" in out
 
 
 def test_printer_columns_show(cluster, crd_installed, namespace):

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hashlib
 
+from .parallelism import MAX_PODS_PER_REPLICA
+
 GROUP = "serving.disagg.dev"
 
 # A DisaggDeployment's name is a DNS-1035 label of at most this many characters.
@@ -64,6 +66,26 @@ DISK_OFFLOAD_PATH = "/var/cache/disagg/kv-offload"
 # volume, never a subPath, so the kubelet's updates reach the router, which re-reads the file).
 ROUTER_AUTH_DIR = "/etc/disagg/router-auth"
 ROUTER_API_KEYS_FILE = f"{ROUTER_AUTH_DIR}/keys"
+
+
+# A replica of several pods (spec.<role>.podsPerReplica > 1) is a group named <name>-<role>-<replica>, and
+# its pods <name>-<role>-<replica>-<pod> (pod 0 the leader). Each pod name is a hostname under the group's
+# headless Service, so a DNS label, and is never shortened with a hash: the leader's address must be
+# derivable by every pod of the group. With names up to MAX_NAME_LENGTH and pod indices below
+# MAX_PODS_PER_REPLICA, that leaves room for replica indices below MAX_GROUP_REPLICAS, a bound
+# admission holds multi-pod roles to.
+_LONGEST_ROLE = max(len(ROLE_PREFILL), len(ROLE_DECODE))
+MAX_GROUP_REPLICAS = 10 ** (_LABEL_LIMIT - MAX_NAME_LENGTH - _LONGEST_ROLE - 3 - len(str(MAX_PODS_PER_REPLICA - 1)))
+
+
+def group_name(name: str, role: str, replica: int) -> str:
+    """The name of replica ``replica`` of ``role`` as a group of pods (its headless Service's, for one)."""
+    return f"{name}-{role}-{replica}"
+
+
+def group_pod_name(name: str, role: str, replica: int, pod: int) -> str:
+    """The name (and hostname) of pod ``pod`` of a multi-pod replica; pod 0 is the leader."""
+    return f"{group_name(name, role, replica)}-{pod}"
 
 
 def child_name(name: str, suffix: str) -> str:

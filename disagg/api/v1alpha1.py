@@ -16,7 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
 from . import contract
-from .names import DNS1035_LABEL, DNS1123_SUBDOMAIN, GROUP, MAX_NAME_LENGTH
+from . import parallelism as par
+from .names import DNS1035_LABEL, DNS1123_SUBDOMAIN, GROUP, MAX_GROUP_REPLICAS, MAX_NAME_LENGTH
 
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -184,11 +185,14 @@ class KVTransferSpec(_Model):
 
 class ResourceRequirements(_Model):
     requests: dict[str, Quantity] = Field(default_factory=dict, max_length=16,
-                                          description="Minimum resources per replica (Kubernetes quantities).")
+                                          description="Minimum resources of each pod of a replica (Kubernetes "
+                                                      "quantities); a one-pod replica's are the replica's.")
     limits: dict[str, Quantity] = Field(default_factory=dict, max_length=16,
-                                        description="Maximum resources per replica (Kubernetes quantities). "
-                                                    f"{GPU_RESOURCE} here must equal tensorParallelSize; when "
-                                                    "absent, tensorParallelSize GPUs are requested.")
+                                        description="Maximum resources of each pod of a replica (Kubernetes "
+                                                    f"quantities). {GPU_RESOURCE} here must equal the GPUs of "
+                                                    "each pod, tensor x pipeline x data / podsPerReplica "
+                                                    "(tensorParallelSize on a one-pod tensor-parallel replica); "
+                                                    "when absent, that many GPUs are requested.")
 
 
 class Toleration(_Model):
@@ -201,17 +205,97 @@ class Toleration(_Model):
     toleration_seconds: int | None = Field(None, ge=0, description="How long a NoExecute taint is tolerated.")
 
 
-def _gpu_rule(section: str) -> dict[str, Any]:
+# CEL for a role's layout (``role``: "self" inside RoleSpec, "self.prefill" above it). Every field is
+# read behind has(), its default standing in: the API server checks each rule against the role's own
+# default ({}) without filling in the defaults nested in it, and an absent key is an error in CEL.
+def _cel_has(role: str, field: str) -> str:
+    return f"has({role}.parallelism) && has({role}.parallelism.{field})"
+
+
+def _cel_tensor(role: str) -> str:
+    """parallelism.tensor, else tensorParallelSize, else 1, as :func:`parallelism.layout` reads it."""
+    return (f"({_cel_has(role, 'tensor')} ? {role}.parallelism.tensor : "
+            f"(has({role}.tensorParallelSize) ? {role}.tensorParallelSize : 1))")
+
+
+def _cel_size(role: str, field: str) -> str:
+    return f"({_cel_has(role, field)} ? {role}.parallelism.{field} : 1)"
+
+
+def _cel_pods(role: str) -> str:
+    return f"(has({role}.podsPerReplica) ? {role}.podsPerReplica : 1)"
+
+
+def _cel_world(role: str) -> str:
+    """The GPUs of one replica of a role: tensor x pipeline x data."""
+    return f"({_cel_tensor(role)} * {_cel_size(role, 'pipeline')} * {_cel_size(role, 'data')})"
+
+
+_PIPELINE, _DATA, _PODS = _cel_size("self", "pipeline"), _cel_size("self", "data"), _cel_pods("self")
+_EXPERT = f"({_cel_has('self', 'expert')} && self.parallelism.expert)"
+_DATA_LOCAL = "self.parallelism.dataLocal"
+# A replica laid out as before parallelism existed: one pod, tensor parallel only, sized by
+# tensorParallelSize. Its GPU rule keeps the words it always had.
+_CEL_PLAIN = f"(!({_cel_has('self', 'tensor')}) && {_PODS} == 1 && {_PIPELINE} == 1 && {_DATA} == 1)"
+
+
+def _gpu_rules(section: str) -> list[dict[str, Any]]:
     # Static messages only: string(int) in a messageExpression (or rule) is
     # estimated as unbounded by the API server's CEL cost check.
     v = f"self.resources.{section}['{GPU_RESOURCE}']"
-    return cel(
-        f"!has(self.resources) || !has(self.resources.{section}) || !('{GPU_RESOURCE}' in self.resources.{section})"
-        f" || (type({v}) == int ? {v} == self.tensorParallelSize : (isQuantity({v}) && quantity({v}).isInteger()"
-        f" && quantity({v}).asInteger() == self.tensorParallelSize))",
-        message=f"tensorParallelSize must equal the {GPU_RESOURCE} each replica requests in resources.{section}",
-        field_path=".tensorParallelSize",
-    )
+    absent = (f"!has(self.resources) || !has(self.resources.{section}) || "
+              f"!('{GPU_RESOURCE}' in self.resources.{section})")
+
+    def equals(x: str) -> str:
+        return (f"(type({v}) == int ? {v} == {x} : (isQuantity({v}) && quantity({v}).isInteger()"
+                f" && quantity({v}).asInteger() == {x}))")
+
+    plain_tp = "(has(self.tensorParallelSize) ? self.tensorParallelSize : 1)"
+    per_pod = f"({_cel_world('self')} / {_PODS})"
+    return [
+        cel(f"!{_CEL_PLAIN} || {absent} || {equals(plain_tp)}",
+            message=f"tensorParallelSize must equal the {GPU_RESOURCE} each replica requests in resources.{section}",
+            field_path=".tensorParallelSize"),
+        cel(f"{_CEL_PLAIN} || {absent} || {equals(per_pod)}",
+            message=_per_pod_gpu_message(section), field_path=f".resources.{section}"),
+    ]
+
+
+def _per_pod_gpu_message(section: str) -> str:
+    return (f"resources.{section}: {GPU_RESOURCE} must equal the GPUs of each pod of a replica, "
+            "parallelism.tensor x parallelism.pipeline x parallelism.data / podsPerReplica")
+
+
+_GROUP_NAMES_MESSAGE = (f"replicas and maxReplicas may be at most {MAX_GROUP_REPLICAS} when podsPerReplica is above "
+                        "1: each pod of such a replica is named <name>-<role>-<replica>-<pod>, which must stay a "
+                        "DNS label of at most 63 characters")
+
+
+class ParallelismSpec(_Model):
+    """The parallel layout of one replica (disagg.api.parallelism does its arithmetic)."""
+
+    tensor: int | None = Field(None, ge=1, le=par.MAX_TENSOR,
+                               description="Tensor parallel size (vLLM --tensor-parallel-size): GPUs each layer "
+                                           "is sharded over. The same setting as tensorParallelSize, its older "
+                                           "spelling: set either, or both to the same value (different values "
+                                           "are refused); with neither set it is 1. It may span the pods of a "
+                                           "replica (podsPerReplica), which pays only inside one NVLink domain.")
+    pipeline: int = Field(1, ge=1, le=par.MAX_PIPELINE,
+                          description="Pipeline parallel size (vLLM --pipeline-parallel-size): the layers are cut "
+                                      "into this many consecutive stages on different GPUs, typically one stage "
+                                      "per pod. Decode must keep 1: vLLM's NIXL connector cannot receive KV cache "
+                                      "into a pipeline-parallel engine.")
+    data: int = Field(1, ge=1, le=par.MAX_DATA,
+                      description="Data-parallel engines in one replica (vLLM --data-parallel-size), each of "
+                                  "tensor x pipeline GPUs, together holding one mixture-of-experts model's "
+                                  "experts: above 1 needs expert: true. Dense models scale with replicas instead.")
+    data_local: int | None = Field(None, ge=1, le=par.MAX_DATA_LOCAL,
+                                   description="Data-parallel engines on each pod (vLLM "
+                                               "--data-parallel-size-local): data / podsPerReplica, which is "
+                                               "also the default; 1 without data parallel.")
+    expert: bool = Field(False, description="Expert parallel (vLLM --enable-expert-parallel): a mixture-of-experts "
+                                            "model's experts are spread over the replica's GPUs instead of each "
+                                            "GPU holding a slice of every expert.")
 
 
 _SHARED_FLAGS_MESSAGE = ("extraArgs may not set --block-size or --max-model-len: prefill and decode (and the "
@@ -228,8 +312,21 @@ class RoleSpec(_Model):
             field_path=".replicas"),
         cel("!has(self.minReplicas) || !has(self.maxReplicas) || self.minReplicas <= self.maxReplicas",
             "minReplicas must not exceed maxReplicas", field_path=".minReplicas"),
-        _gpu_rule("limits"),
-        _gpu_rule("requests"),
+        cel(f"!has(self.tensorParallelSize) || !({_cel_has('self', 'tensor')}) "
+            "|| self.tensorParallelSize == self.parallelism.tensor",
+            par.TENSOR_CONFLICT, field_path=".parallelism.tensor"),
+        cel(f"{_DATA} == 1 || {_EXPERT}", par.DATA_NEEDS_EXPERT, field_path=".parallelism.data"),
+        cel(f"{_DATA} > 1 || ({_cel_tensor('self')} * {_PIPELINE}) % {_PODS} == 0",
+            par.PODS_DIVIDE_RANKS, field_path=".podsPerReplica"),
+        cel(f"{_DATA} == 1 || {_DATA} % {_PODS} == 0", par.PODS_DIVIDE_DATA, field_path=".podsPerReplica"),
+        cel(f"!({_cel_has('self', 'dataLocal')}) || "
+            f"({_DATA} == 1 ? {_DATA_LOCAL} == 1 : {_DATA_LOCAL} * {_PODS} == {_DATA})",
+            par.DATA_LOCAL_MISMATCH, field_path=".parallelism.dataLocal"),
+        *_gpu_rules("limits"),
+        *_gpu_rules("requests"),
+        cel(f"{_PODS} == 1 || ((!has(self.replicas) || self.replicas <= {MAX_GROUP_REPLICAS}) && "
+            f"(!has(self.maxReplicas) || self.maxReplicas <= {MAX_GROUP_REPLICAS}))",
+            _GROUP_NAMES_MESSAGE, field_path=".replicas"),
         cel("!has(self.extraArgs) || !self.extraArgs.exists(a, "
             + " || ".join(f"a == '{f}' || a.startsWith('{f}=')" for f in contract.SHARED_ENGINE_FLAGS) + ")",
             _SHARED_FLAGS_MESSAGE, field_path=".extraArgs"),
@@ -242,25 +339,53 @@ class RoleSpec(_Model):
                                      description="Lowest replica count the planner may choose.")
     max_replicas: int | None = Field(None, ge=1, le=1024,
                                      description="Highest replica count the planner may choose.")
-    tensor_parallel_size: int = Field(1, ge=1, le=64,
-                                      description="GPUs one replica shards the model over (vLLM "
-                                                  "--tensor-parallel-size); equals its GPU request.")
+    # Optional on the wire, so that setting only parallelism.tensor is not contradicted by a default
+    # of 1 the API server would store; after validation it always holds the effective tensor size,
+    # which Python callers read.
+    tensor_parallel_size: int | None = Field(None, ge=1, le=par.MAX_TENSOR,
+                                             description="Tensor parallel size of one replica (vLLM "
+                                                         "--tensor-parallel-size): the GPUs each layer is "
+                                                         "sharded over; 1 when unset. The original "
+                                                         "spelling of parallelism.tensor, kept so existing "
+                                                         "manifests work unchanged: set either, or both to the "
+                                                         "same value (different values are refused). On a "
+                                                         "one-pod replica without pipeline or data parallel it "
+                                                         "is the replica's GPU request.")
+    parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec,
+                                         description="Parallel layout of one replica: tensor, pipeline, data and "
+                                                     "expert parallel. A replica uses tensor x pipeline x data "
+                                                     "GPUs, split evenly over its podsPerReplica pods.")
+    pods_per_replica: int = Field(1, ge=1, le=par.MAX_PODS_PER_REPLICA,
+                                  description="Pods one replica spans (1 by default), each with tensor x "
+                                              "pipeline x data / podsPerReplica GPUs; resources apply to each "
+                                              "pod. Pod 0 is the leader: it serves HTTP, metrics and the NIXL "
+                                              "side channel, and the others run their ranks headless. Tensor "
+                                              "and pipeline parallel split one engine's ranks over the pods; "
+                                              "with data above 1 each pod runs parallelism.dataLocal whole "
+                                              "data-parallel engines. A replica is placed and restarted as a "
+                                              "whole: all of its pods or none.")
     resources: ResourceRequirements = Field(default_factory=ResourceRequirements,
-                                            description="Resources of one replica's worker container.")
+                                            description="Resources of the worker container of each pod of a "
+                                                        "replica.")
     node_selector: dict[str, Annotated[str, Field(max_length=63)]] = Field(
-        default_factory=dict, max_length=32, description="Node labels a replica's node must carry.")
+        default_factory=dict, max_length=32, description="Node labels the nodes of a replica's pods must carry.")
     tolerations: list[Toleration] = Field(default_factory=list, max_length=32,
-                                          description="Taints a replica tolerates.")
+                                          description="Taints a replica's pods tolerate.")
     extra_args: list[Annotated[str, Field(max_length=4096)]] = Field(
         default_factory=list, max_length=128,
         description="vLLM arguments for this role only, after engine.args, as an argument list.")
 
+    def layout(self) -> par.Layout:
+        """Pods, GPUs and ranks of one replica (disagg.api.parallelism)."""
+        return par.layout(self)
+
     def gpus(self) -> int:
-        """GPUs one replica requests (tensorParallelSize unless resources say otherwise)."""
+        """GPUs one pod of a replica requests: a node must hold this many for the pod to fit. On a
+        one-pod replica that is the replica's count; layout().gpus_per_replica is the replica's always."""
         for section in (self.resources.limits, self.resources.requests):
             if GPU_RESOURCE in section:
                 return int(str(section[GPU_RESOURCE]))
-        return self.tensor_parallel_size
+        return self.layout().gpus_per_pod
 
     @model_validator(mode="after")
     def _check(self) -> RoleSpec:
@@ -270,12 +395,30 @@ class RoleSpec(_Model):
             raise ValueError(f"replicas ({self.replicas}) must not exceed maxReplicas ({self.max_replicas})")
         if self.min_replicas is not None and self.max_replicas is not None and self.min_replicas > self.max_replicas:
             raise ValueError("minReplicas must not exceed maxReplicas")
+        p = self.parallelism
+        if self.tensor_parallel_size is not None and p.tensor is not None and self.tensor_parallel_size != p.tensor:
+            raise ValueError(f"{par.TENSOR_CONFLICT} (tensorParallelSize {self.tensor_parallel_size}, "
+                             f"parallelism.tensor {p.tensor})")
+        lay = self.layout()
+        problems = par.problems(lay, data_local_set=p.data_local is not None)
+        if problems:
+            raise ValueError("; ".join(problems))
+        plain = p.tensor is None and self.pods_per_replica == 1 and p.pipeline == 1 and p.data == 1
         for name, section in (("limits", self.resources.limits), ("requests", self.resources.requests)):
-            if GPU_RESOURCE in section and str(section[GPU_RESOURCE]) != str(self.tensor_parallel_size):
-                raise ValueError(f"tensorParallelSize ({self.tensor_parallel_size}) must equal the {GPU_RESOURCE} "
+            if GPU_RESOURCE not in section:
+                continue
+            if plain and str(section[GPU_RESOURCE]) != str(lay.tensor):
+                raise ValueError(f"tensorParallelSize ({lay.tensor}) must equal the {GPU_RESOURCE} "
                                  f"each replica requests in resources.{name} ({section[GPU_RESOURCE]})")
+            if not plain and str(section[GPU_RESOURCE]) != str(lay.gpus_per_pod):
+                raise ValueError(f"{_per_pod_gpu_message(name)} ({lay.tensor} x {lay.pipeline} x {lay.data} / "
+                                 f"{lay.pods} = {lay.gpus_per_pod}, not {section[GPU_RESOURCE]})")
+        if self.pods_per_replica > 1 and max(self.replicas, self.max_replicas or 0) > MAX_GROUP_REPLICAS:
+            raise ValueError(_GROUP_NAMES_MESSAGE)
         if contract.names_shared_flag(self.extra_args):
             raise ValueError(_SHARED_FLAGS_MESSAGE)
+        # Python callers (the renderer, the planner) read the effective tensor size here.
+        self.tensor_parallel_size = lay.tensor
         return self
 
 
@@ -489,9 +632,11 @@ class DisaggDeploymentSpec(_Model):
         cel("!self.planner.enabled || has(self.slo)", "planner.enabled needs slo targets (spec.slo)",
             field_path=".planner.enabled", reason="FieldValueRequired"),
         cel("!has(self.planner.gpuBudget) || self.planner.gpuBudget >= "
-            "self.scheduling.gang.minPrefill * self.prefill.tensorParallelSize + "
-            "self.scheduling.gang.minDecode * self.decode.tensorParallelSize",
+            f"self.scheduling.gang.minPrefill * {_cel_world('self.prefill')} + "
+            f"self.scheduling.gang.minDecode * {_cel_world('self.decode')}",
             "planner.gpuBudget is below the GPUs the gang minimum needs", field_path=".planner.gpuBudget"),
+        cel(f"{_cel_size('self.decode', 'pipeline')} == 1", par.DECODE_PIPELINE,
+            field_path=".decode.parallelism.pipeline"),
     ))
 
     model: ModelSpec = Field(description="The model to serve.")
@@ -519,12 +664,15 @@ class DisaggDeploymentSpec(_Model):
             raise ValueError("planner.enabled needs slo targets (spec.slo)")
         if self.planner.gpu_budget is not None and self.planner.gpu_budget < self.gang_min_gpus():
             raise ValueError("planner.gpuBudget is below the GPUs the gang minimum needs")
+        if self.decode.parallelism.pipeline != 1:
+            raise ValueError(f"{par.DECODE_PIPELINE} (pipeline {self.decode.parallelism.pipeline})")
         return self
 
     def gang_min_gpus(self) -> int:
+        """GPUs of the gang's minimum set: whole replicas, each of all its pods' GPUs."""
         gang = self.scheduling.gang
-        return (gang.min_prefill * self.prefill.tensor_parallel_size
-                + gang.min_decode * self.decode.tensor_parallel_size)
+        return (gang.min_prefill * self.prefill.layout().gpus_per_replica
+                + gang.min_decode * self.decode.layout().gpus_per_replica)
 
 
 # ---------------------------------------------------------------- status
