@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # Reinstall the light environment whenever pyproject.toml changes.
 STAMP := $(VENV)/.installed-$(shell sha256sum pyproject.toml | cut -c1-16)
 
-.PHONY: test demo venv bench-deps cluster-build node-build node-packages test-packages buildkit prometheus-build cluster-up cluster-down crds worker-env e2e e2e-kind go-builds demo-go-builds
+.PHONY: test demo venv bench-deps cluster-build node-build node-packages test-packages buildkit prometheus-build netpol-build cluster-up cluster-down crds worker-env e2e e2e-kind go-builds demo-go-builds
 
 # On a cold cache the prerequisites take most of the time, so they are built side by side in three job slots
 # (the inner make of go-builds shares them): the Python environments are mostly downloads, and a Go link or
@@ -21,7 +21,7 @@ demo: node-packages
 	$(BIN)/disagg demo
 
 go-builds:
-	$(MAKE) --no-print-directory cluster-build node-build prometheus-build buildkit
+	$(MAKE) --no-print-directory cluster-build node-build prometheus-build netpol-build buildkit
 
 demo-go-builds:
 	$(MAKE) --no-print-directory cluster-build node-build buildkit
@@ -53,9 +53,9 @@ node-build: node-packages
 # plugins, nftables (kube-proxy's mode and the node's own fence), mmdebstrap (the images' Debian base),
 # a static busybox (the real node test's tiny image) and a C toolchain for the sandbox program.
 NODE_PACKAGES := runc containernetworking-plugins nftables mmdebstrap busybox-static gcc libc6-dev ca-certificates
-# make test's too: a real Prometheus for the planner's tests and a headless browser (Chromium and its driver)
-# for the configurator's web page test.
-TEST_PACKAGES := $(NODE_PACKAGES) prometheus chromium chromium-driver
+# make test's too: a real Prometheus for the planner's tests, a headless browser (Chromium and its driver)
+# for the configurator's web page test, and iptables and ipset for the real node's NetworkPolicy enforcer.
+TEST_PACKAGES := $(NODE_PACKAGES) prometheus chromium chromium-driver iptables ipset
 apt-install = @missing=$$(for p in $(1); do dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q 'install ok installed' || echo $$p; done); \
 	[ -z "$$missing" ] || { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y $$missing; }
 node-packages:
@@ -89,6 +89,11 @@ cluster-up: venv cluster-build node-build
 cluster-down: venv
 	$(BIN)/disagg cluster down
 
+
+# The real node's NetworkPolicy enforcer (kube-router's firewall) from its Go module into the cache, for
+# tests/test_network_policy.py, which proves the operator's NetworkPolicy with traffic.
+netpol-build: test-packages
+	bash e2e/localcluster/build-netpol.sh >/dev/null
 
 # Prometheus with Kubernetes service discovery (Debian's has none), from its Go module into the cache,
 # for the end-to-end suite on the real node.

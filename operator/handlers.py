@@ -141,6 +141,15 @@ def reconcile(body: kopf.Body, uid: str, name: str, namespace: str, memo: kopf.M
         raise kopf.PermanentError(f"invalid spec: {e}") from e
     clients: children.Clients = memo.clients
     key = (namespace, name)
+    unrendered = render.unrendered_layout(dd)
+    if unrendered:
+        # what admission let through but this version cannot run: said in status and an event, nothing
+        # applied (what already runs keeps running), no retry until the spec changes
+        metrics.reconciles.labels("unsupported").inc()
+        memo.applied[key] = (body["metadata"].get("generation", 0) - 1, unrendered)
+        kopf.warn(body, reason="LayoutNotRendered", message=unrendered)
+        _wake(memo, namespace, name)
+        raise kopf.PermanentError(unrendered)
     manifests, gang = _render(dd, uid, list(pods_by_deployment.get(key, [])),
                               list(deployments_by_deployment.get(key, [])), memo)
     generation = body["metadata"].get("generation", 0)

@@ -11,7 +11,7 @@ import json
 import os
 from typing import Any
 
-from disagg.api import contract
+from disagg.api import contract, parallelism
 from disagg.api.names import (
     DISK_OFFLOAD_PATH,
     LABEL_DEPLOYMENT,
@@ -105,6 +105,19 @@ def _meta(dd: DisaggDeployment, uid: str, name: str, role: str | None = None) ->
     return {"name": name, "namespace": dd.metadata.namespace, "labels": labels, "ownerReferences": [_owner(dd, uid)]}
 
 
+def unrendered_layout(dd: DisaggDeployment) -> str | None:
+    """Why this operator cannot render the deployment's workers yet, or None. Replicas of several pods
+    (podsPerReplica > 1) are accepted by the API (issue: replicas larger than one node) but their
+    leader/worker groups are not rendered yet: rendering them as one-pod replicas would start engines that
+    wait forever for ranks that never come, so the operator applies nothing and says so instead."""
+    wide = [f"{role}.podsPerReplica is {getattr(dd.spec, role).pods_per_replica}"
+            for role in (ROLE_PREFILL, ROLE_DECODE) if getattr(dd.spec, role).pods_per_replica > 1]
+    if not wide:
+        return None
+    return (f"{' and '.join(wide)}: replicas spanning several pods are not rendered by this operator version yet; "
+            "nothing was applied (one-pod replicas, with tensor, pipeline or expert parallel inside the pod, are)")
+
+
 def worker_args(dd: DisaggDeployment, role: str) -> list[str]:
     """The worker entrypoint's argument list: settings as flags, then the engine's
     own arguments after `--`, each passed literally (no shell ever sees them).
@@ -113,6 +126,9 @@ def worker_args(dd: DisaggDeployment, role: str) -> list[str]:
     spec = dd.spec
     role_spec: RoleSpec = getattr(spec, role)
     max_len = contract.max_model_len(spec.engine.args)
+    # a one-pod replica's other parallel dimensions (pipeline, data with expert parallel) inside its pod;
+    # tensor parallel has its own flag, as it always had
+    inside = parallelism.parallel_flags(parallelism.layout(role_spec))[2:]
     args = [
         "--role", role,
         "--model", spec.model.source,
@@ -137,7 +153,7 @@ def worker_args(dd: DisaggDeployment, role: str) -> list[str]:
         args += ["--revision", spec.model.revision]
     if spec.model.tokenizer:
         args += ["--tokenizer", spec.model.tokenizer]
-    return args + ["--", *spec.engine.args, *role_spec.extra_args]
+    return args + ["--", *inside, *spec.engine.args, *role_spec.extra_args]
 
 
 def _model_volumes(dd: DisaggDeployment) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -189,7 +205,7 @@ def _scratch(user_env: set[str]) -> tuple[list[dict[str, Any]], dict[str, Any], 
 def _resources(role_spec: RoleSpec) -> dict[str, Any]:
     limits = {k: str(v) for k, v in role_spec.resources.limits.items()}
     requests = {k: str(v) for k, v in role_spec.resources.requests.items()}
-    limits.setdefault(GPU_RESOURCE, str(role_spec.tensor_parallel_size))
+    limits.setdefault(GPU_RESOURCE, str(parallelism.layout(role_spec).gpus_per_pod))
     out: dict[str, Any] = {"limits": limits}
     if requests:
         out["requests"] = requests
@@ -231,7 +247,9 @@ def kv_revision(dd: DisaggDeployment) -> str:
         engine_env={e.name: e.value for e in spec.engine.env},
         kv_transfer={"connector": spec.kv_transfer.connector, "backends": list(spec.kv_transfer.backends),
                      "buffer_device": spec.kv_transfer.buffer_device},
-        roles={role: (getattr(spec, role).tensor_parallel_size, getattr(spec, role).extra_args)
+        roles={role: (getattr(spec, role).tensor_parallel_size,
+                      [*parallelism.parallel_flags(parallelism.layout(getattr(spec, role)))[2:],
+                       *getattr(spec, role).extra_args])
                for role in (ROLE_PREFILL, ROLE_DECODE)})
 
 
@@ -506,13 +524,13 @@ def network_policy(dd: DisaggDeployment, uid: str) -> dict[str, Any]:
 
 def router_rbac(dd: DisaggDeployment, uid: str) -> list[dict[str, Any]]:
     """The router discovers workers from the role Services' EndpointSlices, and each worker's KV revision
-    from its pod's labels (listed by the deployment's label, in its namespace)."""
+    from its pod's labels: it lists both, in its namespace, and nothing else (tests/test_rbac.py audits the
+    router's own account: every verb here used, none denied)."""
     name = names(dd.metadata.name)[ROLE_ROUTER]
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(dd, uid, name, ROLE_ROUTER)},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _meta(dd, uid, name, ROLE_ROUTER),
-         "rules": [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
-                    "verbs": ["get", "list", "watch"]},
+         "rules": [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list"]},
                    {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}]},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
          "metadata": _meta(dd, uid, name, ROLE_ROUTER),

@@ -17,6 +17,11 @@ Two kinds of use are not requests of their own: a server-side apply that creates
 API server also authorizes as create (logged as a patch answered 201), and a Role the operator creates
 for a router is admitted only if the operator holds every rule in it (RBAC's escalation check), so the
 router Role's rules are used by each Role the operator created.
+
+The router, which faces clients, is audited on its own account too (watching all namespaces, where the
+operator serves a deployment in the audited namespace): its discovery runs under a token of the
+ServiceAccount the operator made for it, and the Role the operator bound to that account must be used
+whole, with nothing denied.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from kubernetes import client, config
 from disagg.api.v1alpha1 import DisaggDeployment
 from disagg.e2e.localcluster import binaries, nodepools
 from disagg.e2e.operator_fixture import AUDITED_NAMESPACE, running_operator, token_kubeconfig
-from disagg.e2e.testing import DD, dd_manifest, wait_for
+from disagg.e2e.testing import DD, GROUP, PLURAL, VERSION, dd_manifest, wait_for
 from disagg.operator import render
 from disagg.planner import perfmodel
 from disagg.planner.apply import Executor
@@ -41,6 +46,7 @@ from disagg.planner.endpoints import Allowlist, Endpoint
 from disagg.planner.loop import PlannerLoop
 from disagg.planner.metrics_source import PrometheusSource
 from disagg.planner.profile import configmap
+from disagg.router.discovery import EndpointSliceDiscovery
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
 
@@ -181,6 +187,30 @@ def planner_scenario(planner_api, api_client, namespace: str, namespaces: list[s
     assert done and done[0].reason == "PrometheusUnreachable", done
 
 
+ROUTED = "routed"    # the deployment whose router account is audited (in AUDITED_NAMESPACE)
+
+
+def router_scenario(cluster, api_client, tmp_path: Path) -> tuple[str, dict[Grant, str]]:
+    """The router's discovery, once, under its own ServiceAccount: (its user name, the grants of the Role
+    the operator bound to it, as the API server holds them)."""
+    names = render.names(ROUTED)
+    account = names["router"]
+    wait_for(lambda: any(r.metadata.name == account for r in client.RbacAuthorizationV1Api(api_client)
+                         .list_namespaced_role_binding(AUDITED_NAMESPACE).items), 60, "the router's RoleBinding")
+    _, router_api = token_client(cluster, api_client, account, tmp_path / "router")
+    try:
+        discovery = EndpointSliceDiscovery(router_api, AUDITED_NAMESPACE,
+                                           {"prefill": names["prefill"], "decode": names["decode"]})
+        revisions = discovery.revisions()
+        for role in ("prefill", "decode"):
+            discovery.list(role, revisions)
+    finally:
+        router_api.close()
+    role = client.RbacAuthorizationV1Api(api_client).read_namespaced_role(account, AUDITED_NAMESPACE)
+    rules = [{"apiGroups": r.api_groups, "resources": r.resources, "verbs": r.verbs} for r in role.rules]
+    return f"system:serviceaccount:{AUDITED_NAMESPACE}:{account}", {g: f"Role {account}" for g in expand(rules)}
+
+
 @pytest.mark.parametrize("mode", ["all-namespaces", "watch-namespaces"])
 def test_every_grant_is_used_and_nothing_is_denied(mode, cluster, api_client, crd_installed, other_gang_crds,
                                                     namespace, tmp_path):
@@ -199,12 +229,26 @@ def test_every_grant_is_used_and_nothing_is_denied(mode, cluster, api_client, cr
         operator_config, _ = token_client(cluster, api_client, accounts["operator"], tmp_path / "operator")
         _, planner_api = token_client(cluster, api_client, accounts["planner"], tmp_path / "planner")
         offset = cluster.audit_log.stat().st_size if cluster.audit_log.exists() else 0
+        router = None
         with running_operator(operator_config, namespaces=tuple(watched)):
             operator_scenario(api_client, namespace)
+            if not watched:   # the operator serves the audited namespace too: a router account there
+                routed = DD(api_client, AUDITED_NAMESPACE, dd_manifest(ROUTED))
+                router = router_scenario(cluster, api_client, tmp_path)
+                routed.custom.delete_namespaced_custom_object(GROUP, VERSION, AUDITED_NAMESPACE, PLURAL, ROUTED)
+                wait_for(lambda: ROUTED not in {o["metadata"]["name"] for o in routed.custom.list_namespaced_custom_object(
+                    GROUP, VERSION, AUDITED_NAMESPACE, PLURAL)["items"]}, 120, "the routed deployment deleted")
         planner_scenario(planner_api, api_client, namespace, watched)
         planner_api.close()
 
         problems = []
+        if router is not None:
+            user, grants = router
+            uses, denied = used(audit_events(cluster.audit_log, offset, user, AUDITED_NAMESPACE))
+            assert uses, f"no audited request of {user}"
+            problems += [f"router: {verb} {resource} ({group or 'core'}) granted by {grants[(group, resource, verb)]}"
+                         f" but never used" for group, resource, verb in sorted(g for g in grants if g not in uses)]
+            problems += [f"router: denied {d}" for d in sorted(set(denied))]
         for who, account in accounts.items():
             user = f"system:serviceaccount:{AUDITED_NAMESPACE}:{account}"
             uses, denied = used(audit_events(cluster.audit_log, offset, user, namespace))

@@ -21,16 +21,24 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from kubernetes import client
+
+from disagg.api import contract
+from disagg.api.names import LABEL_DEPLOYMENT, LABEL_ROLE, ROLE_DECODE, ROLE_ROUTER
+from disagg.api.v1alpha1 import DisaggDeployment
 
 from disagg.e2e.localcluster import ClusterError, LocalCluster, nodepools
 from disagg.e2e.localcluster import node as real
 from disagg.e2e.localcluster.controlplane import KUBERNETES_SERVICE_IP
+from disagg.e2e.localcluster import netpol
+from disagg.e2e.localcluster.netpol import NetworkPolicyEnforcer
 from disagg.e2e.localcluster.ociimage import Image
-from disagg.e2e.testing import wait_for
+from disagg.e2e.testing import dd_manifest, wait_for
+from disagg.operator import render
 
 # Debian's static busybox, plus the control plane's kubectl (static Go) as an in-cluster API client.
 IMAGE = "disagg.local/toolbox:1"
-APPLETS = ("sh", "cat", "echo", "httpd", "mkdir", "ping", "sleep")
+APPLETS = ("sh", "cat", "echo", "httpd", "mkdir", "ping", "sleep", "nc")
 TIMINGS: dict[str, float] = {}
 
 
@@ -231,6 +239,98 @@ def test_a_second_real_node_is_refused(real_cluster, tmp_path):
     assert subprocess.run(["ip", "link", "show", real.BRIDGE], capture_output=True).returncode == 0
 
 
+# ------------------------------------------------------------ the operator's NetworkPolicy, enforced
+# A worker stand-in serving what a worker serves on the two ports that matter: vLLM's API port (the model's
+# API and, in vLLM, its /metrics) and the worker's metrics-only port. The policy selects pods by the labels
+# the operator puts on its pods, so pods carrying those labels are what it admits or refuses; which process
+# answers behind a port does not enter into it.
+NP = "np"
+WORKER_PORTS = (render.HTTP_PORT, contract.WORKER_METRICS_PORT)
+SERVE_PORTS = ("mkdir -p /www && echo ok > /www/metrics && "
+               + " && ".join(f"httpd -p {p} -h /www" for p in WORKER_PORTS) + " && exec sleep 3600")
+
+
+def _labelled(name: str, labels: dict[str, str], command: str = "exec sleep 3600") -> dict:
+    pod = _pod(name, command)
+    pod["metadata"]["labels"] = {"app": name, **labels}
+    return pod
+
+
+def _reaches(cluster: LocalCluster, namespace: str, pod: str, ip: str, port: int) -> bool:
+    """Whether `pod` gets an HTTP answer from ip:port (nc in the pod: Debian's static busybox wget crashes;
+    a dropped SYN gives up after 3 s)."""
+    request = f"printf 'GET /metrics HTTP/1.0\\r\\n\\r\\n' | nc -w 3 {ip} {port}"
+    out = cluster.kubectl("-n", namespace, "exec", pod, "--", "sh", "-c", request, check=False)
+    lines = out.stdout.splitlines()
+    return bool(lines) and lines[0].startswith("HTTP/1.") and " 200 " in lines[0] and lines[-1].strip() == "ok"
+
+
+@pytest.fixture
+def enforcer(real_cluster):
+    """Started for one test and stopped after it, its rules and sets removed (test_down_leaves_nothing_behind
+    then finds none)."""
+    e = NetworkPolicyEnforcer(real_cluster).start()
+    try:
+        yield e
+    finally:
+        e.stop()
+
+
+def test_the_operators_network_policy_holds_against_real_traffic(real_cluster, core, ns, enforcer):
+    """The policy the operator renders for a deployment, enforced on the real node by a real enforcer
+    (kube-router's firewall): another deployment's pod cannot reach a worker's API or metrics; a pod
+    labelled as Prometheus (in another namespace) reaches the metrics port and not the API; the
+    deployment's own router reaches its workers' API and not their metrics. Before the policy, the same
+    probes all pass, so what refuses them is the policy."""
+    monitoring = "np-monitoring"
+    core.create_namespace({"metadata": {"name": monitoring}})
+    wait_for(lambda: any(sa.metadata.name == "default" for sa in core.list_namespaced_service_account(monitoring).items),
+             30, "default ServiceAccount")
+    pods = {"worker": (ns, _labelled("np-worker", {LABEL_DEPLOYMENT: NP, LABEL_ROLE: ROLE_DECODE}, SERVE_PORTS)),
+            "router": (ns, _labelled("np-router", {LABEL_DEPLOYMENT: NP, LABEL_ROLE: ROLE_ROUTER})),
+            "intruder": (ns, _labelled("other-router", {LABEL_DEPLOYMENT: "other", LABEL_ROLE: ROLE_ROUTER})),
+            "prometheus": (monitoring, _labelled("prometheus", {"app.kubernetes.io/name": "prometheus"}))}
+    for namespace, manifest in pods.values():
+        core.create_namespaced_pod(namespace, manifest)
+    for namespace, manifest in pods.values():
+        wait_for(lambda: core.read_namespaced_pod(manifest["metadata"]["name"], namespace).status.phase == "Running",
+                 120, f"pod {manifest['metadata']['name']} Running")
+    ip = core.read_namespaced_pod("np-worker", ns).status.pod_ip
+
+    def reach(who: str, port: int) -> bool:
+        return _reaches(real_cluster, pods[who][0], pods[who][1]["metadata"]["name"], ip, port)
+
+    # the router reaches the API (and the KV event ports, not served here), not the metrics port it never uses
+    expected = {("router", render.HTTP_PORT): True, ("router", contract.WORKER_METRICS_PORT): False,
+                ("intruder", render.HTTP_PORT): False, ("intruder", contract.WORKER_METRICS_PORT): False,
+                ("prometheus", render.HTTP_PORT): False, ("prometheus", contract.WORKER_METRICS_PORT): True}
+    # no policy yet: every probe answers (the worker serves both ports, the enforcer filters nothing), so
+    # each refusal below is the policy's
+    wait_for(lambda: all(reach(who, port) for who, port in expected), 60, "every probe answered without a policy")
+
+    manifest = DisaggDeployment.model_validate({**dd_manifest(NP), "metadata": {"name": NP, "namespace": ns}})
+    policy = render.network_policy(manifest, "uid")
+    policy["metadata"].pop("ownerReferences")   # no DisaggDeployment owns it here: the garbage collector would
+    client.NetworkingV1Api(core.api_client).create_namespaced_network_policy(ns, policy)
+    try:
+        seen: dict = {}
+
+        def enforced() -> bool:
+            seen.update({k: reach(*k) for k in expected})
+            return seen == expected
+        try:
+            wait_for(enforced, 90, "the policy enforced as rendered")
+        except AssertionError as e:
+            raise AssertionError(f"{e}; (who, port) -> reached: {seen}; kube-router's log:\n{enforcer.tail()}") from None
+        # and it stays so (the enforcer's periodic resync keeps it, it is not a transient)
+        assert {k: reach(*k) for k in expected} == expected
+    finally:
+        client.NetworkingV1Api(core.api_client).delete_namespaced_network_policy(policy["metadata"]["name"], ns)
+        for namespace, manifest in pods.values():
+            core.delete_namespaced_pod(manifest["metadata"]["name"], namespace, grace_period_seconds=0)
+        core.delete_namespace(monitoring)
+
+
 def _leftovers(cluster: LocalCluster) -> dict[str, object]:
     state_dir = str(cluster.dir)
     procs = []
@@ -247,10 +347,12 @@ def _leftovers(cluster: LocalCluster) -> dict[str, object]:
     bridge = subprocess.run(["ip", "link", "show", real.BRIDGE], capture_output=True).returncode == 0
     cgroups = [str(d) for d in real._cgroup_dirs() if d.exists()]
     ruleset = subprocess.run(["nft", "list", "ruleset"], capture_output=True, text=True).stdout
+    ipsets = netpol.own_ipsets()   # the NetworkPolicy enforcer's
     cni_cache = [p.name for p in Path("/var/lib/cni/results").glob("*")]
     return {"processes": procs, "mounts": mounts, "bridge": bridge, "cgroups": cgroups, "CNI cache": cni_cache,
             "nftables": [line.strip() for line in ruleset.splitlines()
                          if real.NFT_TABLE in line or "kube-proxy" in line or "KUBE-" in line],
+            "ipsets": ipsets,
             "state dir": Path(state_dir).exists()}
 
 
@@ -261,7 +363,7 @@ def test_down_leaves_nothing_behind(real_cluster, core, ns, web):
     real_cluster.down()
     TIMINGS["down (s)"] = time.monotonic() - started
     assert _leftovers(real_cluster) == {"processes": [], "mounts": [], "bridge": False, "cgroups": [], "CNI cache": [],
-                                        "nftables": [], "state dir": False}
+                                        "nftables": [], "ipsets": [], "state dir": False}
     assert real.IP_FORWARD.read_text().strip() == real_cluster.forward_before
     assert [str(d) for d in real.MACHINE_DIRS if d.exists()] == real_cluster.machine_dirs_before
 
@@ -288,7 +390,7 @@ def test_next_cluster_clears_what_a_crashed_one_left(tmp_path_factory):
         finally:
             successor.down()
         assert _leftovers(successor) == {"processes": [], "mounts": [], "bridge": False, "cgroups": [], "CNI cache": [],
-                                         "nftables": [], "state dir": False}
+                                         "nftables": [], "ipsets": [], "state dir": False}
     finally:
         crashed.down()
     assert not crashed.dir.exists()

@@ -171,6 +171,8 @@ KV_LAYOUT_FLAGS = (
     "--pipeline-parallel-size", "-pp", "--hf-overrides", "--rope-scaling", "--rope-theta", "--tokenizer",
     "--tokenizer-revision", "--revision", "--code-revision", "--attention-backend", "--calculate-kv-scales",
     "--kv-sharing-fast-prefill", "--model-impl", "--hf-config-path", "--override-attention-dtype",
+    # which ranks hold which KV: data-parallel attention and expert parallel split it differently
+    "--data-parallel-size", "-dp", "--enable-expert-parallel",
 )
 # The label (and worker env) carrying a worker's revision, and the label ordering revisions: the
 # DisaggDeployment's metadata.generation when the operator first rendered that revision (kept while the

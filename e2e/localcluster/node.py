@@ -436,8 +436,15 @@ disabled_plugins = ['io.containerd.internal.v1.opt', 'io.containerd.nri.v1.nri']
 
     # ------------------------------------------------------------ stop
     def stop(self, cluster: LocalCluster, state: dict[str, Any]) -> None:
-        """Stop the kubelet and kube-proxy, remove every pod's containers, stop containerd."""
+        """Stop the kubelet and kube-proxy, remove every pod's containers, stop containerd; and a
+        NetworkPolicy enforcer a test left running (netpol.py), with its rules."""
         pids = state.get("pids", {})
+        if pids.get("kube-router"):
+            from .netpol import NetworkPolicyEnforcer
+
+            NetworkPolicyEnforcer(cluster).stop()
+            pids = cluster._state().get("pids", {})
+            state["pids"] = pids
         for component in ("kubelet", "kube-proxy", "coredns"):
             if pids.get(component):
                 cluster._stop(component, pids.pop(component), component)

@@ -34,10 +34,10 @@
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
   verbs: [get, list, watch, create, patch, delete]
-# What the router Role grants must be held by whoever creates it.
+# What the router Role grants must be held by whoever creates it (RBAC's escalation check).
 - apiGroups: [discovery.k8s.io]
   resources: [endpointslices]
-  verbs: [get, list, watch]
+  verbs: [list]
 # Gang objects: the Workload/PodGroup API (default backend).
 - apiGroups: [scheduling.k8s.io]
   resources: [workloads, podgroups, compositepodgroups]
