@@ -107,10 +107,10 @@ def test_defaults_render_no_monitors_without_the_prometheus_operator(helm):
     # operator and planner: a ServiceAccount, a Deployment and a metrics Service each; roles: the operator's
     # cluster-scoped one, its namespaced one and the planner's (bound cluster-wide: no watchNamespaces),
     # and the two aggregated user roles; the planner's Prometheus allowlist (a ConfigMap) and the admission
-    # policy that refuses other names
+    # policy that refuses other names, and the policy on what the operator account writes
     assert kinds(objs) == sorted(["ServiceAccount"] * 2 + ["ClusterRole"] * 5 + ["ClusterRoleBinding"] * 3
                                  + ["Service"] * 2 + ["Deployment"] * 2 + ["ConfigMap"] * 5
-                                 + ["ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"])
+                                 + ["ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"] * 2)
     assert not MONITOR_KINDS & set(kinds(objs))
     dashboards = [o for o in objs if o["kind"] == "ConfigMap" and "dashboard" in o["metadata"]["name"]]
     for cm in dashboards:
@@ -568,7 +568,8 @@ def test_admission_refuses_a_prometheus_name_not_in_the_allowlist(helm, cluster,
 
     objs = render(helm, "--set-json", 'planner.prometheusEndpoints=[{"name": "main", "url": "http://p:9090"}]',
                   "--set", f"operator.watchNamespaces={{{namespace}}}", release=namespace, namespace=namespace)
-    policy = [o for o in objs if o["kind"].startswith("ValidatingAdmissionPolicy")]
+    policy = [o for o in objs if o["kind"].startswith("ValidatingAdmissionPolicy")
+              and o["metadata"]["name"].endswith("prometheus-endpoints")]
     assert len(policy) == 2
     text = "---\n".join(yaml.safe_dump(o) for o in policy)
     cluster.kubectl("apply", "--server-side", "-f", "-", input=text)

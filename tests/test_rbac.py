@@ -53,6 +53,10 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
 REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "charts" / "disagg"
 RBAC_KINDS = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
+# the chart's policy on what the operator's account may write (operator-admission.yaml): applied with the
+# roles, so the whole scenario runs under it
+POLICY_KINDS = {"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}
+WRITES_POLICY = "operator-writes"
 GANG_GROUPS = {"coscheduling": ("scheduling.x-k8s.io", "v1alpha1"), "volcano": ("scheduling.volcano.sh", "v1beta1")}
 Grant = tuple[str, str, str]   # (API group, resource[/subresource], verb)
 
@@ -62,7 +66,8 @@ def chart_rbac(release: str, *values: str) -> list[dict]:
         [str(binaries() / "helm"), "template", release, str(CHART), "--namespace", AUDITED_NAMESPACE,
          "--set", "gangBackends.coscheduling=true", "--set", "gangBackends.volcano=true", *values],
         capture_output=True, text=True, check=True).stdout
-    return [d for d in yaml.safe_load_all(out) if d and d["kind"] in RBAC_KINDS]
+    return [d for d in yaml.safe_load_all(out) if d and (d["kind"] in RBAC_KINDS or (
+        d["kind"] in POLICY_KINDS and d["metadata"]["name"].endswith(WRITES_POLICY)))]
 
 
 def expand(rules: list[dict]) -> set[Grant]:
@@ -211,6 +216,47 @@ def router_scenario(cluster, api_client, tmp_path: Path) -> tuple[str, dict[Gran
     return f"system:serviceaccount:{AUDITED_NAMESPACE}:{account}", {g: f"Role {account}" for g in expand(rules)}
 
 
+def refusals(operator_api, namespace: str) -> dict[str, str]:
+    """What the chart's write policy refuses the operator's own account, each a write RBAC alone allows
+    (the account holds every verb and rule involved): kind -> the API server's message."""
+    apps, rbac = client.AppsV1Api(operator_api), client.RbacAuthorizationV1Api(operator_api)
+    owner = DD(operator_api, namespace, "main").get()["metadata"]
+    owned = {"ownerReferences": [{"apiVersion": f"{GROUP}/{VERSION}", "kind": "DisaggDeployment", "name": "main",
+                                  "uid": owner["uid"], "controller": True}]}
+
+    def deployment(name: str, meta: dict, pod: dict) -> dict:
+        return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name, **meta},
+                "spec": {"selector": {"matchLabels": {"app": name}}, "template": {
+                    "metadata": {"labels": {"app": name}},
+                    "spec": {"containers": [{"name": "c", "image": "x"}], **pod}}}}
+    attempts = {
+        "an unowned Deployment": lambda: apps.create_namespaced_deployment(
+            namespace, deployment("stray", {}, {"automountServiceAccountToken": False})),
+        "a Deployment under another account": lambda: apps.create_namespaced_deployment(
+            namespace, deployment("borrow", owned, {"serviceAccountName": "main-router"})),
+        "a Deployment with a host path": lambda: apps.create_namespaced_deployment(
+            namespace, deployment("host", owned, {"automountServiceAccountToken": False,
+                                                  "volumes": [{"name": "h", "hostPath": {"path": "/"}}]})),
+        "a RoleBinding to another account": lambda: rbac.create_namespaced_role_binding(namespace, {
+            "metadata": {"name": "main-router-2", **owned},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "main-router"},
+            "subjects": [{"kind": "ServiceAccount", "name": "default", "namespace": namespace}]}),
+        "a Role beyond discovery": lambda: rbac.create_namespaced_role(namespace, {
+            "metadata": {"name": "wider", **owned},
+            "rules": [{"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["create"]}]}),
+    }
+    out = {}
+    for what, attempt in attempts.items():
+        def refused() -> str | None:
+            try:
+                attempt()
+            except client.ApiException as e:
+                return e.body if e.status in (403, 422) and "ValidatingAdmissionPolicy" in (e.body or "") else None
+            raise AssertionError(f"{what}: admitted")
+        out[what] = wait_for(refused, 30, f"{what} refused by the write policy")
+    return out
+
+
 @pytest.mark.parametrize("mode", ["all-namespaces", "watch-namespaces"])
 def test_every_grant_is_used_and_nothing_is_denied(mode, cluster, api_client, crd_installed, other_gang_crds,
                                                     namespace, tmp_path):
@@ -240,6 +286,13 @@ def test_every_grant_is_used_and_nothing_is_denied(mode, cluster, api_client, cr
                     GROUP, VERSION, AUDITED_NAMESPACE, PLURAL)["items"]}, 120, "the routed deployment deleted")
         planner_scenario(planner_api, api_client, namespace, watched)
         planner_api.close()
+        # the operator's account, outside the operator: what RBAC alone would let it write, refused
+        operator_api = config.new_client_from_config(str(operator_config))
+        try:
+            for what, message in refusals(operator_api, namespace).items():
+                assert "denied request" in message and WRITES_POLICY in message, (what, message)
+        finally:
+            operator_api.close()
 
         problems = []
         if router is not None:
