@@ -242,10 +242,14 @@ def test_tls_is_verified_against_the_endpoints_ca(exporter, tls_prometheus):
         finally:
             s.close()
 
-    # with its CA: read (the exporter's traffic shows once Prometheus has scraped it)
-    o = wait_for(lambda: (lambda o: o if o.error is None and o.request_rate is not None else None)(
+    # with its CA: read, and what it reads is the exporter's traffic (once Prometheus has scraped enough of it
+    # for a rate), the same figures the plain-HTTP Prometheus gives
+    exporter.traffic = replace(exporter.traffic, rate=10.0, ttft=0.3, itl=0.02, streamed=1.0)
+    o = wait_for(lambda: (lambda o: o if o.error is None and o.request_rate and o.request_rate > 7 else None)(
         observe_with("with-ca")), 240, "the HTTPS Prometheus read with its CA", interval=0.5)
-    assert o.request_rate >= 0
+    assert o.missing == () and o.request_rate == pytest.approx(10, rel=0.35)
+    assert 0.2 < o.ttft <= 0.4 and 0.01 < o.itl <= 0.03
+    assert o.input_tokens_mean == pytest.approx(2000, rel=0.01)
     # without it, the certificate is refused: verification is the default, and the class is all it says
     o = observe_with("system-trust")
     assert o.error == "Prometheus endpoint 'system-trust' unreachable (SSLError)"
