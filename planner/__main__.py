@@ -1,4 +1,9 @@
-"""``python -m disagg.planner``: the planner sidecar (next to the operator, or on its own)."""
+"""``python -m disagg.planner``: the planner sidecar (next to the operator, or on its own).
+
+Its metrics port serves ``/metrics`` and :data:`HEALTH_PATH`, the liveness probe's: 200 while the loop makes
+progress, 503 once it has made none for ``--stall-seconds``. ``/metrics`` is answered by a thread of the HTTP
+server whatever the loop does, so a probe of it would keep a hung planner alive.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +12,46 @@ import logging
 import signal
 import sys
 import threading
+from typing import Any, Callable
+from wsgiref.simple_server import WSGIRequestHandler
 
 from .metrics_source import DEFAULT_SCRAPE_INTERVAL, parse_duration
+
+HEALTH_PATH = "/healthz"
+# Progress comes at least this often even on a bad day: one deployment's Prometheus queries (5 s timeout
+# each) and Kubernetes calls, or a list retried to four read timeouts (KUBE_REQUEST_TIMEOUT); only a hung
+# loop goes longer
+DEFAULT_STALL_SECONDS = 300.0
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # (a probe every 20 s is not worth a log line)
+        pass
+
+
+def serve(port: int, registry: Any, stalled_for: Callable[[], float], stall_seconds: float,
+          addr: str = "0.0.0.0") -> Any:
+    """The metrics port: ``/metrics`` (prometheus_client's app) and :data:`HEALTH_PATH`, in a daemon thread.
+    Returns the server (``shutdown()`` stops it)."""
+    from wsgiref.simple_server import make_server
+
+    from prometheus_client import make_wsgi_app
+    from prometheus_client.exposition import ThreadingWSGIServer
+
+    metrics_app = make_wsgi_app(registry)
+
+    def app(environ: dict[str, Any], start_response: Callable) -> list[bytes]:
+        if environ.get("PATH_INFO") != HEALTH_PATH:
+            return metrics_app(environ, start_response)
+        stalled = stalled_for()
+        ok = stalled <= stall_seconds
+        start_response("200 OK" if ok else "503 Service Unavailable", [("Content-Type", "text/plain")])
+        return [f"{'ok' if ok else 'stalled'}: last progress {stalled:.0f}s ago (limit {stall_seconds:g}s)\n"
+                .encode()]
+
+    httpd = make_server(addr, port, app, ThreadingWSGIServer, handler_class=_Quiet)
+    threading.Thread(target=httpd.serve_forever, name="planner-metrics", daemon=True).start()
+    return httpd
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,11 +67,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="how often Prometheus scrapes the routers and workers (15s, 1m, or seconds): the planner's "
                         "rate() windows span at least four of them (default: %(default)gs)")
     p.add_argument("--tick", type=float, default=5.0, help="seconds between passes over the deployments")
+    p.add_argument("--stall-seconds", type=float, default=DEFAULT_STALL_SECONDS,
+                   help=f"{HEALTH_PATH} on the metrics port answers 503 once the loop has made no progress (a pass "
+                        "ended, or a deployment handled) for this long (default: %(default)gs)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
 
     from kubernetes import config
-    from prometheus_client import start_http_server
 
     from .apply import Executor, PlannerMetrics
     from .endpoints import Allowlist, Endpoint
@@ -45,8 +90,6 @@ def main(argv: list[str] | None = None) -> int:
         from kubernetes import client
         api_client = client.ApiClient()
     metrics = PlannerMetrics()
-    if args.metrics_port:
-        start_http_server(args.metrics_port, registry=metrics.registry)
     endpoints = Allowlist.load(args.prometheus_endpoints)
     sources: dict[str, PrometheusSource] = {}
 
@@ -57,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
 
     loop = PlannerLoop(api_client, Executor(api_client, metrics), source_for, endpoints, args.namespace,
                        scrape_interval=args.scrape_interval)
+    if args.metrics_port:
+        serve(args.metrics_port, metrics.registry, loop.stalled_for, args.stall_seconds)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())

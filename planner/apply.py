@@ -9,6 +9,9 @@
   for deployments with ``spec.slo`` but no planner;
 * an Event when the size changes or the planner starts or stops holding for want of metrics;
 * ``disagg_planner_*`` metrics.
+
+Every Kubernetes call carries ``_request_timeout=`` :data:`KUBE_REQUEST_TIMEOUT` (the client's default is
+none: one API server that accepts a connection and never answers would stall the loop for good).
 """
 
 from __future__ import annotations
@@ -22,11 +25,15 @@ from disagg.api.names import GROUP, ROLE_DECODE, ROLE_PREFILL
 from disagg.api.v1alpha1 import API_VERSION, KIND, PLURAL, VERSION, ConditionType
 
 from .decide import Decision, Target
-from .reasons import METRICS_OK
+from .reasons import METRICS_OK, UNKNOWN_GPU, UNKNOWN_MODEL
 from .slo import Verdict
 
 FIELD_MANAGER = "disagg-planner"
 APPLY = "application/apply-patch+yaml"
+# (connect, read) seconds of every Kubernetes call the planner makes (the loop's and the executor's): a call
+# cut by it fails that deployment's pass, or the whole pass for a list, and the next pass tries again
+# (urllib3 retries a GET that timed out 3 times first: a list gives up after four read timeouts at most)
+KUBE_REQUEST_TIMEOUT = (5.0, 30.0)
 
 log = logging.getLogger("disagg.planner")
 
@@ -78,6 +85,20 @@ class PlannerMetrics:
         self.itl = Gauge(m.PLANNER_OBSERVED_ITL_SECONDS, "Observed ITL at the SLO percentile", labels, registry=r)
         self.available = Gauge(m.PLANNER_METRICS_AVAILABLE, "1 when the planner had the metrics it needs", labels,
                                registry=r)
+        self.model_known = Gauge(m.PLANNER_MODEL_KNOWN, "1 when the model and GPU are in the performance model's "
+                                 "data (0: the planner holds)", labels, registry=r)
+        # per deployment: what forget() removes when a deployment goes (or leaves the planner)
+        self._per_deployment = (self.decisions, self.desired, self.predicted_rate, self.ttft, self.itl,
+                                self.available, self.model_known)
+        self.errors = Counter(m.PLANNER_ERRORS, "Failed calls and passes (the loop goes on)", ["stage", "error"],
+                              registry=r)
+        self.last_pass = Gauge(m.PLANNER_LAST_PASS, "When the loop last made progress (unix seconds)", registry=r)
+
+    def forget(self, namespace: str, name: str) -> None:
+        """Drop every series of one deployment (deleted, or no longer planned): a departed deployment's last
+        ``metrics_available 0`` would otherwise keep its alert firing."""
+        for metric in self._per_deployment:
+            metric.remove_by_labels({"namespace": namespace, "deployment": name})
 
     def record(self, namespace: str, name: str, decision: Decision, target: Target) -> None:
         lab = {"namespace": namespace, "deployment": name}
@@ -85,7 +106,10 @@ class PlannerMetrics:
                                   (ROLE_DECODE, decision.decode, target.decode)):
             self.decisions.labels(**lab, role=role, direction=rd.direction(current), reason=rd.reason).inc()
             self.desired.labels(**lab, role=role).set(rd.replicas)
-        self.available.labels(**lab).set(1 if decision.metrics_ok else 0)
+        # a hold for an unknown model or GPU comes only after the metrics were read (the loop sees to it): the
+        # metrics alert must not fire for it, PlannerActive and model_known say it instead
+        self.available.labels(**lab).set(1 if decision.metrics_ok or decision.reason in (UNKNOWN_MODEL, UNKNOWN_GPU)
+                                         else 0)
         if "requestRate" in decision.prediction:
             self.predicted_rate.labels(**lab).set(decision.prediction["requestRate"])
         if "ttft" in decision.inputs:
@@ -95,12 +119,14 @@ class PlannerMetrics:
 
 
 class Executor:
-    def __init__(self, api_client: Any, metrics: PlannerMetrics | None = None):
+    def __init__(self, api_client: Any, metrics: PlannerMetrics | None = None,
+                 request_timeout: float | tuple[float, float] = KUBE_REQUEST_TIMEOUT):
         from kubernetes import client
 
         self.custom = client.CustomObjectsApi(api_client)
         self.core = client.CoreV1Api(api_client)
         self.metrics = metrics
+        self.request_timeout = request_timeout
 
     def apply(self, obj: dict[str, Any], decision: Decision, target: Target,
               verdict: Verdict | None = None) -> dict[str, Any]:
@@ -116,7 +142,7 @@ class Executor:
                              "decode": {"replicas": decision.decode.replicas}}}
             obj = self.custom.patch_namespaced_custom_object(
                 GROUP, VERSION, ns, PLURAL, name, body, field_manager=FIELD_MANAGER, force=True,
-                _content_type=APPLY)
+                _content_type=APPLY, _request_timeout=self.request_timeout)
             owner = replicas_owner(obj)
         previous = next((c for c in (obj.get("status") or {}).get("conditions") or []
                          if c.get("type") == ConditionType.PLANNER_ACTIVE), None)
@@ -140,7 +166,8 @@ class Executor:
         body = {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name, "namespace": ns},
                 "status": written}
         obj = self.custom.patch_namespaced_custom_object_status(
-            GROUP, VERSION, ns, PLURAL, name, body, field_manager=FIELD_MANAGER, force=True, _content_type=APPLY)
+            GROUP, VERSION, ns, PLURAL, name, body, field_manager=FIELD_MANAGER, force=True, _content_type=APPLY,
+            _request_timeout=self.request_timeout)
         if verdict is not None:
             self._slo_event(before, obj, verdict)
         if decision.changes(target):
@@ -162,7 +189,7 @@ class Executor:
                            "conditions": [_condition(obj, ConditionType.SLO_MET, *verdict.condition())]}}
         after = self.custom.patch_namespaced_custom_object_status(
             GROUP, VERSION, meta["namespace"], PLURAL, meta["name"], body, field_manager=FIELD_MANAGER, force=True,
-            _content_type=APPLY)
+            _content_type=APPLY, _request_timeout=self.request_timeout)
         self._slo_event(obj, after, verdict)
         return after
 
@@ -182,6 +209,6 @@ class Executor:
                 "source": {"component": FIELD_MANAGER}, "reportingComponent": FIELD_MANAGER,
                 "reportingInstance": FIELD_MANAGER, "firstTimestamp": now, "lastTimestamp": now, "count": 1}
         try:
-            self.core.create_namespaced_event(meta["namespace"], body)
+            self.core.create_namespaced_event(meta["namespace"], body, _request_timeout=self.request_timeout)
         except Exception as e:  # an event is worth a log line, never a failed decision
             log.warning('{"event": "failed", "deployment": "%s", "error": "%s"}', meta["name"], e)

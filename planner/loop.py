@@ -6,14 +6,27 @@ cooldown clocks) lives in the loop object, keyed by the deployment's UID.
 
 Between decisions, every scrape interval, the fast path (:func:`disagg.planner.decide.react`) reads the
 waiting queues and scales a role up at once when its queue grows faster than its replicas drain it.
+
+A failed call (Kubernetes or Prometheus) costs one pass, or one deployment's pass, never the process: it is
+logged (one JSON line), counted (``disagg_planner_errors_total{stage, error}``), every deployment's memory
+stays, and the next pass tries again. Each pass, and each deployment handled, is a heartbeat
+(:meth:`PlannerLoop.stalled_for`) that the planner's ``/healthz`` reads. A deployment that leaves the listing
+(deleted, or neither planned nor reported any more) leaves the loop's memory and the planner's metrics.
+
+The model and GPU are looked up in the performance model's data; one it does not know is never planned as
+another: the planner holds, says why in status (``UnknownModel``, ``UnknownGPU``), in a log line and in
+``disagg_planner_model_known``.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import threading
+import traceback
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import yaml
@@ -22,45 +35,95 @@ from disagg.api.names import GROUP
 from disagg.api.v1alpha1 import PLURAL, VERSION, ConditionType, DisaggDeploymentSpec
 
 from . import perfmodel, slo
-from .apply import Executor
+from .apply import KUBE_REQUEST_TIMEOUT, Executor, PlannerMetrics
 from .decide import Decision, Memory, Observation, RoleModels, Target, decide, react
 from .endpoints import Allowlist, Endpoint
 from .metrics_source import DEFAULT_SCRAPE_INTERVAL, FAST_SCRAPES, MetricsSource, query_window
-from .reasons import PROMETHEUS_NOT_ALLOWED
+from .reasons import PROMETHEUS_NOT_ALLOWED, UNKNOWN_GPU, UNKNOWN_MODEL
 
 log = logging.getLogger("disagg.planner")
 
-DEFAULT_GPU = "H100-SXM"
-DEFAULT_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 GPU_ANNOTATION = f"{GROUP}/gpu"
 
 
-def resolve_model_name(spec: DisaggDeploymentSpec) -> str:
-    """The models.yaml entry for the deployment's model: the hf:// repo, else a case-insensitive name match."""
+def resolve_model_name(spec: DisaggDeploymentSpec, profile: perfmodel.Profile | None = None) -> str | None:
+    """The models.yaml entry for the deployment's model: the hf:// repo, else a case-insensitive name match,
+    else the model its measured profile names; None when none is known (the planner then holds)."""
     known = perfmodel.known_models()
     source = spec.model.source
     candidates = [source[len("hf://"):]] if source.startswith("hf://") else []
     candidates.append(spec.model.name)
+    if profile is not None:
+        candidates.append(profile.model)
     for c in candidates:
         for k in known:
             if c.lower() == k.lower() or c.lower() == k.split("/")[-1].lower():
                 return k
-    return DEFAULT_MODEL
+    return None
 
 
-def resolve_gpu(obj: dict[str, Any], spec: DisaggDeploymentSpec) -> str:
-    """From the ``serving.disagg.dev/gpu`` annotation, else the roles' ``nvidia.com/gpu.product`` selector."""
+def gpu_hint(obj: dict[str, Any], spec: DisaggDeploymentSpec, profile: perfmodel.Profile | None = None) -> str:
+    """What names the GPU: the ``serving.disagg.dev/gpu`` annotation, else the roles' ``nvidia.com/gpu.product``
+    selector, else the GPU the measured profile was taken on; "" when nothing does."""
+    return ((obj["metadata"].get("annotations") or {}).get(GPU_ANNOTATION) or
+            spec.prefill.node_selector.get(GPU_PRODUCT_LABEL) or spec.decode.node_selector.get(GPU_PRODUCT_LABEL) or
+            (profile.gpu if profile is not None else "") or "")
+
+
+def resolve_gpu(obj: dict[str, Any], spec: DisaggDeploymentSpec,
+                profile: perfmodel.Profile | None = None) -> str | None:
+    """The gpus.yaml entry :func:`gpu_hint` names; None when it names none (the planner then holds)."""
     known = perfmodel.known_gpus()
-    hint = (obj["metadata"].get("annotations") or {}).get(GPU_ANNOTATION) or \
-        spec.prefill.node_selector.get(GPU_PRODUCT_LABEL) or spec.decode.node_selector.get(GPU_PRODUCT_LABEL) or ""
+    hint = gpu_hint(obj, spec, profile)
+    if not hint:
+        return None
     for k in known:
         if hint == k:
             return k
     for k in known:  # "NVIDIA-H100-80GB-HBM3" -> H100-SXM
         if k.split("-")[0].lower() in hint.lower():
             return k
-    return DEFAULT_GPU
+    return None
+
+
+@dataclass(frozen=True)
+class Unplannable:
+    """Why the performance model cannot size a deployment (a reason of :mod:`.reasons`, and words for status)."""
+
+    reason: str
+    message: str
+
+
+def unplannable(obj: dict[str, Any], spec: DisaggDeploymentSpec,
+                profile: perfmodel.Profile | None = None) -> Unplannable | None:
+    """None when the model and the GPU are both known, else what is missing and how to name it."""
+    problems = []
+    if resolve_model_name(spec, profile) is None:
+        problems.append((UNKNOWN_MODEL, f"model unknown: spec.model.source {spec.model.source!r} and spec.model.name "
+                                        f"{spec.model.name!r} match no model of the planner's performance model "
+                                        f"({', '.join(perfmodel.known_models())})"))
+    if resolve_gpu(obj, spec, profile) is None:
+        hint = gpu_hint(obj, spec, profile)
+        said = f"GPU {hint!r} unknown" if hint else "no GPU named"
+        problems.append((UNKNOWN_GPU, f"{said}: the {GPU_ANNOTATION} annotation or a role's nodeSelector "
+                                      f"{GPU_PRODUCT_LABEL} names one of {', '.join(perfmodel.known_gpus())}"))
+    if not problems:
+        return None
+    return Unplannable(problems[0][0], "; ".join(p for _, p in problems) +
+                       ": the planner holds rather than size the deployment for a model or GPU it was not given")
+
+
+def _readable(obs: Observation) -> bool:
+    """decide()'s own first checks: an observation it holds on before it reads any model."""
+    return (not obs.error and not obs.missing and obs.request_rate is not None and
+            math.isfinite(obs.request_rate))
+
+
+def _error_kind(e: BaseException) -> str:
+    """A label value with few values: the HTTP status of an API error, else the exception's class."""
+    status = getattr(e, "status", None)
+    return f"http_{status}" if isinstance(status, int) else type(e).__name__
 
 
 def condition(obj: dict[str, Any], kind: str) -> dict[str, Any] | None:
@@ -78,15 +141,22 @@ def readiness(obj: dict[str, Any]) -> tuple[bool, bool]:
 
 @dataclass
 class _State:
+    namespace: str
+    name: str
     memory: Memory = field(default_factory=Memory)
     last: float | None = None
     last_fast: float | None = None     # the fast path's last look at the queues
+    unplannable: Unplannable | None = None   # as last logged (logged again only when it changes)
 
 
 class PlannerLoop:
     def __init__(self, api_client: Any, executor: Executor, source_for: Callable[[Endpoint], MetricsSource],
                  endpoints: Allowlist | None = None, namespace: str | list[str] | None = None,
-                 clock: Callable[[], float] = time.time, scrape_interval: float = DEFAULT_SCRAPE_INTERVAL):
+                 clock: Callable[[], float] = time.time, scrape_interval: float = DEFAULT_SCRAPE_INTERVAL,
+                 metrics: PlannerMetrics | None = None,
+                 request_timeout: float | tuple[float, float] = KUBE_REQUEST_TIMEOUT):
+        """``metrics``: the planner's own (default: the executor's); ``request_timeout``: of every Kubernetes
+        call the loop makes (the executor has its own, the same by default)."""
         from kubernetes import client
 
         self.custom = client.CustomObjectsApi(api_client)
@@ -99,26 +169,101 @@ class PlannerLoop:
         self.clock = clock
         self.scrape_interval = scrape_interval  # of the series it reads: its windows span at least four
         self.state: dict[str, _State] = {}
+        self.metrics = metrics if metrics is not None else executor.metrics
+        self.request_timeout = request_timeout
+        self._heartbeat = time.monotonic()   # a new loop gets its first pass's worth of grace
 
-    def _list(self) -> list[dict[str, Any]]:
+    # -- liveness and failures
+
+    def _beat(self) -> None:
+        self._heartbeat = time.monotonic()
+        if self.metrics:
+            self.metrics.last_pass.set(time.time())
+
+    def stalled_for(self) -> float:
+        """Seconds since the loop last made progress (a pass ended, or one deployment was handled): what
+        the planner's liveness probe reads. A pass that fails still ends: only a hung loop stalls."""
+        return time.monotonic() - self._heartbeat
+
+    def _failed(self, stage: str, e: BaseException, deployment: str | None = None) -> None:
+        kind = _error_kind(e)
+        if self.metrics:
+            self.metrics.errors.labels(stage=stage, error=kind).inc()
+        record = {"event": "planner_error", "stage": stage, "error": kind, "message": str(e)[:2000]}
+        if deployment:
+            record["deployment"] = deployment
+        if not getattr(e, "status", None):  # (an API answer needs no traceback; anything else may be a bug)
+            record["traceback"] = traceback.format_exc(limit=8)
+        log.error(json.dumps(record))
+
+    # -- what there is to plan
+
+    def _list(self) -> tuple[list[dict[str, Any]], set[str] | None]:
+        """The deployments to plan or report, and where that list is complete: the namespaces listed (None:
+        every namespace). A namespace whose list fails is left out of this pass, the others go on."""
+        listed: set[str] | None = None
         if self.namespaces:
-            items = [o for ns in self.namespaces
-                     for o in self.custom.list_namespaced_custom_object(GROUP, VERSION, ns, PLURAL)["items"]]
+            items, listed = [], set()
+            for ns in self.namespaces:
+                try:
+                    items += self.custom.list_namespaced_custom_object(
+                        GROUP, VERSION, ns, PLURAL, _request_timeout=self.request_timeout)["items"]
+                    listed.add(ns)
+                except Exception as e:
+                    self._failed("list", e, f"{ns}/*")
         else:
-            items = self.custom.list_cluster_custom_object(GROUP, VERSION, PLURAL)["items"]
+            items = self.custom.list_cluster_custom_object(GROUP, VERSION, PLURAL,
+                                                           _request_timeout=self.request_timeout)["items"]
         # the planner sizes those with the planner enabled, and reports latency against spec.slo for
         # every deployment that has one
         return [o for o in items if (o.get("spec", {}).get("planner") or {}).get("enabled")
-                or o.get("spec", {}).get("slo")]
+                or o.get("spec", {}).get("slo")], listed
 
-    def _models(self, obj: dict[str, Any], spec: DisaggDeploymentSpec) -> RoleModels:
-        name, gpu = resolve_model_name(spec), resolve_gpu(obj, spec)
+    def _forget_departed(self, items: list[dict[str, Any]], listed: set[str] | None) -> None:
+        """Free the memory and metrics of deployments gone from a complete listing; never on a failed one
+        (a deployment that merely could not be listed keeps its cooldowns and history)."""
+        present = {o["metadata"]["uid"] for o in items}
+        names = {(o["metadata"]["namespace"], o["metadata"]["name"]) for o in items}
+        for uid, state in list(self.state.items()):
+            if uid in present or (listed is not None and state.namespace not in listed):
+                continue
+            del self.state[uid]
+            # (a deployment deleted and made again under the same name keeps the series its new self writes)
+            if self.metrics and (state.namespace, state.name) not in names:
+                self.metrics.forget(state.namespace, state.name)
+            log.info(json.dumps({"deployment": f"{state.namespace}/{state.name}", "uid": uid, "event": "forgotten"}))
+
+    def _state(self, meta: dict[str, Any]) -> _State:
+        return self.state.setdefault(meta["uid"], _State(meta["namespace"], meta["name"]))
+
+    def _models(self, obj: dict[str, Any], spec: DisaggDeploymentSpec) -> tuple[RoleModels | None,
+                                                                                 Unplannable | None]:
+        """The performance models of the roles, or (None, why) when the model or GPU is not known."""
         profile = None
         if spec.planner.profile_ref:
-            cm = self.core.read_namespaced_config_map(spec.planner.profile_ref.name, obj["metadata"]["namespace"])
+            cm = self.core.read_namespaced_config_map(spec.planner.profile_ref.name, obj["metadata"]["namespace"],
+                                                      _request_timeout=self.request_timeout)
             profile = perfmodel.Profile.from_dict(yaml.safe_load((cm.data or {})[perfmodel.PROFILE_KEY]))
+        problem = unplannable(obj, spec, profile)
+        if problem is not None:
+            return None, problem
+        name, gpu = resolve_model_name(spec, profile), resolve_gpu(obj, spec, profile)
         return RoleModels(perfmodel.PerfModel.analytic(name, gpu, spec.prefill.tensor_parallel_size, profile=profile),
-                          perfmodel.PerfModel.analytic(name, gpu, spec.decode.tensor_parallel_size, profile=profile))
+                          perfmodel.PerfModel.analytic(name, gpu, spec.decode.tensor_parallel_size,
+                                                       profile=profile)), None
+
+    def _say_unplannable(self, meta: dict[str, Any], state: _State, problem: Unplannable | None) -> None:
+        if self.metrics:
+            self.metrics.model_known.labels(namespace=meta["namespace"], deployment=meta["name"]).set(
+                0 if problem else 1)
+        if problem != state.unplannable:
+            deployment = f'{meta["namespace"]}/{meta["name"]}'
+            if problem:
+                log.warning(json.dumps({"deployment": deployment, "event": "unplannable", "reason": problem.reason,
+                                        "message": problem.message}))
+            else:
+                log.info(json.dumps({"deployment": deployment, "event": "plannable"}))
+            state.unplannable = problem
 
     def plan_one(self, obj: dict[str, Any], now: float | None = None) -> Decision:
         """Observe, decide and apply for one deployment, now (the interval is the caller's business)."""
@@ -127,9 +272,21 @@ class PlannerLoop:
         spec = DisaggDeploymentSpec.model_validate(obj["spec"])
         ready, rolling = readiness(obj)
         target = Target.from_spec(spec, ready=ready, rolling=rolling)
-        state = self.state.setdefault(meta["uid"], _State())
+        state = self._state(meta)
         obs, window = self._observe(meta, spec, now)
-        decision, state.memory = decide(obs, target, state.memory, self._models(obj, spec), now)
+        models, problem = self._models(obj, spec)
+        self._say_unplannable(meta, state, problem)
+        if problem is not None and _readable(obs):
+            # hold, in decide()'s own words, with what was observed; nothing is learnt from this interval
+            held = Observation.unavailable(obs.time, problem.message, problem.reason)
+            decision, _ = decide(held, target, state.memory, models, now)
+            decision = replace(decision, inputs=obs.inputs())
+        else:
+            # (with the model unknown, decide() holds on the unreadable metrics before it reads a model;
+            # the metrics' outage comes first in status, the model's problem after it)
+            decision, state.memory = decide(obs, target, state.memory, models, now)
+            if problem is not None:
+                decision = replace(decision, message=f"{decision.message}; also {problem.message}")
         state.last = now
         self.executor.apply(obj, decision, target, slo.judge(obs, spec.slo, window))
         return decision
@@ -145,6 +302,8 @@ class PlannerLoop:
             return None
         state.last_fast = now
         spec = DisaggDeploymentSpec.model_validate(obj["spec"])
+        if state.unplannable is not None:  # (the decisions say why; the next one looks again)
+            return None
         endpoint = self.endpoints.resolve(spec.planner.prometheus)
         observe_queues = None if isinstance(endpoint, str) else getattr(self.source_for(endpoint), "observe_queues",
                                                                         None)
@@ -153,7 +312,10 @@ class PlannerLoop:
         ready, rolling = readiness(obj)
         target = Target.from_spec(spec, ready=ready, rolling=rolling)
         obs = observe_queues(meta["namespace"], meta["name"], FAST_SCRAPES * self.scrape_interval)
-        decision, state.memory = react(obs, target, state.memory, self._models(obj, spec), now)
+        models, problem = self._models(obj, spec)
+        if models is None:
+            return None
+        decision, state.memory = react(obs, target, state.memory, models, now)
         if decision is not None:  # (an unreadable Prometheus is left to the next decision to report)
             log.info('{"deployment": "%s/%s", "fast_path": "%s"}', meta["namespace"], meta["name"], decision.message)
             self.executor.apply(obj, decision, target)
@@ -165,7 +327,9 @@ class PlannerLoop:
         spec = DisaggDeploymentSpec.model_validate(obj["spec"])
         obs, window = self._observe(obj["metadata"], spec, now)
         verdict = slo.judge(obs, spec.slo, window)
-        self.state.setdefault(obj["metadata"]["uid"], _State()).last = now
+        self._state(obj["metadata"]).last = now
+        if self.metrics:  # (planned once, then the planner switched off: its sizing series are stale)
+            self.metrics.forget(obj["metadata"]["namespace"], obj["metadata"]["name"])
         self.executor.report(obj, verdict)
         return verdict
 
@@ -182,7 +346,15 @@ class PlannerLoop:
         latency for those with spec.slo and no planner (a Verdict each)."""
         now = self.clock() if now is None else now
         done = []
-        for obj in self._list():
+        try:
+            items, listed = self._list()
+        except Exception as e:  # the API server's error or its silence: this pass is lost, no memory
+            self._failed("list", e)
+            self._beat()
+            return done
+        self._forget_departed(items, listed)
+        for obj in items:
+            self._beat()
             meta = obj["metadata"]
             state = self.state.get(meta["uid"])
             interval = (obj["spec"].get("planner") or {}).get("intervalSeconds", 30)
@@ -193,18 +365,23 @@ class PlannerLoop:
                     try:
                         self.react_one(obj, now)
                     except Exception as e:
-                        log.exception('{"deployment": "%s/%s", "error": "%s"}', meta["namespace"], meta["name"], e)
+                        self._failed("fast_path", e, f'{meta["namespace"]}/{meta["name"]}')
                 continue
+            planned = bool((obj["spec"].get("planner") or {}).get("enabled"))
             try:
-                if (obj["spec"].get("planner") or {}).get("enabled"):
+                if planned:
                     done.append((meta["namespace"], meta["name"], self.plan_one(obj, now)))
                 else:
                     done.append((meta["namespace"], meta["name"], self.report_one(obj, now)))
             except Exception as e:  # one broken deployment must not stop the others
-                log.exception('{"deployment": "%s/%s", "error": "%s"}', meta["namespace"], meta["name"], e)
+                self._failed("plan" if planned else "report", e, f'{meta["namespace"]}/{meta["name"]}')
+        self._beat()
         return done
 
     def run(self, stop: threading.Event, tick: float = 1.0) -> None:
         while not stop.is_set():
-            self.step()
+            try:
+                self.step()
+            except Exception as e:  # a fault of the pass itself: the memory outlives it, the next pass runs
+                self._failed("pass", e)
             stop.wait(tick)

@@ -11,6 +11,10 @@ ROLLING_OUT = "RolloutInProgress"
 BUDGET_LIMITED = "GPUBudgetLimited"
 METRICS_OK = "MetricsAvailable"            # PlannerActive=True
 METRICS_UNAVAILABLE = "MetricsUnavailable"  # Prometheus answered, a required series is absent or NaN
+# the performance model has no entry for the deployment's model or GPU: it holds rather than size the deployment
+# as another model or for another GPU (the metrics were read: these never stand in for a metrics outage)
+UNKNOWN_MODEL = "UnknownModel"
+UNKNOWN_GPU = "UnknownGPU"
 
 # the metrics source could not be read (decisions hold; SLOMet is Unknown with the same reason)
 PROMETHEUS_UNREACHABLE = "PrometheusUnreachable"  # no answer: refused, timed out, not Prometheus' API

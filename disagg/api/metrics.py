@@ -100,6 +100,9 @@ PLANNER_PREDICTED_REQUEST_RATE = "disagg_planner_predicted_request_rate"  # gaug
 PLANNER_OBSERVED_TTFT_SECONDS = "disagg_planner_observed_ttft_seconds"    # gauge
 PLANNER_OBSERVED_ITL_SECONDS = "disagg_planner_observed_itl_seconds"      # gauge
 PLANNER_METRICS_AVAILABLE = "disagg_planner_metrics_available"      # gauge 0/1
+PLANNER_MODEL_KNOWN = "disagg_planner_model_known"                  # gauge 0/1: the model and GPU are in the performance model's data (0: it holds)
+PLANNER_ERRORS = "disagg_planner_errors_total"                      # counter; labels: stage, error (a failed call costs one pass, never the process; no deployment labels)
+PLANNER_LAST_PASS = "disagg_planner_last_pass_timestamp_seconds"    # gauge, unix seconds: the loop's last progress (no deployment labels; /healthz reads the same heartbeat)
 
 # ---- operator
 OPERATOR_RECONCILES = "disagg_operator_reconciles_total"            # counter; labels: result (applied, unchanged, conflict, error, invalid, blocked)
