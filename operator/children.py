@@ -13,6 +13,7 @@ from typing import Any
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
+from disagg.api import kube
 from disagg.api.names import LABEL_DEPLOYMENT, LABEL_GANG
 
 from . import gang as gangs
@@ -63,7 +64,7 @@ class Clients:
             config.load_kube_config(config_file=os.environ.get("KUBECONFIG"), client_configuration=cfg,
                                     persist_config=False)
         cfg.connection_pool_maxsize = pool
-        api = client.ApiClient(cfg)
+        api = kube.api_client(cfg)   # every call with a timeout: a hung API server fails a call, never a thread
         return cls(api=api, core=client.CoreV1Api(api), custom=client.CustomObjectsApi(api))
 
     # Uniform get/apply/list/delete over the kinds in PLURALS (core kinds through CoreV1Api).

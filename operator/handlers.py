@@ -15,6 +15,7 @@ import kopf
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
+from disagg.api import kube
 from disagg.api.contract import KV_REVISION_GENERATION_LABEL, KV_REVISION_LABEL
 from disagg.api.names import (GROUP, LABEL_DEPLOYMENT, LABEL_GANG, LABEL_MANAGED_BY, LABEL_ROLE, MANAGED_BY,
                                ROLE_DECODE, ROLE_PREFILL)
@@ -77,6 +78,10 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     settings.persistence.finalizer = "serving.disagg.dev/operator"
     settings.persistence.diffbase_storage = LeanDiffBaseStorage()   # kopf's, without its deep copies
     settings.watching.server_timeout = 300
+    # kopf's own calls (patches, events, the watches' connects) get a bound too: its default is none. The
+    # watches' streams are bounded by server_timeout above (the API server closes them), then by this.
+    settings.networking.request_timeout = settings.watching.server_timeout + kube.KUBE_REQUEST_TIMEOUT[1]
+    settings.networking.connect_timeout = kube.KUBE_REQUEST_TIMEOUT[0]
     # No CRD or Namespace watches: the resources it serves are found once at start-up through discovery
     # (the CRD is installed before the operator), namespaces are the ones it is told; so its role needs
     # no cluster-wide read of CRDs or Namespaces (operator/rbac.yaml).

@@ -20,6 +20,7 @@ import datetime as dt
 import logging
 from typing import Any
 
+from disagg.api import kube
 from disagg.api import metrics as m
 from disagg.api.names import GROUP, ROLE_DECODE, ROLE_PREFILL
 from disagg.api.v1alpha1 import API_VERSION, KIND, PLURAL, VERSION, ConditionType
@@ -30,10 +31,10 @@ from .slo import Verdict
 
 FIELD_MANAGER = "disagg-planner"
 APPLY = "application/apply-patch+yaml"
-# (connect, read) seconds of every Kubernetes call the planner makes (the loop's and the executor's): a call
-# cut by it fails that deployment's pass, or the whole pass for a list, and the next pass tries again
-# (urllib3 retries a GET that timed out 3 times first: a list gives up after four read timeouts at most)
-KUBE_REQUEST_TIMEOUT = (5.0, 30.0)
+# Every Kubernetes call the planner makes (the loop's and the executor's) carries the project's one timeout
+# (disagg/api/kube.py): a call cut by it fails that deployment's pass, or the whole pass for a list, and the
+# next pass tries again
+KUBE_REQUEST_TIMEOUT = kube.KUBE_REQUEST_TIMEOUT
 
 log = logging.getLogger("disagg.planner")
 

@@ -105,7 +105,7 @@ PLANNER_ERRORS = "disagg_planner_errors_total"                      # counter; l
 PLANNER_LAST_PASS = "disagg_planner_last_pass_timestamp_seconds"    # gauge, unix seconds: the loop's last progress (no deployment labels; /healthz reads the same heartbeat)
 
 # ---- operator
-OPERATOR_RECONCILES = "disagg_operator_reconciles_total"            # counter; labels: result (applied, unchanged, conflict, error, invalid, blocked)
+OPERATOR_RECONCILES = "disagg_operator_reconciles_total"            # counter; labels: result (applied, unchanged, conflict, error, invalid, blocked, unsupported)
 OPERATOR_GANG_WAIT_SECONDS = "disagg_operator_gang_wait_seconds"    # histogram: first gang pod created -> gang placed
 OPERATOR_CHILD_WRITES = "disagg_operator_child_writes_total"        # counter; labels: kind
 OPERATOR_DRIFT_REVERTS = "disagg_operator_drift_reverts_total"      # counter; labels: kind, manager (who changed it)
