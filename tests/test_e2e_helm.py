@@ -375,31 +375,45 @@ def test_operator_panels_and_gang_alert_on_the_real_operators_metrics(provider, 
     wait_for(lambda: small.apps.read_namespaced_deployment(child, ns).spec.replicas == 2, 120, "replicas restored")
     wait_for(lambda: prom.api("query", query=f"sum({m.OPERATOR_DRIFT_REVERTS})")["data"]["result"], 120,
              "the revert scraped", interval=0.5)
-    time.sleep(3)   # a few more scrapes after the last change
-
     variables = {"namespace": ns, "deployment": ".*", "__rate_interval": "1m"}
     dashboard = json.loads((CHART / "dashboards" / "overview.json").read_text())
     row = suite.dashboard_rows(dashboard)[suite.OPERATOR_ROW]
     assert len(row) >= 4
-    failures, checked = [], 0
+    # every panel with data: rates need a few scrapes after the last change, so wait for them (the last
+    # failures are what a timeout reports), never for a fixed time
+    failures: list[str] = []
+    try:
+        wait_for(lambda: not _operator_row_failures(prom, row, variables, operator.started, failures), 120,
+                 "every operator panel to have data", interval=1)
+    except AssertionError as e:
+        raise AssertionError(f"{e}:\n" + "\n".join(failures)) from None
+    # the conditions panel shows the stuck gang with its reason
+    r = prom.api("query", query=f'{m.OPERATOR_CONDITION}{{namespace="{ns}", deployment="stuck", '
+                                f'type="GangScheduled"}}')
+    assert [s["metric"]["reason"] for s in r["data"]["result"]] == ["InsufficientCapacity"], r
+
+
+def _operator_row_failures(prom, row: list[dict], variables: dict[str, str], start: float,
+                           failures: list[str]) -> list[str]:
+    """The panels of the operator row whose queries error or return no finite value since ``start`` (also
+    left in ``failures``)."""
+    failures.clear()
+    checked = 0
     for panel in row:
         for t in panel["targets"]:
             expr = t["expr"]
             for name, value in sorted(variables.items(), key=lambda kv: -len(kv[0])):
                 expr = expr.replace("${" + name + "}", value).replace("$" + name, value)
             assert "$" not in expr, expr
-            r = prom.api("query_range", query=expr, start=operator.started, end=time.time(), step="1s")
+            r = prom.api("query_range", query=expr, start=start, end=time.time(), step="1s")
             checked += 1
             values = [float(v) for series in r.get("data", {}).get("result", []) for _, v in series["values"]]
             if r.get("status") != "success":
                 failures.append(f"{panel['title']} [{t['refId']}]: query error {r.get('error')}: {expr}")
             elif not any(math.isfinite(v) for v in values):
                 failures.append(f"{panel['title']} [{t['refId']}]: no data: {expr}")
-    assert checked >= 6 and not failures, "\n".join(failures)
-    # the conditions panel shows the stuck gang with its reason
-    r = prom.api("query", query=f'{m.OPERATOR_CONDITION}{{namespace="{ns}", deployment="stuck", '
-                                f'type="GangScheduled"}}')
-    assert [s["metric"]["reason"] for s in r["data"]["result"]] == ["InsufficientCapacity"], r
+    assert checked >= 6, checked
+    return failures
 
 
 # ---------------------------------------------------------------- uninstall
