@@ -14,6 +14,11 @@ The rule, for each new request:
   (``disagg_router_pairing_refusals_total``).
 So during a rollout new requests stay on the old revision's pairs until the new revision has a pair,
 then all move to it; none is ever served by a prefill and a decode of different revisions.
+
+A request already under way keeps its revision (``choose(..., revision=)``): a decode retried before its
+first token, or a stream continued after its decode failed (migration.py), goes to workers of the revision
+it started on, since the tokens it carries are that model's; with none left it ends with an error that
+says so, never on another model.
 """
 
 from __future__ import annotations
@@ -24,6 +29,13 @@ from disagg.api.names import ROLE_DECODE, ROLE_PREFILL
 
 from .errors import NoWorkers
 from .pool import Pool, Worker
+
+
+class Unset:
+    """No revision asked for (a new request); None is a revision of its own (workers that name none)."""
+
+
+UNSET = Unset()
 
 
 @dataclass
@@ -43,9 +55,17 @@ def _newest(groups: dict[str | None, list[Worker]], revisions) -> str | None:
     return max(revisions, key=lambda rev: (_order(groups[rev]), rev or ""))
 
 
-def choose(pool: Pool, exclude: set[str] = frozenset()) -> Pairing:
-    """The revision and workers a new request may use (NoWorkers when no decode is healthy)."""
+def choose(pool: Pool, exclude: set[str] = frozenset(), revision: str | None | Unset = UNSET) -> Pairing:
+    """The revision and workers a new request may use (NoWorkers when no decode is healthy); with
+    ``revision``, the workers of that revision only (a request under way: NoWorkers when it has no
+    healthy decode left)."""
     decodes, prefills = pool.healthy(ROLE_DECODE, exclude), pool.healthy(ROLE_PREFILL)
+    if not isinstance(revision, Unset):
+        decodes = [w for w in decodes if w.revision == revision]
+        if not decodes:
+            raise NoWorkers(f"no healthy {ROLE_DECODE} worker of the request's KV revision {revision} is left "
+                            "(its tokens are that revision's model's)")
+        return Pairing(revision, decodes, [w for w in prefills if w.revision == revision])
     if not decodes:
         raise NoWorkers(f"no healthy {ROLE_DECODE} workers are available")
     by_rev: dict[str | None, dict[str, list[Worker]]] = {}

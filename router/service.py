@@ -275,11 +275,13 @@ class Router:
             self.metrics.load_bounded.labels(role).inc()
         return self.pool.workers[role][d.worker], d.overlap_blocks
 
-    def plan(self, token_ids: list[int], exclude: set[str] = frozenset()) -> Plan:
+    def plan(self, token_ids: list[int], exclude: set[str] = frozenset(),
+             revision: str | None | pairing.Unset = pairing.UNSET) -> Plan:
         keys = block_keys(token_ids, self.config.block_size)
         bs = self.config.block_size
-        # prefill and decode of one KV revision only, the newest complete one (pairing.py)
-        pair = pairing.choose(self.pool, exclude)
+        # prefill and decode of one KV revision only: the newest complete one for a new request, the
+        # request's own for one under way (pairing.py)
+        pair = pairing.choose(self.pool, exclude, revision)
         decode, decode_overlap = self._pick(ROLE_DECODE, keys, exclude, pair.decodes)
         mode = self.config.spec.disaggregation
         prefills = pair.prefills
@@ -462,7 +464,9 @@ class Router:
             keys = block_keys(ids, self.config.block_size)
             for exclude in (set(tried), set()):
                 try:
-                    nxt = self._pick(ROLE_DECODE, keys, exclude)[0]
+                    # a decode of the request's own KV revision: its body was made for that model
+                    nxt = self._pick(ROLE_DECODE, keys, workers=pairing.choose(
+                        self.pool, exclude, failed.revision).decodes)[0]
                     break
                 except NoWorkers:
                     continue
@@ -625,7 +629,7 @@ class Router:
                             end.error, len(tokens.generated()))
                 tried.append(w.name)
                 try:
-                    resp, w, head, head_error = await self._continue(tokens, tried)
+                    resp, w, head, head_error = await self._continue(tokens, tried, w.revision)
                 except (_Upstream, RouterError) as e:
                     self.metrics.migrations.labels(m.MIGRATION_FAILED).inc()
                     await emit(sink, sse(UpstreamFailed(
@@ -657,11 +661,12 @@ class Router:
             return m.MIGRATION_EXHAUSTED
         return None
 
-    async def _continue(self, tokens: migration.TokenLog, tried: list[str]):
+    async def _continue(self, tokens: migration.TokenLog, tried: list[str], revision: str | None):
         """Opens the continuation of a failed stream: planned as a new request whose prompt is the prompt's
         ids plus the generated ones (another decode worker first; the same one when there is no other,
-        since a stall or an error event does not mean it is gone). Returns (response, worker, head,
-        head_error) as the first open does."""
+        since a stall or an error event does not mean it is gone), of the stream's own KV revision: its
+        ids are that revision's model's tokens. Returns (response, worker, head, head_error) as the first
+        open does."""
         ids = tokens.prompt + tokens.generated()
         body = tokens.continuation()
         err: Exception = NoWorkers("no healthy decode workers are available")
@@ -670,7 +675,7 @@ class Router:
         while excludes:
             exclude = excludes.pop(0)
             try:
-                plan = self.plan(ids, exclude)
+                plan = self.plan(ids, exclude, revision)
             except NoWorkers as e:
                 err = e
                 continue
@@ -701,6 +706,10 @@ class Router:
             except BaseException:
                 self._account(w, -1)
                 raise
+        try:
+            pairing.choose(self.pool, set(), revision)
+        except NoWorkers as gone:       # what ended it: its revision has no decode left (a rollout's end)
+            raise _Upstream(f"{gone}; last attempt: {err}") from None
         raise _Upstream(str(err))
 
 
