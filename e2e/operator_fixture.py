@@ -83,6 +83,10 @@ def running_operator(kubeconfig: Path, namespaces: tuple[str, ...] = ()) -> Iter
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             os.environ["DISAGG_OPERATOR_METRICS_PORT"] = str(sock.getsockname()[1])
+    from disagg.operator import handlers
+
+    served = list(handlers.NAMESPACES)
+    handlers.NAMESPACES[:] = namespaces   # what `python -m disagg.operator --namespace` sets
     try:
         scope = [f"--namespace={n}" for n in namespaces] or ["--all-namespaces"]
         # the timeout bounds the operator's shutdown (it finishes posting queued events first): generous,
@@ -91,6 +95,7 @@ def running_operator(kubeconfig: Path, namespaces: tuple[str, ...] = ()) -> Iter
                         timeout=180) as runner:
             yield runner
     finally:
+        handlers.NAMESPACES[:] = served
         if old is None:
             os.environ.pop("KUBECONFIG", None)
         else:

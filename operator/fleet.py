@@ -7,16 +7,22 @@ baseline and 570 MiB). One raw-JSON list at most every ``max_age`` seconds (long
 lists are expensive) serves them all; a message may be that much behind the cluster,
 which the next refresh corrects.
 
-Free GPUs depend on every pod bound to a GPU node, the operator's or not, so this is
-the one list that cannot be scoped to what the operator owns. It is kept small
-instead: the API server filters out unbound and finished pods (field selectors), and
-both lists come in pages of ``page`` items that are folded into per-node counts as
-they arrive, so memory holds one page, never the cluster.
+Free GPUs depend on every pod bound to a GPU node, the operator's or not. Reading every
+tenant's pods means reading every tenant's pod specs (their plain environment values
+among them), so an operator that serves only some namespaces (the chart's
+operator.watchNamespaces) counts the pods of those namespaces alone by default, and its
+messages say that other namespaces' pods are not counted; the chart's
+operator.capacity.countAllNamespaces grants the cluster-wide list and counts them all
+(DISAGG_CAPACITY_ALL_NAMESPACES). An operator serving every namespace can read every pod
+anyway, and counts them all. The lists are kept small: the API server filters out unbound
+and finished pods (field selectors), and both lists come in pages of ``page`` items that
+are folded into per-node counts as they arrive, so memory holds one page, never the cluster.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -30,6 +36,11 @@ from .children import Clients
 # Pods that hold GPUs: bound to a node and not finished.
 BOUND_PODS = "spec.nodeName!=,status.phase!=Succeeded,status.phase!=Failed"
 PAGE = 500
+ALL_NAMESPACES_ENV = "DISAGG_CAPACITY_ALL_NAMESPACES"
+
+
+def counts_all_namespaces() -> bool:
+    return os.environ.get(ALL_NAMESPACES_ENV, "false").strip().lower() in ("true", "1", "yes", "on")
 
 
 class Fleet:
@@ -42,8 +53,11 @@ class Fleet:
     status refreshes sharing kopf's thread pool, and blocking them on the lock stalled every reconcile
     queued behind them. Only the very first list is waited for."""
 
-    def __init__(self, clients: Clients, max_age: float = 5.0, page: int = PAGE, max_share: float = 0.1):
+    def __init__(self, clients: Clients, max_age: float = 5.0, page: int = PAGE, max_share: float = 0.1,
+                 namespaces: tuple[str, ...] = ()):
+        """``namespaces``: count only the pods of these (empty: every namespace's)."""
         self._clients = clients
+        self.namespaces = tuple(namespaces)
         self._max_age = max_age
         self._max_share = max_share
         self._page = page
@@ -97,12 +111,22 @@ class Fleet:
                              tuple((t.key, t.operator, t.value, t.effect) for t in r.tolerations)) for r in roles))
         answer = answers.get(shape)
         if answer is None:
-            answer = answers[shape] = capacity.explain(free, roles, key)
+            fits, message = capacity.explain(free, roles, key)
+            if self.namespaces and not fits:
+                message += (f" (GPUs held by pods outside {', '.join(self.namespaces)} are not counted: the "
+                            "operator does not read other namespaces' pods; the chart's "
+                            "operator.capacity.countAllNamespaces counts them)")
+            answer = answers[shape] = (fits, message)
         return answer
 
     def _list(self) -> list[capacity.NodeFree]:
         core = self._clients.core
-        used = capacity.used_gpus(pages(core.list_pod_for_all_namespaces, self._page, field_selector=BOUND_PODS))
+        if self.namespaces:
+            bound = (p for ns in self.namespaces
+                     for p in pages(core.list_namespaced_pod, self._page, namespace=ns, field_selector=BOUND_PODS))
+        else:
+            bound = pages(core.list_pod_for_all_namespaces, self._page, field_selector=BOUND_PODS)
+        used = capacity.used_gpus(bound)
         free = capacity.free_gpus(pages(core.list_node, self._page), used)
         memory.trim()  # the pages' text and objects are freed now: return that heap to the system at once
         return free

@@ -26,7 +26,7 @@ from . import gang as gangs
 from . import memory, metrics, revisions
 from . import status as statuses
 from .essence import LeanDiffBaseStorage
-from .fleet import PAGE, Fleet
+from .fleet import PAGE, Fleet, counts_all_namespaces
 
 log = logging.getLogger("disagg.operator")
 # A gang unplaced for this long gets its capacity explained (free GPUs per domain).
@@ -95,7 +95,8 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     asyncio.get_running_loop().set_default_executor(settings.execution.executor)
     watch_only_owned(settings)
     memo.clients = children.Clients.create(pool=settings.execution.max_workers)
-    memo.fleet = Fleet(memo.clients)
+    # the pods of the namespaces it serves, unless told to count every namespace's (fleet.py)
+    memo.fleet = Fleet(memo.clients, namespaces=() if counts_all_namespaces() else tuple(NAMESPACES))
     memo.triggers = {}
     memo.applied = {}  # (namespace, name) -> (last applied generation, error applying the next one)
     # (namespace, name) -> (KV revision generation, rollout hold) of its last apply (revisions.py)

@@ -304,9 +304,23 @@ def test_watched_namespaces_get_roles_and_only_what_cannot_be_namespaced_is_clus
         expected[("Role", ns, "disagg-operator")] = norm(source["disagg-operator"])
         expected[("Role", ns, "disagg-planner")] = norm(source["disagg-planner"])
     assert grants(objs) == expected
-    # what stays cluster-wide: list nodes and pods (free GPUs on every node), nothing that reads contents
-    assert norm(source["disagg-operator-cluster"]) == [{"apiGroups": [""], "resources": ["nodes", "pods"],
-                                                        "verbs": ["list"]}]
+    # what stays cluster-wide: list nodes (free GPUs on every node); no tenant's pod specs: the pods counted are
+    # the watched namespaces' (operator/fleet.py), and the operator is told so
+    assert norm(source["disagg-operator-cluster"]) == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["list"]}]
+    env = {e["name"]: e["value"] for e in one(objs, "Deployment", "operator")["spec"]["template"]["spec"][
+        "containers"][0]["env"] if "value" in e}
+    assert env["DISAGG_CAPACITY_ALL_NAMESPACES"] == "false"
+    # counting every namespace's pods is a choice, with its grant
+    wide = render(helm, "--set", "operator.watchNamespaces={team-a}", "--set", "operator.capacity.countAllNamespaces=true")
+    (cluster_role,) = [o for o in wide if o["kind"] == "ClusterRole" and o["metadata"]["name"] == "disagg-operator-cluster"]
+    assert {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]} in cluster_role["rules"]
+    env = {e["name"]: e["value"] for e in one(wide, "Deployment", "operator")["spec"]["template"]["spec"][
+        "containers"][0]["env"] if "value" in e}
+    assert env["DISAGG_CAPACITY_ALL_NAMESPACES"] == "true"
+    everywhere = render(helm)   # all namespaces: every pod is readable anyway, and counted
+    env = {e["name"]: e["value"] for e in one(everywhere, "Deployment", "operator")["spec"]["template"]["spec"][
+        "containers"][0]["env"] if "value" in e}
+    assert env["DISAGG_CAPACITY_ALL_NAMESPACES"] == "true"
     bindings = sorted((o["kind"], o["metadata"].get("namespace", ""), o["roleRef"]["kind"], o["roleRef"]["name"],
                        o["subjects"][0]["name"]) for o in objs if o["kind"] in ("ClusterRoleBinding", "RoleBinding"))
     assert bindings == sorted([("ClusterRoleBinding", "", "ClusterRole", "disagg-operator-cluster", "disagg")] + [

@@ -99,3 +99,29 @@ def test_fleet_view_in_pages_is_the_whole_fleet(api_client, mixed_fleet):
     mine = {f.name: f for f in whole if f.name in mixed_fleet}
     assert set(mine) == set(mixed_fleet) and all(f.free_gpus == 8 and f.taints for f in mine.values())
     assert len(whole) > 3
+
+
+def test_an_operator_serving_some_namespaces_counts_their_pods_only(api_client, namespace, mixed_fleet):
+    """With watchNamespaces the fleet view lists bound pods in the served namespaces only (no other tenant's
+    pod specs are read, operator/fleet.py), and a message that a gang does not fit says what it did not count."""
+    from disagg.operator import capacity
+    from disagg.operator.children import Clients
+    from disagg.operator.fleet import Fleet
+
+    core = client.CoreV1Api(api_client)
+    clients = Clients(api=api_client, core=core, custom=client.CustomObjectsApi(api_client))
+    node = mixed_fleet[0]
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "holder"},
+           "spec": {"nodeName": node, "tolerations": TOLERATE_GPU, "containers": [
+               {"name": "c", "image": "registry.k8s.io/pause:3.10",
+                "resources": {"limits": {"nvidia.com/gpu": "8"}}}]}}
+    core.create_namespaced_pod(namespace, pod)
+
+    def free(fleet: Fleet) -> int:
+        return next(f.free_gpus for f in fleet.free_gpus() if f.name == node)
+    wait_for(lambda: free(Fleet(clients)) == 0, 60, "the whole-cluster view to count the holder's GPUs")
+    elsewhere = Fleet(clients, namespaces=("default",))
+    assert free(elsewhere) == 8, "the pod of a namespace it does not serve is not read"
+    assert free(Fleet(clients, namespaces=("default", namespace))) == 0
+    fits, message = elsewhere.explain([capacity.RoleNeed("decode", 1, 64, {}, ())], None)
+    assert not fits and "pods outside default are not counted" in message, message

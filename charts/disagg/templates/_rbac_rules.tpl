@@ -2,11 +2,18 @@
 
 {{/* disagg-operator-cluster: what cannot be namespaced. */}}
 {{- define "disagg.operatorClusterRules" -}}
-# Free GPUs per node for the capacity messages of a waiting gang: every node, and every pod bound to one
-# in any namespace (other tenants' pods take GPUs too). Lists only, in pages, with field selectors.
+# Free GPUs per node for the capacity messages of a waiting gang: every node. The pods bound to them are
+# listed in the namespaces it serves (disagg-operator below); the chart's operator.capacity.countAllNamespaces
+# adds pods here, for an operator with watchNamespaces to count every tenant's (fleet.py).
 - apiGroups: [""]
-  resources: [nodes, pods]
+  resources: [nodes]
   verbs: [list]
+{{- if and .Values.operator.watchNamespaces .Values.operator.capacity.countAllNamespaces }}
+# operator.capacity.countAllNamespaces: every namespace's bound pods (every tenant's pod specs, readable)
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [list]
+{{- end }}
 {{- end }}
 
 {{/* disagg-operator: what the operator does in the namespaces it serves. */}}
