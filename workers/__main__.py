@@ -100,6 +100,13 @@ def main(argv: list[str] | None = None) -> int:
         print(ensure(worker_python()))
         return 0
     settings = settings_from(args, engine_args)
+    if args.action == "serve":
+        from .leader import LEADER_WAIT_SECONDS, resolve_leader_flags
+        from .supervisor import log
+
+        # a replica's other pods reach its leader by IP (vLLM's ZMQ resolves no names): wait for it here
+        settings = settings.model_copy(update={"engine_args": resolve_leader_flags(
+            settings.engine_args, LEADER_WAIT_SECONDS, log=log)})
     cmd = build(settings, python=args.python or sys.executable)
     if args.action == "command":
         print(json.dumps({"argv": shlex.join(redact.argv(cmd.argv)), "env": redact.env(cmd.env)}, indent=2))

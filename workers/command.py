@@ -31,6 +31,13 @@ CPU_NIXL_PROGRESS_DELAY_US = 1000
 # vLLM's shared-memory queue readers wait for a notification this long (ms) instead of spinning for a
 # second after every read, on the CPU build (engine_site/sitecustomize.py; bench/pd_path_timing.py)
 CPU_VLLM_SHM_WAIT_MS = 1
+# A replica's non-leader pods run vLLM's headless ranks through this launcher (headless.py says why), by
+# path: the engine's Python need not have this project installed.
+HEADLESS_LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "headless.py")
+HEADLESS_FLAG = "--headless"
+# Flags naming the replica's leader, which vLLM binds and connects ZMQ sockets with: ZMQ does not resolve
+# names, so the supervisor resolves them to an IP before the engine starts (leader.py).
+LEADER_ADDRESS_FLAGS = ("--master-addr", "--data-parallel-address")
 # On every engine's PYTHONPATH when the delay is set: its sitecustomize applies the delay in each of
 # the engine's processes (API server, engine core, spawned workers).
 ENGINE_SITE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "engine_site")
@@ -73,8 +80,14 @@ def allowed_cores() -> str:
     return ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
 
 
+def headless(s: WorkerSettings) -> bool:
+    """A replica's non-leader pod: engine ranks only, no API server (disagg.api.parallelism.rank_flags)."""
+    return HEADLESS_FLAG in s.engine_args
+
+
 def build(s: WorkerSettings, python: str = "python") -> Command:
-    argv = [python, "-P", "-m", VLLM_SERVER_MODULE,
+    entry = [HEADLESS_LAUNCHER] if headless(s) else ["-m", VLLM_SERVER_MODULE]
+    argv = [python, "-P", *entry,
             "--model", s.model,
             "--served-model-name", s.served_model_name or s.model,
             "--host", s.host, "--port", str(s.port),
