@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 
@@ -10,7 +11,7 @@ import pytest
 from pydantic import ValidationError
 
 from disagg.api.names import DISK_OFFLOAD_PATH
-from disagg.workers.command import build
+from disagg.workers.command import build, kv_events_config
 from disagg.workers.settings import WorkerSettings
 
 
@@ -180,3 +181,37 @@ def test_cpu_build_keeps_the_compute_on_its_cores_and_stops_vllms_queue_spin(mon
     assert WorkerSettings.from_env(env).nixl_keep_affinity is False
     assert WorkerSettings.from_env({**env, "DISAGG_NIXL_KEEP_AFFINITY": "false"}).nixl_keep_affinity is False
     assert os.path.isfile(os.path.join(ENGINE_SITE_DIR, "sitecustomize.py"))
+
+
+def test_kv_event_sockets_bind_loopback_in_local_runs_and_every_interface_in_pods():
+    """Local runs (vLLM's HTTP server on 127.0.0.1) publish KV events and answer replays on the loopback
+    address alone: bound as vLLM binds them, nothing beyond the machine reaches either. In a pod (HTTP on
+    every interface) both bind every interface, the pod IP being the only one besides loopback."""
+    import zmq
+
+    pod = kv_events_config(WorkerSettings(role="decode", model="/m", kv_events_port=5571, kv_replay_port=5572))
+    assert (pod["endpoint"], pod["replay_endpoint"]) == ("tcp://*:5571", "tcp://*:5572")
+
+    with socket.socket() as a, socket.socket() as b:
+        a.bind(("127.0.0.1", 0))
+        b.bind(("127.0.0.1", 0))
+        ports = [a.getsockname()[1], b.getsockname()[1]]
+    local = kv_events_config(WorkerSettings(role="decode", model="/m", host="127.0.0.1", advertise_host="127.0.0.1",
+                                            kv_events_port=ports[0], kv_replay_port=ports[1]))
+    ctx = zmq.Context()
+    try:
+        for key, kind in (("endpoint", zmq.PUB), ("replay_endpoint", zmq.ROUTER)):
+            endpoint = local[key]
+            if kind == zmq.PUB:
+                # vLLM binds its PUB socket only to an endpoint with '*' or '::' in it, and connects to any
+                # other (vllm/distributed/kv_events.py, ZmqEventPublisher._is_bind_endpoint)
+                assert "*" in endpoint or "::" in endpoint, endpoint
+            sock = ctx.socket(kind)
+            try:
+                sock.bind(endpoint)
+                # bound to the loopback address, not to every interface
+                assert sock.getsockopt_string(zmq.LAST_ENDPOINT).startswith("tcp://127.0.0.1:"), endpoint
+            finally:
+                sock.close(linger=0)
+    finally:
+        ctx.term()

@@ -5,6 +5,7 @@ A pure function, unit-tested without vLLM; :mod:`.supervisor` runs its result.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 from dataclasses import dataclass
@@ -67,11 +68,29 @@ def kv_transfer_config(s: WorkerSettings) -> dict:
             "kv_connector_extra_config": {"connectors": [nixl, offload]}}
 
 
+def _kv_events_hosts(host: str) -> tuple[str, str]:
+    """(PUB, replay) host parts of the KV event endpoints, for vLLM's HTTP bind address ``host``. vLLM binds
+    its PUB socket only to an endpoint holding ``*`` or ``::`` (it connects to any other), so a single IPv4
+    address is given to it as the IPv4-mapped IPv6 one, which ZMQ binds as that IPv4 address alone; the
+    replay socket is always bound, as given. Anything but an IPv4 address (every interface, a name, IPv6,
+    which ZMQ binds only with its IPv6 option, which vLLM leaves off) binds every interface."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return "*", "*"
+    if ip.version != 4 or ip.is_unspecified:
+        return "*", "*"
+    return f"[::ffff:{ip}]", str(ip)
+
+
 def kv_events_config(s: WorkerSettings) -> dict:
     """vLLM publishes BlockStored/BlockRemoved batches on a ZMQ PUB socket the router subscribes to,
-    and resends the ones a router missed from its replay socket (its last 10,000 batches)."""
+    and resends the ones a router missed from its replay socket (its last 10,000 batches). Both bind where
+    the HTTP server does (``host``): every interface in a pod (its IP is the only one besides loopback), the
+    loopback address in local runs, whose events and replays nothing beyond the machine may read."""
+    pub, replay = _kv_events_hosts(s.host)
     return {"enable_kv_cache_events": True, "publisher": "zmq",
-            "endpoint": f"tcp://*:{s.kv_events_port}", "replay_endpoint": f"tcp://*:{s.kv_replay_port}",
+            "endpoint": f"tcp://{pub}:{s.kv_events_port}", "replay_endpoint": f"tcp://{replay}:{s.kv_replay_port}",
             "topic": KV_EVENTS_TOPIC}
 
 

@@ -30,7 +30,8 @@ class WorkerSettings(BaseModel):
     role: Role = Field(description="prefill produces KV for others to pull; decode pulls it (or prefills locally).")
     model: str = Field(min_length=1, description="Local path of the model (weights, config, tokenizer).")
     served_model_name: str | None = Field(None, description="Name clients send as `model` (default: the path).")
-    host: str = Field("0.0.0.0", description="Address vLLM's HTTP server binds.")
+    host: str = Field("0.0.0.0", description="Address vLLM's HTTP server and its KV event sockets bind "
+                                            "(local runs: 127.0.0.1, so nothing beyond the machine reaches them).")
     port: int = Field(8000, ge=1, le=65535, description="vLLM's HTTP port (OpenAI API, /health, /metrics).")
     advertise_host: str = Field("127.0.0.1", description="This pod's address as peers reach it (the pod IP): "
                                                          "the NIXL side channel and the KV event endpoint.")
