@@ -7,6 +7,22 @@ from pydantic import BaseModel, ConfigDict, Field
 from disagg.api.contract import KV_EVENTS_TOPIC
 from disagg.api.v1alpha1 import RouterSpec
 
+# What the router reads from a worker into memory, at most. A worker is trusted to serve, not to be
+# small: a buggy or compromised one answering without end would otherwise take the router (and every
+# client's stream on it) down with it.
+# A worker's error body (4xx, 5xx): only its message is passed on, and a message is short; beyond this
+# the body is cut (a 4xx then gets a message of the router's own).
+MAX_ERROR_BODY_BYTES = 64 * 1024
+# A non-streamed answer (a completion, a prefill's kv_transfer_params, /v1/models): far above any a
+# worker sends (32k tokens with 20 logprobs each is ~30 MiB of JSON); beyond it the client gets a 502.
+MAX_ANSWER_BYTES = 64 * 2**20
+# One KV event replay (every batch a worker's replay socket resends, 10,000 at most: a few KiB each, more
+# only under long prompts); beyond it the replay counts as none and the worker's index entries are rebuilt
+# from new events. A restarted router asks every worker at once, so this times the workers is the peak.
+MAX_KV_REPLAY_BYTES = 64 * 2**20
+# One ZMQ message of KV events (a batch, live or replayed); ZMQ drops a peer sending a larger one.
+MAX_KV_EVENT_MESSAGE_BYTES = 16 * 2**20
+
 
 class WorkerEndpoint(BaseModel):
     model_config = ConfigDict(extra="forbid")

@@ -25,6 +25,7 @@ import zmq.asyncio
 
 from disagg.api import metrics as m
 
+from .config import MAX_KV_EVENT_MESSAGE_BYTES, MAX_KV_REPLAY_BYTES
 from .index import PrefixIndex
 
 log = logging.getLogger("disagg.router.events")
@@ -211,13 +212,16 @@ class Stream:
 
 async def fetch_replay(ctx: zmq.asyncio.Context, endpoint: str, start: int,
                        timeout: float = REPLAY_TIMEOUT_S) -> Batches | None:
-    """Every batch vLLM's replay socket still buffers from ``start`` on; None when it does not answer.
+    """Every batch vLLM's replay socket still buffers from ``start`` on; None when it does not answer, or
+    answers more than MAX_KV_REPLAY_BYTES (then the caller rebuilds as without a replay).
     The request is ``("", start as 8 bytes big-endian)`` from a DEALER (vLLM's ROUTER socket reads
     identity, empty frame, start); each answer ``("", topic, seq, payload)``, the last with seq -1."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_KV_EVENT_MESSAGE_BYTES)
     sock.connect(endpoint)
     out: Batches = []
+    size = 0
     try:
         await sock.send_multipart((b"", start.to_bytes(8, "big")))
         while True:
@@ -227,6 +231,11 @@ async def fetch_replay(ctx: zmq.asyncio.Context, endpoint: str, start: int,
             seq = int.from_bytes(frames[2], "big")
             if seq == END_SEQ:
                 return out
+            size += len(frames[3])
+            if size > MAX_KV_REPLAY_BYTES:
+                log.warning("the KV event replay from %s is larger than the router accepts (%d bytes): "
+                            "taken as none", endpoint, MAX_KV_REPLAY_BYTES)
+                return None
             out.append((seq, frames[3]))
     except asyncio.TimeoutError:
         log.warning("no KV event replay from %s within %.0f s", endpoint, timeout)
@@ -289,6 +298,8 @@ class Subscriber:
         fetch = None if replay is None else (lambda start: fetch_replay(self._ctx, replay, start))
         sock = self._ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
+        # a larger batch drops the connection (ZMQ reconnects; the gap is then resynced), never the router
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_KV_EVENT_MESSAGE_BYTES)
         sock.setsockopt_string(zmq.SUBSCRIBE, self._topic)
         sock.connect(endpoint)
         try:

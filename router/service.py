@@ -26,7 +26,7 @@ from disagg.api.v1alpha1 import Disaggregation
 
 from . import migration, pairing, policies, upstream
 from .admission import Admission
-from .config import RouterConfig
+from .config import MAX_ANSWER_BYTES, MAX_ERROR_BODY_BYTES, RouterConfig
 from .errors import (BadRequest, NoWorkers, NotFound, RouterError, UpstreamFailed, UpstreamRejected, UpstreamTimeout,
                      sse)
 from .events import Subscriber
@@ -97,6 +97,10 @@ class Stream:
 
 class _Upstream(Exception):
     """A worker could not be reached or failed (5xx); the router may try elsewhere."""
+
+
+class _TooLarge(_Upstream):
+    """A worker's answer was larger than the router reads (config.MAX_ANSWER_BYTES)."""
 
 
 class _PrefillLost(_Upstream):
@@ -232,7 +236,8 @@ class Router:
         a serving worker lists on /v1/models; until one answers, the workers refuse over-long prompts."""
         try:
             async with self._session.get(f"{w.url}/v1/models", timeout=aiohttp.ClientTimeout(total=timeout)) as r:
-                cards = (await r.json()).get("data") or [] if r.status == 200 else []
+                raw = (await _read(r, MAX_ANSWER_BYTES))[0] if r.status == 200 else b"{}"
+            cards = json.loads(raw).get("data") or []
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):
             return
         for card in cards if isinstance(cards, list) else []:
@@ -393,8 +398,16 @@ class Router:
                 if 400 <= r.status < 500:
                     raise await _rejected(r)
                 if r.status != 200:
-                    raise _Upstream(f"HTTP {r.status}: {(await r.text())[:200]}")
-                return await r.json()
+                    text = (await _read(r, MAX_ERROR_BODY_BYTES))[0]
+                    raise _Upstream(f"HTTP {r.status}: {text[:200].decode(errors='replace')}")
+                # a declared length over the bound is refused before a byte of it is read
+                more = r.content_length is not None and r.content_length > MAX_ANSWER_BYTES
+                if not more:
+                    raw, more = await _read(r, MAX_ANSWER_BYTES)
+                if more:
+                    r.close()
+                    raise _TooLarge(f"the worker {w.name} answered more than the router accepts "
+                                    f"({MAX_ANSWER_BYTES} bytes)")
         except aiohttp.ClientError as e:
             if isinstance(e, aiohttp.ConnectionTimeoutError):  # connect timed out: another worker may answer
                 self.metrics.timeouts.labels(m.TIMEOUT_CONNECT).inc()
@@ -406,6 +419,13 @@ class Router:
             raise _Upstream(str(e) or type(e).__name__) from e
         except TimeoutError as e:          # the total timeout (aiohttp raises asyncio's own)
             raise TimeoutError(str(e)) from e
+        try:
+            data = json.loads(raw)
+        except ValueError as e:            # UnicodeDecodeError among them
+            raise _Upstream(f"the worker {w.name} answered with invalid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise _Upstream(f"the worker {w.name} answered with JSON that is not an object")
+        return data
 
     def _count_prompt(self, usage: dict | None) -> None:
         """Prompt-token metrics from the worker's usage where the router did not tokenize (it counts its
@@ -437,6 +457,10 @@ class Router:
                 self.metrics.requests.labels(m.OUTCOME_TIMEOUT, route.path).inc()
                 raise UpstreamTimeout(f"the decode worker {cur.name} did not answer within the request "
                                       f"timeout ({self.config.spec.request_timeout_seconds:g} s)") from None
+            except _TooLarge as e:
+                # the answer exists, and another worker would write the same: no retry
+                self.metrics.requests.labels(m.OUTCOME_UPSTREAM_ERROR, route.path).inc()
+                raise UpstreamFailed(str(e)) from None
             except _Upstream as e:
                 w = self._next_decode(cur, e, ids, tried, route)
                 body = self._without_remote_kv(body, route, _fallback_reason(e))
@@ -523,17 +547,18 @@ class Router:
             elif isinstance(e, upstream.ConnectFailed):    # nothing listens there: out until /health says so
                 w.healthy = False
             raise _Upstream(str(e) or type(e).__name__) from e
-        if r.status == 200:
+        status = r.status        # before release(), which clears it when the connection is pooled
+        if status == 200:
             return r
         try:
-            text = await r.body()
+            text = await r.body(MAX_ERROR_BODY_BYTES)
         except upstream.UpstreamError as e:
-            raise _Upstream(f"HTTP {r.status}, then {e}") from e
+            raise _Upstream(f"HTTP {status}, then {e}") from e
         finally:
             r.release()
-        if 400 <= r.status < 500:
-            raise _rejected_body(r.status, text)
-        raise _Upstream(f"HTTP {r.status}: {text[:200].decode(errors='replace')}")
+        if 400 <= status < 500:
+            raise _rejected_body(status, text)
+        raise _Upstream(f"HTTP {status}: {text[:200].decode(errors='replace')}")
 
     async def _stream(self, endpoint, plan, body, route: Route, start, ids,
                       lazy_ids: Callable[[], list[int]] | None = None) -> Stream:
@@ -719,10 +744,24 @@ def raw_text(req: CompletionRequest | ChatCompletionRequest) -> str | list:
     return req.prompt
 
 
+async def _read(r: aiohttp.ClientResponse, limit: int) -> tuple[bytes, bool]:
+    """A worker's body, at most ``limit`` bytes of it, and whether it had more: then the rest is not read
+    and the connection is closed (aiohttp would otherwise read it to the end before pooling it)."""
+    parts, size = [], 0
+    while size <= limit and (data := await r.content.read(limit + 1 - size)):
+        parts.append(data)
+        size += len(data)
+    if size > limit:
+        r.close()
+        return b"".join(parts)[:limit], True
+    return b"".join(parts), False
+
+
 async def _rejected(r: aiohttp.ClientResponse) -> UpstreamRejected:
-    """A worker's 4xx, passed on with its own message."""
+    """A worker's 4xx, passed on with its own message (a body cut at MAX_ERROR_BODY_BYTES is no JSON:
+    then a message of the router's own)."""
     try:
-        return _rejected_body(r.status, await r.read())
+        return _rejected_body(r.status, (await _read(r, MAX_ERROR_BODY_BYTES))[0])
     except aiohttp.ClientError:
         return _rejected_body(r.status, b"")
 

@@ -428,12 +428,14 @@ class Connection(asyncio.Protocol):
     def wake(self) -> None:
         self._wake()
 
-    async def body(self) -> bytes:
-        """The whole body (an error response's)."""
-        parts = []
-        while data := await self.read():
+    async def body(self, limit: int) -> bytes:
+        """The body (an error response's), cut after ``limit`` bytes: the rest is never read, so the
+        connection is then closed by :meth:`release`, not reused."""
+        parts, size = [], 0
+        while size < limit and (data := await self.read()):
             parts.append(data)
-        return b"".join(parts)
+            size += len(data)
+        return b"".join(parts)[:limit]
 
     def is_eof(self) -> bool:
         """The body ended and all of it was read."""

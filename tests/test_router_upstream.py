@@ -197,9 +197,24 @@ def test_a_content_length_body_and_an_error_status():
         async with Scripted([answer[:20], answer[20:]]) as s:
             client = Client(connect_timeout_s=2)
             conn = await client.post(s.target, "/v1/completions", b"{}", 5)
-            assert conn.status == 400 and await conn.body() == err
+            assert conn.status == 400 and await conn.body(1024) == err
             conn.release()
             assert client._take(s.target) is conn     # ended cleanly: pooled
+
+    asyncio.run(main())
+
+
+def test_an_error_body_is_read_up_to_its_bound_and_the_connection_not_reused():
+    async def main():
+        err = b'{"error":{"message":"' + b"x" * 100_000 + b'"}}'
+        head = b"HTTP/1.1 400 Bad Request\r\nContent-Length: %d\r\n\r\n" % len(err)
+        # the body in pieces: the read stops at the bound, long before the body's end
+        async with Scripted([head] + [err[i:i + 1000] for i in range(0, len(err), 1000)]) as s:
+            client = Client(connect_timeout_s=2)
+            conn = await client.post(s.target, "/v1/completions", b"{}", 5)
+            assert await conn.body(1024) == err[:1024]
+            conn.release()                  # the rest unread: closed, never pooled mid-body
+            assert conn.closed and client._take(s.target) is None
 
     asyncio.run(main())
 
