@@ -64,8 +64,8 @@ async def error_middleware(request: web.Request, handler):
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler):
-    """With spec.router.auth, a valid API key on everything but the probes and /metrics; checked before
-    admission and before the body is read, so a client without a key costs no slot and no upload."""
+    """With spec.router.auth, a valid API key on everything but the probes; checked before admission and
+    before the body is read, so a client without a key costs no slot and no upload."""
     keys = request.app[KEYS_KEY]
     if request.path not in OPEN_PATHS:
         reason = keys.failure(request.headers.get("Authorization"))
@@ -252,7 +252,10 @@ def make_app(config: RouterConfig, tokenizer=None, router: Router | None = None,
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_get("/metrics", metrics)
+    if config.metrics_port is None:
+        # only where there is no metrics port (local runs): in a cluster the serving port, which faces
+        # clients, serves the API and the probes alone, and Prometheus scrapes each process's metrics port
+        app.router.add_get("/metrics", metrics)
     app.router.add_get(ROUTER_READY_PATH, health)
     app.router.add_get(ROUTER_LIVE_PATH, livez)
 

@@ -26,9 +26,10 @@ from disagg.api.contract import ROUTER_LIVE_PATH, ROUTER_READY_PATH
 
 log = logging.getLogger("disagg.router")
 
-# Open without a key: the kubelet's probes and Prometheus (which scrapes without credentials; the
-# metrics carry counts and worker pod names, no request content). Everything else needs one.
-OPEN_PATHS = frozenset({ROUTER_READY_PATH, ROUTER_LIVE_PATH, "/metrics"})
+# Open without a key: the kubelet's probes. Everything else needs one, /metrics included where the serving
+# port has it (a router without a metrics port, router/app.py): Prometheus scrapes the metrics ports, which
+# serve nothing but /metrics and /livez.
+OPEN_PATHS = frozenset({ROUTER_READY_PATH, ROUTER_LIVE_PATH})
 RELOAD_INTERVAL_S = 1.0
 
 

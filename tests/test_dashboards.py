@@ -347,7 +347,9 @@ def stack(tiny_model, worker_python, tmp_path_factory):  # noqa: F811
             wait_for(lambda: replay_holds(f"tcp://127.0.0.1:{s.kv_replay_port}"), 60,
                      f"the {name} worker's replay socket to hold its KV events", interval=0.5)
         procs["router"].start().wait_ready()
-        wait_for(lambda: joins(procs["router"].url) >= 2, 60, "the router to catch up on both workers' KV events",
+        # with a metrics port, the router's serving port has no /metrics (the clients' port): read it there
+        router_metrics = f"http://127.0.0.1:{metrics_port}"
+        wait_for(lambda: joins(router_metrics) >= 2, 60, "the router to catch up on both workers' KV events",
                  interval=0.5)
 
         monitors = chart_monitors()
@@ -402,7 +404,7 @@ def stack(tiny_model, worker_python, tmp_path_factory):  # noqa: F811
             # already held the last token (not_needed); either way one migration counted
             decode_proxy.cut_next(2)
             _complete(url, SHORT[0], stream=True, max_tokens=12)
-            routed = scrape(url)
+            routed = scrape(router_metrics)
             served = metric_sum(routed, m.ROUTER_REQUESTS)
             assert served == 21, routed
             assert routed.get(f'{m.ROUTER_FALLBACKS}{{reason="{m.FALLBACK_PREFILL_ERROR}"}}', 0) == 3, routed

@@ -1,7 +1,9 @@
 """API keys (spec.router.auth) on the real router process, in front of a real (canned) upstream: no key or
 a wrong one gets OpenAI's 401 (the openai client raises AuthenticationError), any of the keys serves,
-probes and /metrics stay open, every refusal is counted, no key ever reaches the router's log, and a
-changed keys file (swapped the way the kubelet updates a Secret volume) takes effect without a restart."""
+the probes stay open, every refusal is counted, no key ever reaches the router's log, and a changed keys
+file (swapped the way the kubelet updates a Secret volume) takes effect without a restart. /metrics is
+served on the metrics port alone (as the operator runs routers): the serving port, which clients reach,
+has none; a router without a metrics port (a local run) serves it behind the keys."""
 
 from __future__ import annotations
 
@@ -54,7 +56,9 @@ def served(routers, tiny_model, tmp_path_factory):
     upstream = routers.upstream(logs, "auth-upstream", 4, 0)
     volume = SecretVolume(logs / "secret")
     volume.write(f"# rotated keys: old and new both valid while clients move\n{OLD}\n\n  {NEW}  \n")
-    with routers.serving(tiny_model, logs, [upstream], api_keys_file=str(volume.file)) as r:
+    metrics_port = free_port()
+    with routers.serving(tiny_model, logs, [upstream], api_keys_file=str(volume.file), metrics_port=metrics_port) as r:
+        r.metrics = f"http://127.0.0.1:{metrics_port}"      # where Prometheus scrapes it, with no key
         yield r, volume
 
 
@@ -73,7 +77,7 @@ def _get(url: str, headers: dict | None = None) -> tuple[int, dict, bytes]:
 
 def test_no_key_or_a_wrong_one_is_refused_in_openais_shape(served):
     r, _ = served
-    before = scrape(r.url)
+    before = scrape(r.metrics)
     for key in (WRONG, OLD + "x", OLD[:-1]):
         with pytest.raises(openai.AuthenticationError) as e:
             _client(r.url, key).completions.create(model="tiny", prompt="hi", max_tokens=2)
@@ -85,7 +89,7 @@ def test_no_key_or_a_wrong_one_is_refused_in_openais_shape(served):
         err = json.loads(body)["error"]
         assert status == 401 and err["code"] == "invalid_api_key" and "No API key" in err["message"], err
         assert OLD.encode() not in body
-    s = scrape(r.url)
+    s = scrape(r.metrics)
     assert s[f'{m.ROUTER_AUTH_FAILURES}{{reason="{m.AUTH_INVALID}"}}'] - \
         before.get(f'{m.ROUTER_AUTH_FAILURES}{{reason="{m.AUTH_INVALID}"}}', 0) == 3
     assert s[f'{m.ROUTER_AUTH_FAILURES}{{reason="{m.AUTH_MISSING}"}}'] - \
@@ -104,9 +108,15 @@ def test_every_key_in_the_file_serves_and_probes_stay_open(served):
                                                 max_tokens=2, stream=True))
         assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == "tok tok "
         assert [mdl.id for mdl in c.models.list()] == ["tiny"]
-    for path in ("/health", "/livez", "/metrics"):
+    for path in ("/health", "/livez"):
         assert _get(f"{r.url}{path}")[0] == 200, path
-    assert scrape(r.url)[m.ROUTER_API_KEYS] == 2
+    # the clients' port has no /metrics (its series name every worker and count every request): without a
+    # key it is refused as every path but the probes is, with one it is not found
+    status, _, body = _get(f"{r.url}/metrics")
+    assert status == 401, (status, body[:200])
+    status, _, body = _get(f"{r.url}/metrics", {"Authorization": f"Bearer {OLD}"})
+    assert status == 404 and json.loads(body)["error"]["code"] == 404, (status, body[:200])
+    assert scrape(r.metrics)[m.ROUTER_API_KEYS] == 2
 
 
 def test_no_key_reaches_the_log(served):
@@ -127,18 +137,30 @@ def test_a_rotated_secret_takes_effect_without_a_restart(served):
     pid = r.proc.pid
     try:
         volume.write(f"{NEW}\n")                                  # the old key retired
-        wait_for(lambda: scrape(r.url)[m.ROUTER_API_KEYS] == 1, 30, "the router to re-read its keys")
+        wait_for(lambda: scrape(r.metrics)[m.ROUTER_API_KEYS] == 1, 30, "the router to re-read its keys")
         with pytest.raises(openai.AuthenticationError):
             _client(r.url, OLD).completions.create(model="tiny", prompt="hi", max_tokens=2)
         assert _client(r.url, NEW).completions.create(model="tiny", prompt="hi", max_tokens=2).choices
         volume.write("# no keys at all\n")                        # an emptied Secret fails closed
-        wait_for(lambda: scrape(r.url)[m.ROUTER_API_KEYS] == 0, 30, "the router to re-read its keys")
+        wait_for(lambda: scrape(r.metrics)[m.ROUTER_API_KEYS] == 0, 30, "the router to re-read its keys")
         with pytest.raises(openai.AuthenticationError):
             _client(r.url, NEW).completions.create(model="tiny", prompt="hi", max_tokens=2)
         assert r.proc.pid == pid and r.proc.poll() is None
     finally:
         volume.write(f"{OLD}\n{NEW}\n")
-        wait_for(lambda: scrape(r.url)[m.ROUTER_API_KEYS] == 2, 30, "the keys restored")
+        wait_for(lambda: scrape(r.metrics)[m.ROUTER_API_KEYS] == 2, 30, "the keys restored")
+
+
+def test_without_a_metrics_port_metrics_need_a_key(routers, tiny_model, tmp_path):
+    """A local run (no metrics port) keeps /metrics on the serving port, behind the same keys as the API."""
+    upstream = routers.upstream(tmp_path, "auth-upstream-local", 2, 0)
+    (tmp_path / "keys").write_text(f"{OLD}\n")
+    with routers.serving(tiny_model, tmp_path, [upstream], name="router-local", api_keys_file=str(tmp_path / "keys")) as r:
+        status, _, body = _get(f"{r.url}/metrics")
+        assert status == 401 and json.loads(body)["error"]["code"] == "invalid_api_key", (status, body[:200])
+        status, _, body = _get(f"{r.url}/metrics", {"Authorization": f"Bearer {OLD}"})
+        assert status == 200 and m.ROUTER_API_KEYS.encode() in body
+        assert _get(f"{r.url}/livez")[0] == 200
 
 
 def test_a_router_told_to_authenticate_without_its_keys_file_does_not_start(routers, tiny_model, tmp_path):

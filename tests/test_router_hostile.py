@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from disagg.api import metrics as m
 from disagg.e2e.testing import wait_for
-from disagg.workers.local import scrape
+from disagg.workers.local import free_port, scrape
 from disagg.workers.testing import tiny_model, worker_python  # noqa: F401  (fixtures)
 
 KEY = "sk-hostile-5f0e9d8c7b6a"
@@ -37,9 +37,11 @@ def served(routers, tiny_model, tmp_path_factory):
     logs = tmp_path_factory.mktemp("router-hostile")
     upstream = routers.upstream(logs, "hostile-upstream", 2, 0)
     (logs / "keys").write_text(KEY + "\n")
-    with routers.serving(tiny_model, logs, [upstream], api_keys_file=str(logs / "keys"),
+    metrics_port = free_port()
+    with routers.serving(tiny_model, logs, [upstream], api_keys_file=str(logs / "keys"), metrics_port=metrics_port,
                          spec={"maxBodyBytes": LIMIT, "bodyTimeoutSeconds": BODY_TIMEOUT, "maxInFlight": 2,
                                "maxQueued": 64, "queueTimeoutSeconds": 60}) as r:
+        r.metrics = f"http://127.0.0.1:{metrics_port}"      # /metrics is there, not on the clients' port
         yield r
 
 
@@ -267,10 +269,10 @@ def test_slow_drip_uploads_give_their_slots_back(served):
     408; a request behind them is served, never stuck."""
     import concurrent.futures
 
-    before = scrape(served.url)
+    before = scrape(served.metrics)
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         drips = [pool.submit(_drip, served.url) for _ in range(2)]
-        wait_for(lambda: scrape(served.url)[m.ROUTER_IN_FLIGHT] == 2, 30, "both drippers admitted")
+        wait_for(lambda: scrape(served.metrics)[m.ROUTER_IN_FLIGHT] == 2, 30, "both drippers admitted")
         normal = pool.submit(post, served.url, "/v1/completions",
                              json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 2}).encode())
         status, text = normal.result(timeout=120)
@@ -282,9 +284,9 @@ def test_slow_drip_uploads_give_their_slots_back(served):
         err = json.loads(body[body.index(b"{"):])["error"] if b"chunked" not in head.lower() else \
             json.loads(body.split(b"\r\n", 1)[1].rsplit(b"\r\n0\r\n", 1)[0])["error"]
         assert err["type"] == "invalid_request_error" and f"{BODY_TIMEOUT} s" in err["message"], err
-    wait_for(lambda: scrape(served.url)[m.ROUTER_IN_FLIGHT] == 0, 30, "every slot given back")
+    wait_for(lambda: scrape(served.metrics)[m.ROUTER_IN_FLIGHT] == 0, 30, "every slot given back")
     queue_timeouts = f'{m.ROUTER_REJECTED}{{reason="{m.REJECT_QUEUE_TIMEOUT}"}}'
-    assert scrape(served.url).get(queue_timeouts, 0) == before.get(queue_timeouts, 0)
+    assert scrape(served.metrics).get(queue_timeouts, 0) == before.get(queue_timeouts, 0)
 
 
 def test_the_router_survived_with_its_memory_bounded(served, rss_start):
