@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections import deque
 
 from disagg.api import metrics as m
@@ -31,16 +32,20 @@ class Admission:
         context-manager generator per request)."""
         if self.in_flight < self.limit and not self._waiters:
             self.in_flight += 1
+            self.metrics.queue_wait.observe(0.0)
             return
         if len(self._waiters) >= self.max_queued or self.queue_timeout_s <= 0:
             self._reject(m.REJECT_QUEUE_FULL, "queue is full")
         fut = asyncio.get_running_loop().create_future()
         self._waiters.append(fut)
+        queued_at = time.monotonic()
         try:
             # leave() hands its slot over by resolving the future: in_flight already counts this request
             await asyncio.wait_for(asyncio.shield(fut), self.queue_timeout_s)
+            self.metrics.queue_wait.observe(time.monotonic() - queued_at)
         except TimeoutError:
             if fut.done() and not fut.cancelled():    # granted just as the wait ran out: keep the slot
+                self.metrics.queue_wait.observe(time.monotonic() - queued_at)
                 return
             fut.cancel()
             self._reject(m.REJECT_QUEUE_TIMEOUT, f"queue wait ran out ({self.queue_timeout_s:g} s)")

@@ -170,11 +170,13 @@ class _ClientSink:
 
 async def _serve(request: web.Request, endpoint: str, model) -> web.StreamResponse:
     router = request.app[ROUTER_KEY]
+    # the client's clock starts here: its TTFT includes the router's own queue
+    arrival = time.monotonic()
     # admitted before the body is even read: under overload a 429 is the cheapest answer
     await router.admission.enter()
     try:
         req, body = await _parse(request, model)
-        result, route = await router.handle(endpoint, req, body)
+        result, route = await router.handle(endpoint, req, body, arrival)
         if isinstance(result, dict):
             return web.json_response(result, headers=route.headers())
         resp = _EventStream(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -182,6 +184,9 @@ async def _serve(request: web.Request, endpoint: str, model) -> web.StreamRespon
         try:
             await resp.prepare(request)
             await result.send(_ClientSink(request, resp))
+        except ConnectionError:
+            # the client went away mid-stream (the relay counted it): nobody to answer, and no bug
+            return resp
         finally:
             result.close()               # a stream never sent gives its worker connection back
         await resp.write_eof()

@@ -49,12 +49,13 @@ class LoopHistogram:
 class RouterMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.ttft = Histogram(m.ROUTER_TTFT_SECONDS, "Time to first token of streamed requests, as the client sees it (a "
-                              "non-streaming answer shows no first token; its duration is the request's).",
+        self.ttft = Histogram(m.ROUTER_TTFT_SECONDS, "Time to first token of streamed requests, as the client sees it: "
+                              "from its arrival at the router, admission wait included (a non-streaming answer "
+                              "shows no first token; its duration is the request's).",
                               ["path"], buckets=LATENCY_BUCKETS, registry=r)
         # once per token: the lock-free histogram (LoopHistogram)
         self.itl = LoopHistogram(m.ROUTER_ITL_SECONDS, "Time between streamed tokens.", LATENCY_BUCKETS, r)
-        self.e2e = Histogram(m.ROUTER_E2E_SECONDS, "Request duration.", ["path"],
+        self.e2e = Histogram(m.ROUTER_E2E_SECONDS, "Request duration, from its arrival at the router.", ["path"],
                              buckets=LATENCY_BUCKETS, registry=r)
         self.input_tokens = Histogram(m.ROUTER_INPUT_TOKENS, "Prompt tokens per request.",
                                       buckets=TOKEN_BUCKETS, registry=r)
@@ -91,8 +92,16 @@ class RouterMetrics:
                                                registry=r)
         self.in_flight = Gauge(m.ROUTER_IN_FLIGHT, "Requests admitted and not yet answered in full.", registry=r)
         self.queued = Gauge(m.ROUTER_QUEUE_DEPTH, "Requests waiting for admission.", registry=r)
+        # every admitted request, 0 for those admitted at once (the share queued is then readable); a
+        # request refused (429) is counted in rejected instead
+        self.queue_wait = LoopHistogram(m.ROUTER_QUEUE_WAIT_SECONDS, "Time admitted requests waited for "
+                                        "admission (spec.router.maxInFlight), part of their TTFT and duration.",
+                                        LATENCY_BUCKETS, r)
         self.rejected = Counter(m.ROUTER_REJECTED, "Requests refused with a 429, by reason.", ["reason"],
                                 registry=r)
+        for reason in (m.REJECT_QUEUE_FULL, m.REJECT_QUEUE_TIMEOUT):
+            # at 0 from the start: a rate (a dashboard, an alert) sees the first rejection, not only the second
+            self.rejected.labels(reason)
         self.auth_failures = Counter(m.ROUTER_AUTH_FAILURES, "Requests refused with a 401 (spec.router.auth), "
                                      "by reason: no key, or a key that is not one of the router's.", ["reason"],
                                      registry=r)

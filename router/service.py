@@ -323,10 +323,13 @@ class Router:
         return ids
 
     async def handle(self, endpoint: str, req: CompletionRequest | ChatCompletionRequest,
-                     body: dict) -> tuple[dict | Stream, Route]:
+                     body: dict, arrival: float | None = None) -> tuple[dict | Stream, Route]:
         """Non-streaming: the final JSON. Streaming: a :class:`Stream` of SSE bytes. Either with the
-        route the request took (settled before the first byte)."""
+        route the request took (settled before the first byte). ``arrival`` (time.monotonic()): when the
+        request reached the router, before its admission wait; its TTFT and duration count from there,
+        as its client sees them (default: now). The worker timeouts count from now."""
         start = time.monotonic()
+        arrival = start if arrival is None else arrival
         ids: list[int] = []      # unknown without tokenizing: no prefix keys, no prompt tokens counted
         try:
             if self.needs_ids:
@@ -352,18 +355,25 @@ class Router:
                 raise
         route = Route(m.PATH_LOCAL_PREFILL, plan.decode.name, plan.prefill.name if plan.prefill else None,
                       revision=plan.decode.revision)
-        kv_params = await self._prefill(endpoint, plan, body, route)
-        if self.needs_ids:
-            self.metrics.prompt_tokens.inc(plan.prompt_tokens)
-            self.metrics.cached_prompt_tokens.inc(plan.cached_tokens)
-        decode_body = dict(body)
-        if kv_params is not None:
-            decode_body["kv_transfer_params"] = kv_params
-        if req.stream:
-            # without ids, a migration's continuation tokenizes the prompt when the worker did not send it
-            return await self._stream(endpoint, plan, decode_body, route, start, ids,
-                                      None if self.needs_ids else partial(self.tokenizer.prompt_ids, req)), route
-        return await self._unary(endpoint, plan, decode_body, route, start, ids), route
+        try:
+            kv_params = await self._prefill(endpoint, plan, body, route)
+            if self.needs_ids:
+                self.metrics.prompt_tokens.inc(plan.prompt_tokens)
+                self.metrics.cached_prompt_tokens.inc(plan.cached_tokens)
+            decode_body = dict(body)
+            if kv_params is not None:
+                decode_body["kv_transfer_params"] = kv_params
+            if req.stream:
+                # without ids, a migration's continuation tokenizes the prompt when the worker did not send it
+                return await self._stream(endpoint, plan, decode_body, route, start, ids,
+                                          None if self.needs_ids else partial(self.tokenizer.prompt_ids, req),
+                                          arrival), route
+            return await self._unary(endpoint, plan, decode_body, route, arrival, ids), route
+        except UpstreamRejected:
+            # a worker's 4xx: how an over-long prompt is refused where the router does not tokenize. The
+            # client's mistake as a worker judged it, apart from the router's own client_error
+            self._labelled(self.metrics.requests, m.OUTCOME_UPSTREAM_REJECTED, route.path).inc()
+            raise
 
     async def _prefill(self, endpoint: str, plan: Plan, body: dict, route: Route) -> dict | None:
         if plan.prefill is None:
@@ -440,7 +450,7 @@ class Router:
     def _account(self, w: Worker, delta: int) -> None:
         w.active += delta     # the gauge reads it at scrape time (_watch)
 
-    async def _unary(self, endpoint, plan, body, route: Route, start, ids) -> dict:
+    async def _unary(self, endpoint, plan, body, route: Route, arrival, ids) -> dict:
         tried: list[str] = []
         w = plan.decode
         while True:
@@ -470,7 +480,7 @@ class Router:
         path = route.path
         # no TTFT here: the first token came and went inside the upstream's answer, and the whole duration
         # is no first-token time (the planner reads vLLM's own TTFT when no stream shows one)
-        self._labelled(self.metrics.e2e, path).observe(time.monotonic() - start)
+        self._labelled(self.metrics.e2e, path).observe(time.monotonic() - arrival)
         usage = data.get("usage") or {}
         self.metrics.output_tokens.observe(usage.get("completion_tokens", 0))
         self._count_prompt(usage)
@@ -561,7 +571,7 @@ class Router:
         raise _Upstream(f"HTTP {status}: {text[:200].decode(errors='replace')}")
 
     async def _stream(self, endpoint, plan, body, route: Route, start, ids,
-                      lazy_ids: Callable[[], list[int]] | None = None) -> Stream:
+                      lazy_ids: Callable[[], list[int]] | None = None, arrival: float | None = None) -> Stream:
         """Opens the decode stream (another worker if one fails before output), then relays events."""
         opts = body.get("stream_options") or {}
         client_wants_usage = bool(opts.get("include_usage"))
@@ -599,15 +609,19 @@ class Router:
             self._account(w, -1)
 
         return Stream(lambda sink: self._relay(sink, resp, w, route.path, start, client_wants_usage, head,
-                                               head_error, tokens, unsupported), abandon)
+                                               head_error, tokens, unsupported,
+                                               start if arrival is None else arrival), abandon)
 
     async def _relay(self, sink: Sink, resp: upstream.Connection, w: Worker, path: str, start: float,
                      client_wants_usage: bool, head: bytes = b"", head_error: BaseException | None = None,
-                     tokens: migration.TokenLog | None = None, unsupported: str | None = None) -> None:
+                     tokens: migration.TokenLog | None = None, unsupported: str | None = None,
+                     arrival: float | None = None) -> None:
         """The stream relay (:mod:`.relay`) and the request's accounting once it ends, however it ends.
         A stream that fails is continued on another decode worker (:mod:`.migration`), up to
-        spec.router.maxMigrations times; the client sees one stream."""
+        spec.router.maxMigrations times; the client sees one stream. ``start`` times the first token
+        for the watchdog; TTFT and duration count from ``arrival`` (default ``start``)."""
         spec = self.config.spec
+        arrival = start if arrival is None else arrival
         outcome, migrations, last, output_tokens = m.OUTCOME_UPSTREAM_ERROR, 0, None, 0
         tried: list[str] = []
         finishing = None         # a stream that sent [DONE] and whose worker's body has yet to end
@@ -616,7 +630,7 @@ class Router:
                 end = StreamEnd(last_activity=start if last is None else time.monotonic(), resp=resp)
                 self.watchdog.streams.add(end)
                 try:
-                    await relay(resp, w.name, end, sink, start=start, client_wants_usage=client_wants_usage,
+                    await relay(resp, w.name, end, sink, start=arrival, client_wants_usage=client_wants_usage,
                                 observe_ttft=self._labelled(self.metrics.ttft, path).observe,
                                 observe_itl=self.metrics.itl.observe,
                                 first_token_timeout_s=spec.first_token_timeout_seconds,
@@ -663,10 +677,15 @@ class Router:
                 migrations += 1
                 self.metrics.migrations.labels(m.MIGRATION_MIGRATED).inc()
                 tokens.start_continuation()
+        except ConnectionError:
+            # the client's writes failed: it went away (the relay's write, or an error event's); the
+            # worker served
+            outcome = m.OUTCOME_CLIENT_DISCONNECTED
+            raise
         finally:
             self._labelled(self.metrics.requests, outcome, path).inc()
             if outcome == m.OUTCOME_SUCCESS:
-                self._labelled(self.metrics.e2e, path).observe(time.monotonic() - start)
+                self._labelled(self.metrics.e2e, path).observe(time.monotonic() - arrival)
                 self.metrics.output_tokens.observe(output_tokens)
         # after the accounting: a client that stops reading at [DONE] and asks for /metrics finds the
         # request there; the client's response ends after this, with the connection already pooled

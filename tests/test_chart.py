@@ -386,7 +386,8 @@ def test_every_metric_name_in_dashboards_and_rules_is_in_disagg_api_metrics(helm
     rules = yaml.safe_dump(rule_groups(helm))
     names = metric_names(rules)
     assert {m.ROUTER_WORKERS, m.PLANNER_METRICS_AVAILABLE, m.VLLM_NIXL_FAILED_TRANSFERS + "_total",
-            m.OPERATOR_CONDITION, m.ROUTER_MIGRATIONS, m.ROUTER_PAIRING_REFUSALS, m.ROUTER_KV_INDEX_RESYNCS} <= names
+            m.OPERATOR_CONDITION, m.ROUTER_MIGRATIONS, m.ROUTER_PAIRING_REFUSALS, m.ROUTER_KV_INDEX_RESYNCS,
+            m.ROUTER_REJECTED, m.ROUTER_QUEUE_DEPTH} <= names
     assert not unknown(names), sorted(unknown(names))
     assert not unknown({"disagg_router_ttft_seconds_bucket"}) and unknown({"disagg_router_ttft_secs"})
 
@@ -413,7 +414,8 @@ def test_promtool_checks_every_rule(helm, promtool, tmp_path):
         assert alerts == {"DisaggTTFTSLOBurnFast", "DisaggTTFTSLOBurnSlow", "DisaggITLSLOBurnFast",
                           "DisaggITLSLOBurnSlow", "DisaggNoReadyDecode", "DisaggNoReadyPrefill",
                           "DisaggNIXLTransferFailures", "DisaggPlannerMetricsUnavailable", "DisaggGangNotScheduled",
-                          "DisaggMigrationsFailing", "DisaggPairingRefused", "DisaggKVIndexResyncsDropped"}
+                          "DisaggMigrationsFailing", "DisaggPairingRefused", "DisaggKVIndexResyncsDropped",
+                          "DisaggRouterRejecting", "DisaggRouterQueueing"}
     exprs = " ".join(str(r["expr"]) for g in groups for r in g["rules"])
     assert 'le=~"0.5|0.5.0"' in exprs and "(14.4 * (1 - 0.99))" in exprs
     off = rule_groups(helm, "--set", "monitoring.prometheusRule.alerts.noReadyPrefill.enabled=false")
@@ -422,8 +424,9 @@ def test_promtool_checks_every_rule(helm, promtool, tmp_path):
 
 def test_promtool_unit_tests_fire_the_alerts(helm, promtool, tmp_path):
     """charts/disagg/promtool/alerts_test.yaml: no ready decode, no ready prefill, NIXL failures, TTFT burn,
-    planner without metrics, gang not scheduled, mid-stream failures not continued, pairing refused and
-    KV index resyncs dropped fire (and do not where they should not)."""
+    planner without metrics, gang not scheduled, mid-stream failures not continued, pairing refused, KV
+    index resyncs dropped, and routers refusing (429) or queueing requests fire (and do not where they
+    should not)."""
     groups = rule_groups(helm)
     for g in groups:
         for r in g["rules"]:
@@ -435,7 +438,8 @@ def test_promtool_unit_tests_fire_the_alerts(helm, promtool, tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     tested = set(re.findall(r"alertname: (\w+)", (CHART / "promtool" / "alerts_test.yaml").read_text()))
     assert {"DisaggNoReadyDecode", "DisaggNIXLTransferFailures", "DisaggGangNotScheduled", "DisaggMigrationsFailing",
-            "DisaggPairingRefused", "DisaggKVIndexResyncsDropped"} <= tested
+            "DisaggPairingRefused", "DisaggKVIndexResyncsDropped", "DisaggRouterRejecting",
+            "DisaggRouterQueueing"} <= tested
 
 
 # ---------------------------------------------------------------- the local API server

@@ -1,7 +1,8 @@
 """How the router writes a stream to its client (router/app.py ``_send``: the first chunk through aiohttp,
 the rest framed by the router and written to the transport): an HTTP/1.0 client gets the events unframed,
 a client that reads slowly gets every event, and a client that goes away mid-stream ends the relay (its
-request leaves the router; the worker's stream is closed) instead of the router writing on into nothing."""
+request leaves the router; the worker's stream is closed, and it is counted as client_disconnected) instead of
+the router writing on into nothing."""
 
 from __future__ import annotations
 
@@ -112,3 +113,10 @@ def test_a_client_gone_mid_stream_ends_the_relay(served):
     # the relay stops at its next write, the request leaves the router; had it written on into the closed
     # connection, it would stay in flight for the upstream's million tokens (~17 minutes)
     wait_for(lambda: scrape(served.url).get(m.ROUTER_IN_FLIGHT) == 0, 60, "the request to leave the router")
+    # counted as the client's doing, not the worker's (the only request of this module not served in full)
+    s = scrape(served.url)
+    def outcome(name: str) -> str:
+        return f'{m.ROUTER_REQUESTS}{{outcome="{name}",path="{m.PATH_LOCAL_PREFILL}"}}'
+    assert s.get(outcome(m.OUTCOME_CLIENT_DISCONNECTED)) == 1, s
+    assert s.get(outcome(m.OUTCOME_UPSTREAM_ERROR), 0) == 0, s
+    assert "unhandled error" not in served.log_path.read_text(errors="replace")

@@ -2,17 +2,21 @@
 never its TTFT histogram (which the planner, the SLO recording rules and the alerts read); a stream's first
 token does. The upstream is tests/sse_upstream.py (a real HTTP server speaking vLLM's wire format, taking
 DELAY per token for streamed and non-streamed answers alike). Streams one after another share one pooled
-connection to the worker, rather than a new TCP connection each before its first token."""
+connection to the worker, rather than a new TCP connection each before its first token. TTFT counts from
+the request's arrival at the router, its wait for admission included."""
 
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from openai import OpenAI
 
 from disagg.api import metrics as m
+from disagg.e2e.testing import wait_for
 from disagg.workers.local import scrape
 from disagg.workers.testing import tiny_model, worker_python  # noqa: F401  (fixtures)
 
@@ -77,3 +81,47 @@ def test_streams_one_after_another_reuse_the_connection_to_the_worker(routers, t
             connections = json.load(resp)["stream_connections"]
     # one, unless a health probe held the pooled connection just as a stream started (they share the pool)
     assert 1 <= connections < streams / 2, connections
+
+
+def _first_token_after(url: str, prompt: str) -> float:
+    """Seconds from sending a stream until its first token event arrived (the stream then read to its end)."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "stream": True}
+    req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    start = time.monotonic()
+    first = None
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        for line in resp:
+            if first is None and line.startswith(b"data: {"):
+                first = time.monotonic() - start
+    assert first is not None, "no token event"
+    return first
+
+
+def _above(samples: dict[str, float], name: str, bound: str, labels: str = "") -> float:
+    """Observations of histogram ``name`` above the bucket bound ``bound``."""
+    sep = "," if labels else ""
+    return samples[f"{name}_count{{{labels}}}" if labels else f"{name}_count"] - \
+        samples[f'{name}_bucket{{le="{bound}"{sep}{labels}}}']
+
+
+def test_ttft_counts_the_wait_for_admission(routers, tiny_model, tmp_path):
+    """One request in flight at most: a stream queued behind a 3.2 s one (tests/stall_upstream.py, `slow 8`)
+    waits about 3 s for admission, and its client's first token comes after that wait. The router's TTFT
+    (what the planner, the SLO rules and the alerts read) must show it too, from the request's arrival, not
+    from its admission; the wait is also in the queue-wait histogram."""
+    up = routers.upstream(tmp_path, "decode", script="stall_upstream.py")
+    with routers.serving(tiny_model, tmp_path, [up], spec={"maxInFlight": 1, "maxQueued": 4,
+                                                           "queueTimeoutSeconds": 60}) as r:
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(_first_token_after, r.url, "slow 8")
+            wait_for(lambda: scrape(r.url)[m.ROUTER_IN_FLIGHT] == 1, 30, "the first stream admitted", interval=0.05)
+            second = pool.submit(_first_token_after, r.url, "slow 1")
+            wait_for(lambda: scrape(r.url)[m.ROUTER_QUEUE_DEPTH] == 1, 30, "the second stream queued", interval=0.05)
+            first_ttft, second_ttft = first.result(timeout=120), second.result(timeout=120)
+        s = scrape(r.url)
+    assert first_ttft < 2.5 < second_ttft, (first_ttft, second_ttft)     # the client's view
+    assert s[f'{m.ROUTER_TTFT_SECONDS}_count{{path="{PATH}"}}'] == 2
+    assert _above(s, m.ROUTER_TTFT_SECONDS, "2.5", f'path="{PATH}"') == 1, s
+    assert s[f"{m.ROUTER_QUEUE_WAIT_SECONDS}_count"] == 2
+    assert _above(s, m.ROUTER_QUEUE_WAIT_SECONDS, "1.0") == 1, s            # the second waited, the first not

@@ -122,6 +122,21 @@ def test_an_error_body_larger_than_the_router_reads_is_cut(served, stream):
     assert err["message"] == "the worker refused the request (HTTP 400)", err
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+def test_a_workers_refusal_is_passed_on_and_counted_as_upstream_rejected(served, stream):
+    """A prompt past the context, refused by the worker (the router does not tokenize here): the client
+    gets the worker's 400 and message, and the request is counted (it was counted nowhere)."""
+    key = f'{m.ROUTER_REQUESTS}{{outcome="{m.OUTCOME_UPSTREAM_REJECTED}",path="{m.PATH_LOCAL_PREFILL}"}}'
+    before = scrape(served.url)
+    status, body = _post(served.url, "a prompt past the context", stream)
+    assert status == 400, body
+    err = json.loads(body)["error"]
+    assert "maximum context length" in err["message"] and err["type"] == "BadRequestError", err
+    after = scrape(served.url)
+    assert after.get(key, 0) == before.get(key, 0) + 1
+    assert metric_sum(after, m.ROUTER_REQUESTS) == metric_sum(before, m.ROUTER_REQUESTS) + 1
+
+
 class _Replayer:
     """A KV event replay socket (vLLM's: a ZMQ ROUTER) that answers any request with ``batches`` batches of
     ``size`` bytes each, then the end marker."""

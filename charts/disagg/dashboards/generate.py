@@ -279,8 +279,8 @@ def prefill_decode() -> Board:
 def router() -> Board:
     b = Board("disagg-router", "disagg / Router",
               "The routers' decisions: path per request (remote prefill, local prefill, fallback), workers "
-              "chosen, prefix hits and fallbacks; streams migrated after a worker failure, pairings refused "
-              "across KV revisions, and the prefix index's resyncs.", ["router"])
+              "chosen, prefix hits and fallbacks; admission (queue, wait, 429s); streams migrated after a "
+              "worker failure, pairings refused across KV revisions, and the prefix index's resyncs.", ["router"])
     b.row("Paths")
     b.panel("timeseries", "Requests by path", "Successful requests per second by the path they took.",
             [target(rate(m.ROUTER_REQUESTS, SUCCESS, by="path"), "{{path}}")], "reqps")
@@ -309,6 +309,19 @@ def router() -> Board:
     b.panel("timeseries", "Known workers", "Workers the routers discovered, by role and health.",
             [target(f"max by (role, state) ({m.ROUTER_WORKERS}{sel()})", "{{role}} {{state}}")], "short",
             decimals=0)
+    b.row("Admission")
+    b.panel("timeseries", "Queued and in-flight requests", "Requests waiting for admission in the routers' "
+            "queues (spec.router.maxQueued) and requests admitted (at most spec.router.maxInFlight per router "
+            "process). Alert: DisaggRouterQueueing.",
+            [target(f"sum ({m.ROUTER_QUEUE_DEPTH}{sel()})", "queued"),
+             target(f"sum ({m.ROUTER_IN_FLIGHT}{sel()})", "in flight")], "short", w=8)
+    b.panel("timeseries", "Admission wait", "Time admitted requests waited in the routers' queues (0 for those "
+            "admitted at once): part of their TTFT, which counts from arrival.",
+            quantiles(m.ROUTER_QUEUE_WAIT_SECONDS, "wait"), "s", w=8)
+    b.panel("timeseries", "Rejected requests (429)", "Requests refused per second, by reason: queue_full (every "
+            "slot and the queue taken), queue_timeout (queued past spec.router.queueTimeoutSeconds). "
+            "Alert: DisaggRouterRejecting.",
+            [target(rate(m.ROUTER_REJECTED, by="reason"), "{{reason}}")], "reqps", w=8)
     b.row("Worker failures and rollouts")
     b.panel("timeseries", "Migrations by outcome", "Decode streams that failed after their first token, per "
             "second, by what became of them: migrated (continued on a decode worker from the token ids so far; "
