@@ -194,6 +194,7 @@ class Router:
                 self._subscribers[role].unwatch(w.name)
             else:
                 self.index[role].cleared(w.name)
+            self._forget(w)
         if added or removed:
             log.info("%s workers: +%s -%s", role, [w.name for w in added], [w.name for w in removed])
 
@@ -209,6 +210,24 @@ class Router:
             self._streams.close()
         if self._zmq:
             self._zmq.term()
+
+    def _forget(self, w: Worker) -> None:
+        """Drops what the router kept for a worker that left discovery: with workers coming and going
+        (rollouts, scaling, restarts under new pod IPs) it would otherwise grow for as long as the router
+        runs, and /metrics would list every worker it ever knew."""
+        self._probe_timeouts.pop(w.name, None)
+        # a decode still waiting for this prefill's KV holds the event itself; no probe sets it any more,
+        # so that decode ends at its first-token timeout, as it would have before the worker left
+        self._prefill_lost.pop(w.name, None)
+        for metric, labels in ((self.metrics.active, (w.role, w.name)),
+                               (self.metrics.decisions, (self.config.spec.policy, w.role, w.name))):
+            try:
+                metric.remove(*labels)
+            except KeyError:        # never chosen (decisions) or never watched
+                pass
+        self._decisions.pop((w.role, w.name), None)
+        if self._streams is not None:
+            self._streams.forget(w.target)
 
     def _watch(self, w: Worker) -> None:
         self.metrics.active.labels(w.role, w.name).set_function(lambda: w.active)

@@ -576,6 +576,11 @@ class Client:
             else:
                 del self._idle[target]
 
+    def forget(self, target: Target) -> None:
+        """Closes the idle connections to a worker that left (discovery), now rather than at a sweep."""
+        for c in self._idle.pop(target, ()):
+            c.close()
+
     def close(self) -> None:
         for idle in self._idle.values():
             for c in idle:
