@@ -81,6 +81,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--namespace", default="default")
     p.add_argument("--prefill-service")
     p.add_argument("--decode-service")
+    p.add_argument("--deployment", help="with --discovery endpointslices: the DisaggDeployment whose worker pods "
+                                        "are listed (by its label); default: the one the Services are named after")
     return p
 
 
@@ -126,7 +128,9 @@ def main(argv: list[str] | None = None) -> int:
         if not (args.prefill_service and args.decode_service):
             print("--discovery endpointslices needs --prefill-service and --decode-service", file=sys.stderr)
             return 2
-        from kubernetes import client, config as kconfig
+        from kubernetes import config as kconfig
+
+        from disagg.api.kube import api_client
 
         from .discovery import EndpointSliceDiscovery
 
@@ -134,8 +138,13 @@ def main(argv: list[str] | None = None) -> int:
             kconfig.load_incluster_config()
         except kconfig.ConfigException:
             kconfig.load_kube_config()
-        discovery = EndpointSliceDiscovery(client.ApiClient(), args.namespace,
-                                           {ROLE_PREFILL: args.prefill_service, ROLE_DECODE: args.decode_service})
+        try:
+            discovery = EndpointSliceDiscovery(api_client(), args.namespace,
+                                               {ROLE_PREFILL: args.prefill_service, ROLE_DECODE: args.decode_service},
+                                               deployment=args.deployment)
+        except ValueError as e:
+            print(e, file=sys.stderr)
+            return 2
     # a deep accept backlog: a burst of a thousand clients connecting at once must not be refused
     # uvloop: the relay's cost is mostly the event loop's socket reads and writes (the profile at 1,000
     # streams, bench/router_vs_vllm_router.py), which libuv does in C

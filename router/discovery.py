@@ -6,32 +6,61 @@ endpoints that leave (scale-down, a failed pod, a terminating one) leave the poo
 Each endpoint's pod (its ``targetRef``) gives the worker's KV revision and that revision's generation,
 from the labels the operator renders (``disagg.api.contract.KV_REVISION_LABEL``): the router pairs
 prefill and decode of one revision only (:mod:`.pairing`).
-Polls with the Kubernetes client (slices are few and small; a watch would add little here).
+Polls with the Kubernetes client (slices are few and small; a watch would add little here). A poll is two
+calls, both in the router's namespace and both selected by label, so their cost does not grow with the
+other deployments there: ``list`` of the EndpointSlices of the deployment's two role Services, and ``list``
+of the deployment's worker pods as metadata only (PartialObjectMetadataList: names and labels, none of the
+pods' specs). Each call has a timeout (disagg.api.kube.KUBE_REQUEST_TIMEOUT): a hung API server delays
+discovery, never stops it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+from collections.abc import Iterable
 
 from disagg.api import contract
 from disagg.api.contract import KV_REVISION_GENERATION_LABEL, KV_REVISION_LABEL
+from disagg.api.kube import KUBE_REQUEST_TIMEOUT
+from disagg.api.names import LABEL_DEPLOYMENT, LABEL_ROLE, ROLE_DECODE, ROLE_PREFILL, child_name
 
 from .config import WorkerEndpoint
 
 log = logging.getLogger("disagg.router.discovery")
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
+# the API server answers a list with the objects' metadata alone (meta.k8s.io/v1, Kubernetes >= 1.15)
+PARTIAL_METADATA_LIST = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
+
+
+def _revisions(pods: Iterable[tuple[str, dict | None]]) -> dict[str, tuple[str, int | None]]:
+    out = {}
+    for name, labels in pods:
+        labels = labels or {}
+        if KV_REVISION_LABEL in labels:
+            gen = labels.get(KV_REVISION_GENERATION_LABEL, "")
+            out[name] = (labels[KV_REVISION_LABEL], int(gen) if gen.isdigit() else None)
+    return out
 
 
 def revisions_from_pods(pods: list) -> dict[str, tuple[str, int | None]]:
     """Pod name -> (KV revision, its generation) of the pods (V1Pod objects) that carry one."""
-    out = {}
-    for p in pods:
-        labels = p.metadata.labels or {}
-        if KV_REVISION_LABEL in labels:
-            gen = labels.get(KV_REVISION_GENERATION_LABEL, "")
-            out[p.metadata.name] = (labels[KV_REVISION_LABEL], int(gen) if gen.isdigit() else None)
-    return out
+    return _revisions((p.metadata.name, p.metadata.labels) for p in pods)
+
+
+def revisions_from_metadata(items: list[dict]) -> dict[str, tuple[str, int | None]]:
+    """The same, of a PartialObjectMetadataList's items (JSON)."""
+    return _revisions((i["metadata"]["name"], i["metadata"].get("labels")) for i in items)
+
+
+def deployment_of(services: dict[str, str]) -> str | None:
+    """The DisaggDeployment whose role Services these are, as the operator names them
+    (``names.child_name(deployment, role)``), or None when they are not named so."""
+    name = services[ROLE_PREFILL].removesuffix(f"-{ROLE_PREFILL}")
+    if name and all(child_name(name, role) == svc for role, svc in services.items()):
+        return name
+    return None
 
 
 def endpoints_from_slices(slices: list, revisions: dict[str, tuple[str, int | None]] | None = None
@@ -66,36 +95,70 @@ def endpoints_from_slices(slices: list, revisions: dict[str, tuple[str, int | No
 
 
 class EndpointSliceDiscovery:
+    """The workers of one DisaggDeployment: ``services`` maps each role to its Service; ``deployment`` (the
+    DisaggDeployment's name, whose label its worker pods carry) defaults to the one the Services are
+    named after."""
+
     def __init__(self, api_client, namespace: str, services: dict[str, str],
-                 interval_s: float = contract.DISCOVERY_INTERVAL_SECONDS):
+                 interval_s: float = contract.DISCOVERY_INTERVAL_SECONDS, deployment: str | None = None,
+                 timeout_s: tuple[float, float] = KUBE_REQUEST_TIMEOUT):
         from kubernetes import client
 
         self._api = client.DiscoveryV1Api(api_client)
         self._core = client.CoreV1Api(api_client)
-        self.namespace, self.services, self.interval_s = namespace, services, interval_s
+        self.namespace, self.services, self.interval_s, self.timeout_s = namespace, services, interval_s, timeout_s
+        deployment = deployment or deployment_of(services)
+        if not deployment:
+            raise ValueError(f"the DisaggDeployment of the Services {sorted(services.values())} is not known: "
+                             "give it (--deployment)")
+        self.deployment = deployment
+        # this deployment's workers only: a namespace may hold many deployments (and other tenants' pods)
+        self.pod_selector = (f"{LABEL_DEPLOYMENT}={deployment},{LABEL_ROLE} in ({ROLE_PREFILL},{ROLE_DECODE}),"
+                             f"{KV_REVISION_LABEL}")
+        self._role_of = {svc: role for role, svc in services.items()}
+        self.slice_selector = f"{SERVICE_NAME_LABEL} in ({','.join(sorted(self._role_of))})"
+
+    def slices(self) -> dict[str, list]:
+        """Role -> the EndpointSlices of its Service (one list for every role)."""
+        out: dict[str, list] = {role: [] for role in self.services}
+        for s in self._api.list_namespaced_endpoint_slice(self.namespace, label_selector=self.slice_selector,
+                                                          _request_timeout=self.timeout_s).items:
+            role = self._role_of.get((s.metadata.labels or {}).get(SERVICE_NAME_LABEL))
+            if role is not None:
+                out[role].append(s)
+        return out
 
     def list(self, role: str, revisions: dict[str, tuple[str, int | None]] | None = None) -> list[WorkerEndpoint]:
-        slices = self._api.list_namespaced_endpoint_slice(
-            self.namespace, label_selector=f"{SERVICE_NAME_LABEL}={self.services[role]}").items
-        return endpoints_from_slices(slices, self.revisions() if revisions is None else revisions)
+        return endpoints_from_slices(self.slices()[role], self.revisions() if revisions is None else revisions)
+
+    def worker_pods(self) -> dict:
+        """The deployment's worker pods that carry a KV revision, as the API server's
+        PartialObjectMetadataList (JSON)."""
+        resp = self._core.list_namespaced_pod(self.namespace, label_selector=self.pod_selector,
+                                              _headers={"Accept": PARTIAL_METADATA_LIST}, _preload_content=False,
+                                              _request_timeout=self.timeout_s)
+        try:
+            return json.loads(resp.data)
+        finally:
+            resp.release_conn()
 
     def revisions(self) -> dict[str, tuple[str, int | None]]:
-        """The namespace's worker pods' KV revisions (one list, of the pods that carry the label)."""
-        return revisions_from_pods(self._core.list_namespaced_pod(self.namespace,
-                                                                  label_selector=KV_REVISION_LABEL).items)
+        """The deployment's worker pods' KV revisions."""
+        return revisions_from_metadata(self.worker_pods().get("items") or [])
+
+    def poll(self) -> dict[str, list[WorkerEndpoint]]:
+        """Role -> its workers now (two API calls; raises what the API client raises)."""
+        revisions = self.revisions()
+        return {role: endpoints_from_slices(slices, revisions) for role, slices in self.slices().items()}
 
     async def run(self, update) -> None:
         """Calls ``update(role, endpoints)`` now and after every poll, until cancelled."""
         while True:
             try:
-                revisions = await asyncio.to_thread(self.revisions)
-            except Exception as e:  # keep the workers; without revisions they cannot be paired safely
-                log.warning("listing worker pods failed: %s", e)
-                await asyncio.sleep(self.interval_s)
-                continue
-            for role in self.services:
-                try:
-                    update(role, await asyncio.to_thread(self.list, role, revisions))
-                except Exception as e:  # the API server being away keeps the last known workers
-                    log.warning("listing EndpointSlices of %s failed: %s", self.services[role], e)
+                workers = await asyncio.to_thread(self.poll)
+            except Exception as e:  # the API server away (or slow past the timeout): keep the last workers
+                log.warning("listing the workers of %s failed: %s", self.deployment, e)
+            else:
+                for role, endpoints in workers.items():
+                    update(role, endpoints)
             await asyncio.sleep(self.interval_s)

@@ -1,16 +1,22 @@
-"""The router discovers workers from EndpointSlices on a real API server (the local control plane)."""
+"""The router discovers workers from EndpointSlices on a real API server (the local control plane): the
+ready endpoints of its deployment's Services, and the KV revisions of its deployment's worker pods alone,
+listed as metadata. An API server that does not answer delays discovery, never stops it."""
 
 from __future__ import annotations
 
+import asyncio
+import socket
+import threading
+
 import pytest
 
-from disagg.api.names import ROLE_DECODE, ROLE_PREFILL
+from disagg.api import contract
+from disagg.api.names import LABEL_DEPLOYMENT, LABEL_ROLE, ROLE_DECODE, ROLE_PREFILL, ROLE_ROUTER
+from disagg.e2e.testing import pod, wait_for
 from disagg.router.config import RouterConfig
 from disagg.router.discovery import SERVICE_NAME_LABEL, EndpointSliceDiscovery
 from disagg.router.metrics import RouterMetrics
 from disagg.router.service import Router
-
-pytestmark = pytest.mark.cluster
 
 
 def _slice(name: str, service: str, endpoints: list[tuple[str, bool]]) -> dict:
@@ -24,6 +30,7 @@ def _slice(name: str, service: str, endpoints: list[tuple[str, bool]]) -> dict:
             "endpoints": [{"addresses": [ip], "conditions": {"ready": ready}} for ip, ready in endpoints]}
 
 
+@pytest.mark.cluster
 def test_ready_endpoints_become_workers_and_leave_with_their_slice(api_client, namespace):
     from kubernetes import client
 
@@ -51,3 +58,110 @@ def test_ready_endpoints_become_workers_and_leave_with_their_slice(api_client, n
     router.update_workers(ROLE_DECODE, disc.list(ROLE_DECODE))
     assert list(router.pool.workers[ROLE_DECODE]) == ["http://192.0.2.2:8000"]
     assert router.index[ROLE_DECODE].blocks() == 0          # a departed worker's blocks leave the index
+
+
+def _worker_pod(name: str, deployment: str, role: str, revision: str | None = "rev-1") -> dict:
+    labels = {LABEL_DEPLOYMENT: deployment, LABEL_ROLE: role}
+    if revision:
+        labels |= {contract.KV_REVISION_LABEL: revision, contract.KV_REVISION_GENERATION_LABEL: "3"}
+    # never scheduled (no node has the label): nothing runs, the API server has the object
+    return pod(name, labels=labels, node_selector={"disagg.test/nowhere": "true"})
+
+
+@pytest.mark.cluster
+def test_only_the_deployments_worker_pods_are_listed_and_as_metadata(api_client, namespace):
+    """Another deployment's workers in the same namespace (and this deployment's router pod) are not the
+    router's business: their revisions are not read, and no pod's spec (environment included) is fetched."""
+    from kubernetes import client
+
+    core = client.CoreV1Api(api_client)
+    for name, dd, role in (("a-prefill-0", "a", ROLE_PREFILL), ("a-decode-0", "a", ROLE_DECODE),
+                           ("b-prefill-0", "b", ROLE_PREFILL), ("b-decode-0", "b", ROLE_DECODE)):
+        core.create_namespaced_pod(namespace, _worker_pod(name, dd, role))
+    core.create_namespaced_pod(namespace, _worker_pod("a-router-0", "a", ROLE_ROUTER, revision="rev-1"))
+    disc = EndpointSliceDiscovery(api_client, namespace, {ROLE_PREFILL: "a-prefill", ROLE_DECODE: "a-decode"})
+
+    assert disc.revisions() == {"a-prefill-0": ("rev-1", 3), "a-decode-0": ("rev-1", 3)}
+    listed = disc.worker_pods()
+    assert listed["kind"] == "PartialObjectMetadataList", listed.get("kind")
+    assert sorted(i["metadata"]["name"] for i in listed["items"]) == ["a-decode-0", "a-prefill-0"]
+    assert all(set(i) <= {"kind", "apiVersion", "metadata"} for i in listed["items"]), listed["items"][0]
+
+
+class HungApiServer:
+    """A TCP server that accepts connections and never answers, as an API server that hangs; counts them."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.accepted: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.accepted.append(conn)
+
+    def close(self) -> None:
+        self.sock.close()
+        for conn in self.accepted:
+            conn.close()
+
+
+def test_a_hung_api_server_delays_discovery_and_never_stops_it(caplog):
+    """Every API call has a timeout (here 1 s to read, the router's own is KUBE_REQUEST_TIMEOUT): a poll
+    against an API server that never answers gives up, the router keeps its workers, and the next poll
+    asks again. Without timeouts the first call waits forever, and with it the router's discovery."""
+    from kubernetes import client
+
+    hung = HungApiServer()
+    config = client.Configuration()
+    config.host = hung.url
+    api = client.ApiClient(config)
+    disc = EndpointSliceDiscovery(api, "default", {ROLE_PREFILL: "a-prefill", ROLE_DECODE: "a-decode"},
+                                  interval_s=0.1, timeout_s=(1.0, 1.0))
+    updates = []
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    caplog.set_level("WARNING", logger="disagg.router.discovery")
+    async def start() -> asyncio.Task:
+        return asyncio.create_task(disc.run(lambda role, eps: updates.append(role)))
+    task = asyncio.run_coroutine_threadsafe(start(), loop).result(timeout=30)
+
+    async def stop() -> None:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    try:
+        # two polls given up (urllib3 retries each timed-out call a few times first): discovery goes on
+        wait_for(lambda: sum("listing the workers of a failed" in r.getMessage() for r in caplog.records) >= 2,
+                 60, "two polls to give up on the hung API server")
+        assert updates == []            # no answer, no change to the workers
+    finally:
+        asyncio.run_coroutine_threadsafe(stop(), loop).result(timeout=30)
+        hung.close()
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=60)
+        api.close()
+
+
+def test_the_deployment_is_the_one_its_services_are_named_after_or_given():
+    from kubernetes import client
+
+    from disagg.router.discovery import deployment_of
+
+    assert deployment_of({ROLE_PREFILL: "my-llm-prefill", ROLE_DECODE: "my-llm-decode"}) == "my-llm"
+    assert deployment_of({ROLE_PREFILL: "p", ROLE_DECODE: "d"}) is None
+    api = client.ApiClient(client.Configuration())
+    try:
+        with pytest.raises(ValueError, match="--deployment"):
+            EndpointSliceDiscovery(api, "default", {ROLE_PREFILL: "p", ROLE_DECODE: "d"})
+        disc = EndpointSliceDiscovery(api, "default", {ROLE_PREFILL: "p", ROLE_DECODE: "d"}, deployment="llm")
+        assert disc.pod_selector.startswith(f"{LABEL_DEPLOYMENT}=llm,")
+    finally:
+        api.close()
