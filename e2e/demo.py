@@ -126,7 +126,7 @@ def _serve_for_real(cluster: LocalCluster, api) -> str:
                                                           TINY).get("status") or {}).get("phase") == "Ready",
              900, f"{TINY} to be Ready", interval=2)
     url = realnode.router_url(api, DEMO_NS, TINY)
-    realnode.wait_serving(url)
+    realnode.wait_serving(api, DEMO_NS, TINY)
     return realnode.chat(url, "Hello from disagg! Tell me how a prefill hands its KV cache to a decode worker. " * 3)
 
 

@@ -159,16 +159,30 @@ def metric(url: str, name: str, **labels: str) -> float:
                if s.name == name and labels.items() <= s.labels.items())
 
 
-def wait_serving(url: str, prefill: int = 1, decode: int = 1, timeout: float = 600) -> float:
-    """Until the router behind `url` (…/v1) answers /v1/models and counts `prefill` and `decode` workers
-    healthy; returns the seconds waited. Pods Ready is not enough: the router learns its workers from
-    the EndpointSlices and then probes them, and until it has a healthy prefill worker it prefills on
-    the decode worker (the local_prefill path)."""
+def router_metrics_urls(api: client.ApiClient, namespace: str, name: str) -> list[str]:
+    """The base URL of each ready router process's own metrics port (the chart's monitor scrapes the same:
+    in a cluster the serving port serves the API and the probes only)."""
+    import re
+
+    from disagg.api import contract
+    from disagg.api.names import LABEL_DEPLOYMENT, LABEL_ROLE, ROLE_ROUTER
+
+    pods = ready_pods(api, namespace, f"{LABEL_DEPLOYMENT}={name},{LABEL_ROLE}={ROLE_ROUTER}")
+    return [f"http://{p.status.pod_ip}:{port.container_port}" for p in pods for c in p.spec.containers
+            for port in c.ports or [] if re.fullmatch(contract.ROUTER_METRICS_PORT_NAMES, port.name or "")]
+
+
+def wait_serving(api: client.ApiClient, namespace: str, name: str, prefill: int = 1, decode: int = 1,
+                 timeout: float = 600) -> float:
+    """Until the deployment's router Service answers /v1/models and every router process counts `prefill`
+    and `decode` workers healthy; returns the seconds waited. Pods Ready is not enough: the router learns
+    its workers from the EndpointSlices and then probes them, and until it has a healthy prefill worker it
+    prefills on the decode worker (the local_prefill path)."""
     import urllib.request
 
     from disagg.api import metrics as m
 
-    base = url.removesuffix("/v1")
+    url = router_url(api, namespace, name)
     start = time.monotonic()
 
     def ready() -> bool:
@@ -176,8 +190,10 @@ def wait_serving(url: str, prefill: int = 1, decode: int = 1, timeout: float = 6
             with urllib.request.urlopen(f"{url}/models", timeout=5) as r:
                 if r.status != 200:
                     return False
-            return all(metric(base, m.ROUTER_WORKERS, role=role, state="healthy") >= want
-                       for role, want in (("prefill", prefill), ("decode", decode)))
+            processes = router_metrics_urls(api, namespace, name)
+            return bool(processes) and all(metric(base, m.ROUTER_WORKERS, role=role, state="healthy") >= want
+                                           for base in processes
+                                           for role, want in (("prefill", prefill), ("decode", decode)))
         except OSError:
             return False
     wait_for(ready, timeout, f"the router at {url} serving with {prefill} prefill and {decode} decode workers",
@@ -200,4 +216,5 @@ def chat(url: str, question: str) -> str:
 
 
 __all__ = ["chat", "CHART", "helm", "MODEL_CLAIM", "SERVED_MODEL", "chart_values", "deployment", "install_model",
-           "metric", "placement", "pod_logs", "ready_pods", "remove_model", "router_url", "wait_serving"]
+           "metric", "placement", "pod_logs", "ready_pods", "remove_model", "router_metrics_urls", "router_url",
+           "wait_serving"]

@@ -412,6 +412,7 @@ def router_deployment(dd: DisaggDeployment, uid: str) -> dict[str, Any]:
                  "--max-body-bytes", str(r.max_body_bytes), "--body-timeout-seconds", str(r.body_timeout_seconds),
                  *(["--api-keys-file", ROUTER_API_KEYS_FILE] if r.auth else []),
                  "--discovery", "endpointslices", "--namespace", dd.metadata.namespace or "default",
+                 "--deployment", dd.metadata.name,
                  "--prefill-service", n[ROLE_PREFILL], "--decode-service", n[ROLE_DECODE],
                  # N processes on the http port, process i scraped alone on metrics-i (router/processes.py)
                  "--processes", str(r.processes), "--metrics-port", str(contract.ROUTER_METRICS_PORT),

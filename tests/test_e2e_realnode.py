@@ -121,7 +121,7 @@ def pd(api, serving_ns, images):
     except AssertionError as e:   # the operator's and the pods' logs are gone once the cluster is down
         raise AssertionError(realnode.pod_logs(api, RELEASE_NS, "") + "\n" + realnode.pod_logs(api, NS, "")) from e
     url = realnode.router_url(api, NS, PD)
-    realnode.wait_serving(url)
+    realnode.wait_serving(api, NS, PD)
     yield dd, url
     _delete(api, dd)
 
@@ -172,7 +172,7 @@ def test_openai_client_chat_and_completions_take_the_remote_prefill_path(api, pd
 
     dd, url = pd
     decode = dd.pods("decode")[0]
-    before = metric_sum(scrape(_pod_url(decode)), m.VLLM_NIXL_BYTES_TRANSFERRED + "_sum")
+    before = metric_sum(scrape(_pod_url(decode, contract.WORKER_METRICS_PORT)), m.VLLM_NIXL_BYTES_TRANSFERRED + "_sum")
     oa = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=300)
     paths = []
     raw = oa.chat.completions.with_raw_response.create(
@@ -195,7 +195,7 @@ def test_openai_client_chat_and_completions_take_the_remote_prefill_path(api, pd
         paths.append(r.headers.get("x-disagg-path"))
         assert [c for c in r.parse() if c.choices]
     assert paths == [m.PATH_REMOTE_PREFILL] * 4, paths
-    moved = wait_for(lambda: (v := metric_sum(scrape(_pod_url(decode)), m.VLLM_NIXL_BYTES_TRANSFERRED + "_sum"))
+    moved = wait_for(lambda: (v := metric_sum(scrape(_pod_url(decode, contract.WORKER_METRICS_PORT)), m.VLLM_NIXL_BYTES_TRANSFERRED + "_sum"))
                      > before and v, 60, "NIXL bytes counted on the decode pod")
     assert moved > before
 
@@ -394,7 +394,7 @@ def test_pd_scale_down_under_steady_load_fails_nothing(api, pd):
              and len(realnode.ready_pods(api, NS, f"{LABEL_DEPLOYMENT}={PD},{LABEL_ROLE}=prefill")) == 2
              and len(client.CoreV1Api(api).list_namespaced_pod(NS, label_selector=decode_pods).items) == 2,
              900, "two ready prefill and two ready decode pods, no other decode pod (terminating included)")
-    realnode.wait_serving(url, prefill=2, decode=2, timeout=900)
+    realnode.wait_serving(api, NS, PD, prefill=2, decode=2, timeout=900)
     decodes = {_pod_url(p) for p in realnode.ready_pods(api, NS, decode_pods)}
     assert len(decodes) == 2
     stop = threading.Event()
@@ -448,12 +448,13 @@ def agg(api, serving_ns, images, pd):
                                          disaggregation="never"))
     dd.wait_phase("Ready", timeout=900)
     url = realnode.router_url(api, NS, AGG)
-    realnode.wait_serving(url, prefill=0, decode=2)
+    realnode.wait_serving(api, NS, AGG, prefill=0, decode=2)
     return dd, url
 
 
 def _router_metric(dd: DD, name: str, **labels: str) -> float:
-    return realnode.metric(_pod_url(dd.pods("router")[0]), name, **labels)
+    """From the router pod's own metrics port, as Prometheus scrapes it (the serving port has no /metrics)."""
+    return realnode.metric(_pod_url(dd.pods("router")[0], contract.ROUTER_METRICS_PORT), name, **labels)
 
 
 def _decode_restarts(api, name: str) -> int:
@@ -483,7 +484,7 @@ def test_crashed_decode_is_covered_by_a_counted_retry_and_restarted(api, agg, re
     wait_for(lambda: _decode_restarts(api, victim.metadata.name) > restarts
              and len(realnode.ready_pods(api, NS, f"{LABEL_DEPLOYMENT}={AGG},{LABEL_ROLE}=decode")) == 2,
              600, "the crashed decode container restarted and Ready")
-    realnode.wait_serving(url, prefill=0, decode=2)
+    realnode.wait_serving(api, NS, AGG, prefill=0, decode=2)
 
 
 def test_scale_down_with_streams_in_flight_fails_nothing(api, agg):
