@@ -2,7 +2,6 @@
 and gang scheduling through the Workload/PodGroup API."""
 
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -98,8 +97,26 @@ def test_gang_binds_all_or_nothing(api_client, namespace):
     wait_for(lambda: all((c := _scheduled_condition(p)) and c.status == "False"
                          for p in core.list_namespaced_pod(namespace).items if p.metadata.name.startswith("too-big-")),
              60, "the oversized gang to be reported unschedulable")
-    time.sleep(3)  # give the scheduler more cycles to (wrongly) bind a partial gang
-    assert bound("too-big-") == []
+    # Then a node joins the oversized gang's domain, without GPUs (still no room): a cluster event the
+    # scheduler answers by trying the gang again. That attempt is waited for (its FailedScheduling events),
+    # so the check below follows a scheduling cycle that could have bound part of the gang, not a sleep.
+    def attempts() -> int:
+        return sum(e.count or 1 for e in core.list_namespaced_event(
+            namespace, field_selector="reason=FailedScheduling").items
+            if e.involved_object.name.startswith("too-big-"))
+    before = attempts()
+    template = next(n for n in core.list_node(label_selector=f"{nodepools.CLIQUE_LABEL}={too_big}").items)
+    joiner = f"gpu-less-{namespace}"[:63]
+    core.create_node({"apiVersion": "v1", "kind": "Node", "metadata": {
+        "name": joiner, "labels": {**template.metadata.labels, "kubernetes.io/hostname": joiner},
+        "annotations": {nodepools.KWOK_ANNOTATION: "fake"}},
+        "status": {"capacity": {"cpu": "8", "memory": "32Gi", "pods": "110"},
+                   "allocatable": {"cpu": "8", "memory": "32Gi", "pods": "110"}}})
+    try:
+        wait_for(lambda: attempts() > before, 120, "the scheduler's next attempt at the oversized gang")
+        assert bound("too-big-") == []
+    finally:
+        core.delete_node(joiner)
 
 
 def test_up_twice_is_harmless_and_down_leaves_nothing(tmp_path):
