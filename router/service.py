@@ -770,8 +770,8 @@ class Router:
                 self._account(w, -1)
                 raise
         try:
-            pairing.choose(self.pool, set(), revision)
-        except NoWorkers as gone:       # what ended it: its revision has no decode left (a rollout's end)
+            pairing.choose(self.pool, set(tried), revision)
+        except NoWorkers as gone:       # what ended it: its revision has no decode left untried (a rollout's end)
             raise _Upstream(f"{gone}; last attempt: {err}") from None
         raise _Upstream(str(err))
 
