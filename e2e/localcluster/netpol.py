@@ -12,6 +12,7 @@ suite runs on a node without one, as before.
 from __future__ import annotations
 
 import subprocess
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -35,6 +36,24 @@ IPSET_PREFIXES = ("KUBE-SRC-", "KUBE-DST-", "KUBE-ROUTER-", "kube-router-")
 def own_ipsets() -> list[str]:
     out = subprocess.run(["ipset", "list", "-n"], capture_output=True, text=True, check=False).stdout
     return [n for n in out.split() if n.startswith(IPSET_PREFIXES)]
+
+
+def destroy_own_ipsets(timeout: float = 60) -> None:
+    """Destroy the enforcer's ipsets once nothing holds them. The kernel lets go of a set some time after
+    the last iptables rule naming it is deleted (nf_tables frees rules after a grace period), and until
+    then `ipset destroy` answers "in use by a kernel component": so retry until they are gone, and say
+    which remain if they outlive the deadline."""
+    deadline = time.monotonic() + timeout
+    errors: dict[str, str] = {}
+    while names := own_ipsets():
+        for name in names:
+            r = subprocess.run(["ipset", "destroy", name], capture_output=True, text=True, check=False)
+            if r.returncode:
+                errors[name] = r.stderr.strip()
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"kube-router's ipsets outlived its rules: {errors or names}")
+        if own_ipsets():
+            time.sleep(0.5)
 
 
 class NetworkPolicyEnforcer:
@@ -67,9 +86,8 @@ class NetworkPolicyEnforcer:
         """Stop it and remove every rule and set it made (pods are then unfiltered again)."""
         self.cluster.stop_component(COMPONENT)
         subprocess.run([str(self.bin), "--cleanup-config"], capture_output=True, text=True, check=False)
-        # --cleanup-config (v2.1.0) removes its chains but leaves the policies' ipsets; unreferenced now
-        for name in own_ipsets():
-            subprocess.run(["ipset", "destroy", name], capture_output=True, check=False)
+        # --cleanup-config (v2.1.0) removes its chains but leaves the policies' ipsets
+        destroy_own_ipsets()
 
     def tail(self, lines: int = 40) -> str:
         return self.cluster.tail(COMPONENT, lines)

@@ -479,7 +479,10 @@ disabled_plugins = ['io.containerd.internal.v1.opt', 'io.containerd.nri.v1.nri']
             _remove_cgroup(d)
         for family in ("ip", "ip6"):
             _run("nft", "delete", "table", family, "kube-proxy", check=False)
-        _remove_kubelet_iptables_chains(owner.get("nft_tables", []))
+        _remove_kubelet_iptables_chains(owner.get("nft_tables", []))  # a NetworkPolicy enforcer's chains too
+        from .netpol import destroy_own_ipsets
+
+        destroy_own_ipsets()  # its sets, once those chains let go of them
         _run("nft", "delete", "table", "inet", NFT_TABLE, check=False)
         _run("ip", "link", "delete", BRIDGE, check=False)
         for result in Path("/var/lib/cni/results").glob(f"{CNI_NETWORK}-*"):
