@@ -100,16 +100,18 @@ def remove_model(api: client.ApiClient, namespace: str) -> None:
 
 
 def deployment(name: str, source: str, worker_image: str, prefill: int = 1, decode: int = 1,
-               disaggregation: str = "always") -> dict[str, Any]:
+               disaggregation: str = "always", prefill_layout: dict[str, Any] | None = None) -> dict[str, Any]:
     """The tiny model as a DisaggDeployment whose every pod lands on the real node. spec.kvTransfer is left at
-    its defaults: what a user applies unchanged to a CPU cluster must serve."""
+    its defaults: what a user applies unchanged to a CPU cluster must serve. ``prefill_layout``: the prefill
+    replica's podsPerReplica and parallelism (replicas larger than one pod), instead of one pod at TP 1."""
     p = placement()
     role = {"tensorParallelSize": 1, **p}
     spec: dict[str, Any] = {
         "model": {"name": SERVED_MODEL, "source": source},
         "engine": {"image": worker_image, "imagePullPolicy": "Never", "args": list(ENGINE_ARGS),
                    "env": [{"name": k, "value": v} for k, v in ENGINE_ENV.items()]},
-        "prefill": {"replicas": prefill, "minReplicas": 0 if prefill == 0 else 1, **role},
+        "prefill": {"replicas": prefill, "minReplicas": 0 if prefill == 0 else 1,
+                    **({**p, **prefill_layout} if prefill_layout else role)},
         "decode": {"replicas": decode, **role},
         "router": {"replicas": 1, "disaggregation": disaggregation, **p},
         "scheduling": {"gang": {"minPrefill": min(prefill, 1), "minDecode": 1}},

@@ -14,7 +14,7 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
 from disagg.api import kube
-from disagg.api.names import LABEL_DEPLOYMENT, LABEL_GANG
+from disagg.api.names import LABEL_DEPLOYMENT, LABEL_GANG, LABEL_GROUP
 
 from . import gang as gangs
 from .render import HASH_ANNOTATION
@@ -187,6 +187,9 @@ def prune_gangs(clients: Clients, namespace: str, dd_name: str, keep: set[str], 
     deleted = []
     for api_version, kind in GANG_KINDS:
         for obj in clients.list(api_version, kind, namespace, f"{LABEL_DEPLOYMENT}={dd_name}") or []:
+            labels = obj["metadata"].get("labels") or {}
+            if labels.get(LABEL_GROUP) and labels.get(LABEL_GANG) == current_gang:
+                continue   # a multi-pod replica's own PodGroup (operator/groups.py): goes with its group
             if obj["metadata"]["name"] not in keep:
                 clients.delete(api_version, kind, namespace, obj["metadata"]["name"])
                 deleted.append(f"{kind}/{obj['metadata']['name']}")

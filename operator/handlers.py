@@ -17,11 +17,12 @@ from pydantic import ValidationError
 
 from disagg.api import kube
 from disagg.api.contract import KV_REVISION_GENERATION_LABEL, KV_REVISION_LABEL
-from disagg.api.names import (GROUP, LABEL_DEPLOYMENT, LABEL_GANG, LABEL_MANAGED_BY, LABEL_ROLE, MANAGED_BY,
+from disagg.api.names import (GROUP, LABEL_DEPLOYMENT, LABEL_GANG, LABEL_GROUP, LABEL_GROUP_POD, LABEL_HEADLESS,
+                               LABEL_MANAGED_BY, LABEL_ROLE, MANAGED_BY,
                                ROLE_DECODE, ROLE_PREFILL)
 from disagg.api.v1alpha1 import GPU_RESOURCE, KIND, PLURAL, VERSION, DisaggDeployment
 
-from . import capacity, children, render
+from . import capacity, children, groups, render
 from . import gang as gangs
 from . import memory, metrics, revisions
 from . import status as statuses
@@ -183,6 +184,11 @@ def reconcile(body: kopf.Body, uid: str, name: str, namespace: str, memo: kopf.M
         # its only gang objects are the ones just applied: the status loop's prune (four list calls, for
         # objects of an older gang or an older operator's naming) has nothing to find
         memo.created_gangs[key] = gang.name
+    for role in (ROLE_PREFILL, ROLE_DECODE):
+        if render.multi_pod(dd, role) and children.delete_owned(clients, "apps/v1", "Deployment", namespace,
+                                                                 render.names(name)[role], uid):
+            kopf.info(body, reason="DeploymentDeleted", message=f"deleted the {role} Deployment: its replicas now "
+                                                                "span several pods, run as groups")
     if not render.network_policy_enabled() and children.delete_owned(
             clients, "networking.k8s.io/v1", "NetworkPolicy", namespace, render.names(name)["network-policy"], uid):
         kopf.info(body, reason="NetworkPolicyDeleted", message="deleted the workers' NetworkPolicy: the operator's "
@@ -213,7 +219,7 @@ def _render(dd: DisaggDeployment, uid: str, pods: list[statuses.PodView],
     """render.children with the KV revision's generation and rollout hold (:mod:`.revisions`) read from
     what runs; the hold is remembered so the status loop re-applies when it should be lifted."""
     generation = render.revision_generation(dd, revisions.live([v for _, v in deps]))
-    hold = revisions.hold(pods, render.kv_revision(dd))
+    hold = revisions.hold([p for p in pods if not p.headless], render.kv_revision(dd))
     memo.revisions[(dd.metadata.namespace, dd.metadata.name)] = (generation, hold)
     return render.children(dd, uid, generation, hold)
 
@@ -230,7 +236,7 @@ def _lift_hold(memo: kopf.Memo, namespace: str, name: str, pods: list[statuses.P
         dd = _parse(obj)
     except ValidationError:
         return False
-    if revisions.hold(pods, render.kv_revision(dd)):
+    if revisions.hold([p for p in pods if not p.headless], render.kv_revision(dd)):
         return False
     memo.revisions[key] = (generation, False)
     manifests, _ = render.children(dd, obj["metadata"]["uid"], generation, False)
@@ -256,13 +262,22 @@ def pods_by_deployment(namespace: str, name: str, labels: kopf.Labels, spec: kop
         if not waiting and state.get("reason"):
             waiting, message = state["reason"], state.get("message")
     ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+    failure = None
+    for cs in status.get("containerStatuses") or []:
+        ended = (cs.get("state") or {}).get("terminated")
+        if ended and not failure:
+            failure = f"container {cs.get('name')} ended ({ended.get('reason') or 'exit'} {ended.get('exitCode')})"
+    index = labels.get(LABEL_GROUP_POD, "")
     view = statuses.PodView(name=name, role=labels.get(LABEL_ROLE, ""), node=spec.get("nodeName"), ready=ready,
                             phase=status.get("phase", "Pending"), waiting_reason=waiting,
                             waiting_message=message,
                             terminating=bool(meta.get("deletionTimestamp")),
                             template_hash=labels.get("pod-template-hash"),
                             created=meta.get("creationTimestamp", ""), gang=labels.get(LABEL_GANG),
-                            revision=labels.get(KV_REVISION_LABEL))
+                            revision=labels.get(KV_REVISION_LABEL),
+                            generation=labels.get(KV_REVISION_GENERATION_LABEL),
+                            group=labels.get(LABEL_GROUP), group_pod=int(index) if index.isdigit() else None,
+                            headless=LABEL_HEADLESS in labels, failure=failure)
     return {(namespace, labels[LABEL_DEPLOYMENT]): view}
 
 
@@ -452,6 +467,9 @@ def refresh(clients: children.Clients, namespace: str, name: str, pods: list[sta
         except ValidationError:
             return True, []
         state.parsed = (version, dd)
+    events: list[tuple[str, str, str]] = []
+    if any(render.multi_pod(dd, r) for r in (ROLE_PREFILL, ROLE_DECODE)) or any(p.group for p in pods):
+        pods, deps, events = _run_groups(clients, dd, obj["metadata"].get("uid", ""), pods, deps, applied)
     obs = statuses.Observed(pods=pods, deployments={role: view for role, view in deps})
     if applied:
         obs.applied_generation, obs.apply_error = applied
@@ -465,7 +483,8 @@ def refresh(clients: children.Clients, namespace: str, name: str, pods: list[sta
     previous = obj.get("status") or {}
     if state.written and state.written[0] == version:
         previous = state.written[1]   # the watch has not brought our last write back yet
-    status, events = statuses.compute(dd, obj["metadata"]["generation"], previous, obs, render.endpoint(dd))
+    status, status_events = statuses.compute(dd, obj["metadata"]["generation"], previous, obs, render.endpoint(dd))
+    events += status_events
     if statuses.changed(previous, status):
         # server-side apply of the operator's own fields only: conditions are a map keyed by type, so
         # the planner's PlannerActive (its own apply) can never be overwritten by a stale read here
@@ -495,6 +514,28 @@ def refresh(clients: children.Clients, namespace: str, name: str, pods: list[sta
     return settled, events
 
 
+def _run_groups(clients: children.Clients, dd: DisaggDeployment, uid: str, pods: list[statuses.PodView],
+                deps: list[tuple[str, statuses.DeploymentView]], applied: tuple[int, str | None] | None,
+                ) -> tuple[list[statuses.PodView], list[tuple[str, statuses.DeploymentView]], list[tuple[str, str, str]]]:
+    """Run the multi-pod roles' groups (operator/groups.py) once the children they need (the ranks Service,
+    the gang) are applied for this generation; then what the status sees: each group as one replica (its
+    leader, as the router sees it) and each multi-pod role as if a Deployment ran it."""
+    revision = render.kv_revision(dd)
+    serving = [p for p in pods if not p.headless]
+    generation = groups.live_generation(dd, pods, deps)
+    gang = gangs.render(dd.metadata.name, dd.spec)
+    events: list[tuple[str, str, str]] = []
+    if uid and applied and applied[1] is None and applied[0] >= (dd.metadata.model_extra or {}).get("generation", 0):
+        outcome = groups.run(clients, dd, uid, pods, gang, generation, revisions.hold(serving, revision))
+        events = outcome.events
+        for role, n in outcome.restarts.items():
+            metrics.group_restarts.labels(dd.metadata.namespace, dd.metadata.name, role).inc(n)
+    views = [(role, groups.deployment_view(dd, role, pods, revision, generation,
+                                           gang.name if gang.objects else None))
+             for role in (ROLE_PREFILL, ROLE_DECODE) if render.multi_pod(dd, role)]
+    return serving, [*[d for d in deps if not render.multi_pod(dd, d[0])], *views], events
+
+
 def _observe_gang_wait(previous: dict[str, Any], status: dict[str, Any]) -> None:
     """A gang just placed: how long it waited (since GangScheduled last turned False)."""
     before = {c["type"]: c for c in previous.get("conditions") or []}.get("GangScheduled")
@@ -506,9 +547,16 @@ def _observe_gang_wait(previous: dict[str, Any], status: dict[str, Any]) -> None
 def _capacity(fleet: Fleet, dd: DisaggDeployment) -> tuple[bool, str]:
     spec = dd.spec
     gang = spec.scheduling.gang
-    roles = [capacity.RoleNeed(role, minimum, part.gpus(), dict(part.node_selector), tuple(part.tolerations))
-             for role, minimum, part in ((ROLE_PREFILL, gang.min_prefill, spec.prefill),
-                                         (ROLE_DECODE, gang.min_decode, spec.decode))]
+    # a replica of several pods needs all of them placed: counted in pods, each with its own GPUs
+    roles = []
+    for role, minimum, part in ((ROLE_PREFILL, gang.min_prefill, spec.prefill), (ROLE_DECODE, gang.min_decode,
+                                                                                  spec.decode)):
+        pods = part.pods_per_replica
+        if pods > 1:   # operator/gang.py: such a role always joins, at one replica or more
+            minimum = max(minimum, 1)
+            role = f"{role} ({minimum} replica{'s' if minimum > 1 else ''} of {pods} pods)"
+        roles.append(capacity.RoleNeed(role, minimum * pods, part.gpus(), dict(part.node_selector),
+                                       tuple(part.tolerations)))
     topo = spec.scheduling.topology
     key = topo.key if topo and topo.mode == "required" else None
     fits, message = fleet.explain(roles, key)

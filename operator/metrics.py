@@ -20,6 +20,9 @@ child_writes = Counter(m.OPERATOR_CHILD_WRITES.removesuffix("_total"), "Server-s
 drift_reverts = Counter(m.OPERATOR_DRIFT_REVERTS.removesuffix("_total"),
                         "Child objects whose spec someone else changed, restored to the rendered spec.",
                         ["kind", "manager"])
+group_restarts = Counter(m.OPERATOR_GROUP_RESTARTS.removesuffix("_total"),
+                         "Multi-pod replicas recreated as a whole after one of their pods failed or went.",
+                         ["namespace", "deployment", "role"])
 status_writes = Counter(m.OPERATOR_STATUS_WRITES.removesuffix("_total"), "Status subresource writes.")
 gang_wait = Histogram(m.OPERATOR_GANG_WAIT_SECONDS, "From the first pod of a gang to the whole minimum set bound.",
                       buckets=(1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600))

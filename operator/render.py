@@ -15,6 +15,9 @@ from disagg.api import contract, parallelism
 from disagg.api.names import (
     DISK_OFFLOAD_PATH,
     LABEL_DEPLOYMENT,
+    LABEL_GROUP,
+    LABEL_GROUP_POD,
+    LABEL_HEADLESS,
     LABEL_MANAGED_BY,
     LABEL_ROLE,
     MANAGED_BY,
@@ -25,7 +28,10 @@ from disagg.api.names import (
     ROUTER_API_KEYS_FILE,
     ROUTER_AUTH_DIR,
     child_name,
+    group_name,
+    group_pod_name,
     model_claim,
+    ranks_service,
 )
 from disagg.api.v1alpha1 import (
     API_VERSION,
@@ -105,24 +111,39 @@ def _meta(dd: DisaggDeployment, uid: str, name: str, role: str | None = None) ->
     return {"name": name, "namespace": dd.metadata.namespace, "labels": labels, "ownerReferences": [_owner(dd, uid)]}
 
 
+def multi_pod(dd: DisaggDeployment, role: str) -> bool:
+    """Whether a role's replicas span several pods (groups, operator/groups.py) instead of one Deployment."""
+    return getattr(dd.spec, role).pods_per_replica > 1
+
+
 def unrendered_layout(dd: DisaggDeployment) -> str | None:
-    """Why this operator cannot render the deployment's workers yet, or None. Replicas of several pods
-    (podsPerReplica > 1) are accepted by the API (issue: replicas larger than one node) but their
-    leader/worker groups are not rendered yet: rendering them as one-pod replicas would start engines that
-    wait forever for ranks that never come, so the operator applies nothing and says so instead."""
+    """Why this operator cannot render the deployment's workers, or None. Replicas of several pods are
+    gangs of their own, which the workload API's nested groups express (operator/gang.py); the
+    scheduler-plugins and Volcano PodGroups this operator renders have no per-replica level, so rather than
+    start replicas that could be half placed (an engine waiting forever for ranks that never come), it
+    applies nothing and says so."""
     wide = [f"{role}.podsPerReplica is {getattr(dd.spec, role).pods_per_replica}"
-            for role in (ROLE_PREFILL, ROLE_DECODE) if getattr(dd.spec, role).pods_per_replica > 1]
-    if not wide:
+            for role in (ROLE_PREFILL, ROLE_DECODE) if multi_pod(dd, role)]
+    backend = dd.spec.scheduling.gang.backend
+    if not wide or backend in (GangBackend.WORKLOAD_API, GangBackend.NONE):
         return None
-    return (f"{' and '.join(wide)}: replicas spanning several pods are not rendered by this operator version yet; "
-            "nothing was applied (one-pod replicas, with tensor, pipeline or expert parallel inside the pod, are)")
+    return (f"{' and '.join(wide)} with scheduling.gang.backend {backend}: replicas spanning several pods "
+            "need the workload-api backend (each replica its own gang) or none; nothing was applied")
 
 
-def worker_args(dd: DisaggDeployment, role: str) -> list[str]:
+def leader_address(dd: DisaggDeployment, role: str, replica: int) -> str:
+    """How a multi-pod replica's pods name its leader: host name under the role's ranks Service, relative to
+    the namespace (the pods' DNS search path completes it; the cluster domain is not assumed)."""
+    return f"{group_pod_name(dd.metadata.name, role, replica, 0)}.{ranks_service(dd.metadata.name, role)}"
+
+
+def worker_args(dd: DisaggDeployment, role: str, rank: tuple[int, int] | None = None) -> list[str]:
     """The worker entrypoint's argument list: settings as flags, then the engine's
     own arguments after `--`, each passed literally (no shell ever sees them).
     Block size, context length and drain are set explicitly, from the same source
-    as the router's (``disagg.api.contract``), never left to vLLM's defaults."""
+    as the router's (``disagg.api.contract``), never left to vLLM's defaults.
+    ``rank``: (replica, pod index) of a pod of a multi-pod replica, whose flags place it in its group
+    (``disagg.api.parallelism.rank_flags``); the pods other than the leader serve no metrics."""
     spec = dd.spec
     role_spec: RoleSpec = getattr(spec, role)
     max_len = contract.max_model_len(spec.engine.args)
@@ -153,6 +174,12 @@ def worker_args(dd: DisaggDeployment, role: str) -> list[str]:
         args += ["--revision", spec.model.revision]
     if spec.model.tokenizer:
         args += ["--tokenizer", spec.model.tokenizer]
+    if rank is not None:
+        replica, index = rank
+        inside += parallelism.rank_flags(parallelism.layout(role_spec), index, leader_address(dd, role, replica))
+        if index > 0:
+            i = args.index("--metrics-port")
+            del args[i:i + 2]
     return args + ["--", *inside, *spec.engine.args, *role_spec.extra_args]
 
 
@@ -264,10 +291,13 @@ def revision_generation(dd: DisaggDeployment, live: tuple[str | None, int | None
     return int((dd.metadata.model_extra or {}).get("generation") or 0)
 
 
-def worker_deployment(dd: DisaggDeployment, uid: str, role: str, gang: gangs.Gang,
-                      generation: int | None = None, hold: bool = False) -> dict[str, Any]:
+def worker_pod_template(dd: DisaggDeployment, role: str, gang: gangs.Gang, generation: int | None = None,
+                        rank: tuple[int, int] | None = None) -> dict[str, Any]:
+    """A worker pod's metadata and spec: of every pod of a one-pod role's Deployment, or (``rank``:
+    (replica, pod index)) of one pod of a multi-pod replica (operator/groups.py), whose leader (index 0)
+    serves as a one-pod worker does and whose other pods run the engine's ranks headless: no API, so no
+    probes on it (the leader's readiness is the replica's, as it is only ready once every rank joined)."""
     role_spec: RoleSpec = getattr(dd.spec, role)
-    name = names(dd.metadata.name)[role]
     pod_fields = gang.pod_fields.get(role, {"labels": {}, "annotations": {}, "spec": {}})
     revision = kv_revision(dd)
     if generation is None:
@@ -289,7 +319,7 @@ def worker_deployment(dd: DisaggDeployment, uid: str, role: str, gang: gangs.Gan
         "image": dd.spec.engine.image,
         "imagePullPolicy": dd.spec.engine.image_pull_policy,
         "command": ["python", "-m", "disagg.workers"],
-        "args": worker_args(dd, role),
+        "args": worker_args(dd, role, rank),
         "env": env,
         "ports": [{"name": "http", "containerPort": HTTP_PORT},
                   {"name": contract.WORKER_METRICS_PORT_NAME, "containerPort": contract.WORKER_METRICS_PORT},
@@ -341,9 +371,69 @@ def worker_deployment(dd: DisaggDeployment, uid: str, role: str, gang: gangs.Gan
     template_meta: dict[str, Any] = {"labels": labels}
     if pod_fields["annotations"]:
         template_meta["annotations"] = dict(pod_fields["annotations"])
+    if rank is not None:
+        _as_group_pod(dd, role, rank, gang, template_meta, pod_spec)
+    return {"metadata": template_meta, "spec": pod_spec}
+
+
+def _as_group_pod(dd: DisaggDeployment, role: str, rank: tuple[int, int], gang: gangs.Gang,
+                  meta: dict[str, Any], pod_spec: dict[str, Any]) -> None:
+    """Turn a worker pod template into pod ``rank`` of a multi-pod replica (operator/groups.py says why each)."""
+    replica, index = rank
+    name = dd.metadata.name
+    group = group_name(name, role, replica)
+    pods = getattr(dd.spec, role).pods_per_replica
+    meta["labels"] |= {LABEL_GROUP: group, LABEL_GROUP_POD: str(index)}
+    container = pod_spec["containers"][0]
+    # LeaderWorkerSet's variables, under our prefix: what a user's own engine arguments may refer to
+    container["env"] += [{"name": "DISAGG_GROUP", "value": group},
+                         {"name": "DISAGG_GROUP_SIZE", "value": str(pods)},
+                         {"name": "DISAGG_GROUP_INDEX", "value": str(index)},
+                         {"name": "DISAGG_LEADER_ADDRESS", "value": leader_address(dd, role, replica)}]
+    if not any(e["name"] == "VLLM_HOST_IP" for e in container["env"]):
+        # the address vLLM binds its cross-pod sockets to and tells its peers: the pod's (its own guess
+        # asks a route to a public address, which a cluster without egress does not have)
+        container["env"].append({"name": "VLLM_HOST_IP", "value": "$(POD_IP)"})
+    # a host name under the ranks Service: how the other pods find the leader (workers/leader.py waits for it)
+    pod_spec["hostname"] = group_pod_name(name, role, replica, index)
+    pod_spec["subdomain"] = ranks_service(name, role)
+    # a torch.distributed group cannot be rejoined: a pod whose engine exits fails, and the operator
+    # recreates its whole replica (a container restarted in place would wait for peers that moved on)
+    pod_spec["restartPolicy"] = "Never"
+    group_pg = gangs.replica_pod_group(gang, role, group)
+    if group_pg is not None:
+        pod_spec["schedulingGroup"] = {"podGroupName": replica_pod_group_name(gang, group)}
+    if index > 0:
+        meta["labels"][LABEL_HEADLESS] = "true"
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            container.pop(probe, None)
+        container["ports"] = []
+        # the leader drains first: this pod's ranks stay until the leader's engine has finished its
+        # requests, then go (its grace period bounds the wait)
+        container["lifecycle"] = {"preStop": {"exec": {"command": [
+            "python", "-m", "disagg.workers.leader", "wait-gone", leader_address(dd, role, replica),
+            str(HTTP_PORT)]}}}
+    topo = dd.spec.scheduling.topology
+    if topo and not (topo.mode == TopologyMode.REQUIRED and group_pg is not None):
+        # where the scheduler's constraint is not used: the replica's pods near each other
+        term = {"labelSelector": {"matchLabels": {LABEL_GROUP: group}}, "topologyKey": topo.key}
+        affinity = ({"requiredDuringSchedulingIgnoredDuringExecution": [term]} if topo.mode == TopologyMode.REQUIRED
+                    else {"preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 100, "podAffinityTerm": term}]})
+        pod_spec["affinity"] = {"podAffinity": affinity}
+
+
+def replica_pod_group_name(gang: gangs.Gang, group: str) -> str:
+    """A replica's PodGroup: its group's name and the gang's hash (a new gang shape, new groups)."""
+    return f"{group}-{gang.name.rpartition('-')[2]}"
+
+
+def worker_deployment(dd: DisaggDeployment, uid: str, role: str, gang: gangs.Gang,
+                      generation: int | None = None, hold: bool = False) -> dict[str, Any]:
+    role_spec: RoleSpec = getattr(dd.spec, role)
+    template = worker_pod_template(dd, role, gang, generation)
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",
-        "metadata": _meta(dd, uid, name, role),
+        "metadata": _meta(dd, uid, names(dd.metadata.name)[role], role),
         "spec": {
             "replicas": role_spec.replicas,
             "selector": {"matchLabels": selector(dd.metadata.name, role)},
@@ -357,7 +447,7 @@ def worker_deployment(dd: DisaggDeployment, uid: str, role: str, gang: gangs.Gan
             "minReadySeconds": contract.ROLLOUT_HOLD_SECONDS if hold else 0,
             # the API requires the progress deadline above minReadySeconds (600: Kubernetes' default)
             "progressDeadlineSeconds": 600 + (contract.ROLLOUT_HOLD_SECONDS if hold else 0),
-            "template": {"metadata": template_meta, "spec": pod_spec},
+            "template": template,
         },
     }
 
@@ -485,6 +575,15 @@ def services(dd: DisaggDeployment, uid: str) -> list[dict[str, Any]]:
                                {"name": "kv-replay", "port": contract.KV_REPLAY_PORT,
                                 "targetPort": "kv-replay"}]},
         })
+        if multi_pod(dd, role):
+            # host names for a multi-pod replica's pods, published before they are ready: the leader
+            # is ready only after its other pods found it by that name
+            out.append({
+                "apiVersion": "v1", "kind": "Service",
+                "metadata": _meta(dd, uid, ranks_service(dd.metadata.name, role), role),
+                "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
+                         "selector": selector(dd.metadata.name, role)},
+            })
     return out
 
 
@@ -559,8 +658,10 @@ def children(dd: DisaggDeployment, uid: str, generation: int | None = None,
     out += services(dd, uid)
     if network_policy_enabled():
         out.append(network_policy(dd, uid))
-    out += [worker_deployment(dd, uid, ROLE_PREFILL, gang, generation, hold),
-            worker_deployment(dd, uid, ROLE_DECODE, gang, generation, hold), router_deployment(dd, uid)]
+    # a role of multi-pod replicas has no Deployment: the status loop runs its groups (operator/groups.py)
+    out += [worker_deployment(dd, uid, role, gang, generation, hold) for role in (ROLE_PREFILL, ROLE_DECODE)
+            if not multi_pod(dd, role)]
+    out.append(router_deployment(dd, uid))
     for obj in out:
         digest = hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
         obj["metadata"].setdefault("annotations", {})[HASH_ANNOTATION] = digest

@@ -36,6 +36,11 @@ class PodView:
     created: str = ""
     gang: str | None = None
     revision: str | None = None   # its KV revision (contract.KV_REVISION_LABEL)
+    generation: str | None = None  # that revision's generation (contract.KV_REVISION_GENERATION_LABEL)
+    group: str | None = None      # its replica's group, on a pod of a multi-pod replica (operator/groups.py)
+    group_pod: int | None = None  # its index there (0 = the leader)
+    headless: bool = False        # a group's pod other than the leader: no API, not a replica of its own
+    failure: str | None = None    # why its container ended, when it did (a group pod is never restarted)
 
 
 @dataclass

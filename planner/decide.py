@@ -130,6 +130,10 @@ class Target:
     percentile: float = 90.0
     prefill_tp: int = 1
     decode_tp: int = 1
+    # GPUs one replica holds (pods x GPUs per pod: disagg.api.parallelism), when not its tensor parallel
+    # size alone (pipeline, data parallel, replicas across pods); 0: the tensor parallel size
+    prefill_gpus: int = 0
+    decode_gpus: int = 0
     prefill_min: int = 1
     decode_min: int = 1
     prefill_max: int = MAX_REPLICAS
@@ -152,6 +156,7 @@ class Target:
             prefill=spec.prefill.replicas, decode=spec.decode.replicas,
             ttft_target=slo.ttft_ms / 1000.0, itl_target=slo.itl_ms / 1000.0, percentile=slo.percentile,
             prefill_tp=spec.prefill.tensor_parallel_size, decode_tp=spec.decode.tensor_parallel_size,
+            prefill_gpus=spec.prefill.layout().gpus_per_replica, decode_gpus=spec.decode.layout().gpus_per_replica,
             prefill_min=max(1, gang.min_prefill, spec.prefill.min_replicas or 0),
             decode_min=max(1, gang.min_decode, spec.decode.min_replicas or 0),
             prefill_max=spec.prefill.max_replicas or MAX_REPLICAS,
@@ -169,8 +174,14 @@ class Target:
     def floor_decode(self) -> int:
         return max(1, self.decode_min)
 
+    @property
+    def replica_gpus(self) -> tuple[int, int]:
+        """GPUs of one prefill and one decode replica: what the budget counts and scaling adds or frees."""
+        return self.prefill_gpus or self.prefill_tp, self.decode_gpus or self.decode_tp
+
     def gpus(self, prefill: int, decode: int) -> int:
-        return prefill * self.prefill_tp + decode * self.decode_tp
+        gp, gd = self.replica_gpus
+        return prefill * gp + decode * gd
 
 
 @dataclass(frozen=True)
@@ -312,12 +323,13 @@ def fit_budget(prefill: int, decode: int, target: Target) -> tuple[int, int, boo
         return prefill, decode, False
     fp, fd = min(target.floor_prefill, prefill), min(target.floor_decode, decode)
     avail = max(budget - target.gpus(fp, fd), 0)
-    extra_p, extra_d = (prefill - fp) * target.prefill_tp, (decode - fd) * target.decode_tp
+    gp, gd = target.replica_gpus
+    extra_p, extra_d = (prefill - fp) * gp, (decode - fd) * gd
     if extra_p + extra_d == 0:
         return fp, fd, True
     f = avail / (extra_p + extra_d)
-    p = fp + int(extra_p * f // target.prefill_tp)
-    d = fd + int(extra_d * f // target.decode_tp)
+    p = fp + int(extra_p * f // gp)
+    d = fd + int(extra_d * f // gd)
     # hand out what rounding left, to the role furthest below its ask
     while True:
         options = []

@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from disagg.api import contract
 from disagg.api.contract import KV_REVISION_GENERATION_LABEL, KV_REVISION_LABEL
 from disagg.api.kube import KUBE_REQUEST_TIMEOUT
-from disagg.api.names import LABEL_DEPLOYMENT, LABEL_ROLE, ROLE_DECODE, ROLE_PREFILL, child_name
+from disagg.api.names import LABEL_DEPLOYMENT, LABEL_HEADLESS, LABEL_ROLE, ROLE_DECODE, ROLE_PREFILL, child_name
 
 from .config import WorkerEndpoint
 
@@ -113,8 +113,10 @@ class EndpointSliceDiscovery:
                              "give it (--deployment)")
         self.deployment = deployment
         # this deployment's workers only: a namespace may hold many deployments (and other tenants' pods)
+        # and of a replica that spans pods, its leader only: the others serve no API (an endpoint without a
+        # pod here is left out, endpoints_from_slices)
         self.pod_selector = (f"{LABEL_DEPLOYMENT}={deployment},{LABEL_ROLE} in ({ROLE_PREFILL},{ROLE_DECODE}),"
-                             f"{KV_REVISION_LABEL}")
+                             f"{KV_REVISION_LABEL},!{LABEL_HEADLESS}")
         self._role_of = {svc: role for role, svc in services.items()}
         self.slice_selector = f"{SERVICE_NAME_LABEL} in ({','.join(sorted(self._role_of))})"
 

@@ -507,3 +507,86 @@ def test_scale_down_with_streams_in_flight_fails_nothing(api, agg):
     # the survivor serves new requests
     assert _unary(url, PROMPT + " after", 8)
 
+
+
+# ---------------------------------------------------------------- replicas larger than one pod
+WIDE = "tiny-wide"
+
+
+@pytest.fixture(scope="module")
+def wide(api, serving_ns, images, pd, agg):
+    """A prefill replica of two pods (tensor parallel 2 across them: the leader serves, the other pod runs
+    its rank headless) and one decode pod at TP 1. After the other deployments are gone: three CPU vLLM
+    processes at a time on this machine. Returns (dd, url, seconds from apply to the first token)."""
+    _delete(api, agg[0])
+    _delete(api, pd[0])
+    start = time.monotonic()
+    dd = DD(api, NS, realnode.deployment(WIDE, serving_ns, images["worker-cpu"], prefill_layout={
+        "podsPerReplica": 2, "parallelism": {"tensor": 2}}))
+    try:
+        dd.wait_phase("Ready", timeout=900)
+        realnode.wait_serving(api, NS, WIDE)
+    except AssertionError as e:
+        raise AssertionError(realnode.pod_logs(api, RELEASE_NS, "") + "\n" + realnode.pod_logs(api, NS, "")) from e
+    url = realnode.router_url(api, NS, WIDE)
+    _unary(url, PROMPT + " first", 1)
+    first_token = time.monotonic() - start
+    print(f"\n[replicas larger than one node] kubectl apply -> first token of a two-pod TP2 prefill replica: "
+          f"{first_token:.0f} s")
+    yield dd, url, first_token
+    _delete(api, dd)
+
+
+def _group(dd: DD) -> list[client.V1Pod]:
+    from disagg.api.names import LABEL_GROUP_POD
+
+    return sorted(dd.pods("prefill"), key=lambda p: int(p.metadata.labels[LABEL_GROUP_POD]))
+
+
+def test_a_two_pod_prefill_replica_serves_with_nixl_from_both_ranks(api, wide):
+    import openai
+
+    from disagg.api.names import LABEL_GROUP, LABEL_HEADLESS
+
+    dd, url, _ = wide
+    leader, rank = _group(dd)
+    assert leader.metadata.labels[LABEL_GROUP] == rank.metadata.labels[LABEL_GROUP] == f"{WIDE}-prefill-0"
+    assert rank.metadata.labels[LABEL_HEADLESS] == "true" and rank.spec.hostname == f"{WIDE}-prefill-0-1"
+    decode = dd.pods("decode")[0]
+    before = metric_sum(scrape(_pod_url(decode, contract.WORKER_METRICS_PORT)), m.VLLM_NIXL_BYTES_TRANSFERRED + "_sum")
+    oa = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=300)
+    raw = oa.completions.with_raw_response.create(model=realnode.SERVED_MODEL, prompt=PROMPT + "wide",
+                                                  max_tokens=8, temperature=0)
+    assert raw.headers.get("x-disagg-path") == m.PATH_REMOTE_PREFILL
+    assert raw.parse().choices[0].text
+    moved = wait_for(lambda: (v := metric_sum(scrape(_pod_url(decode, contract.WORKER_METRICS_PORT)),
+                                              m.VLLM_NIXL_BYTES_TRANSFERRED + "_sum")) > before and v, 60,
+                     "NIXL bytes counted on the decode pod")
+    assert moved > before
+    # one engine of two ranks, one in each pod: the headless pod's log shows its rank of a world of 2
+    log = client.CoreV1Api(api).read_namespaced_pod_log(rank.metadata.name, NS)
+    assert "world_size=2" in log or "world size 2" in log, log[-3000:]
+    # the router sees the replica once, by its leader
+    assert realnode.metric(realnode.router_metrics_urls(api, NS, WIDE)[0], m.ROUTER_WORKERS, role="prefill",
+                           state="healthy") == 1
+
+
+def test_deleting_a_pod_of_the_replica_restarts_it_whole_and_it_serves_again(api, wide, real):
+    dd, url, _ = wide
+    core = client.CoreV1Api(api)
+    leader, rank = _group(dd)
+    core.delete_namespaced_pod(rank.metadata.name, NS)
+    event = wait_for(lambda: [e for e in core.list_namespaced_event(
+        NS, field_selector=f"involvedObject.name={WIDE}").items if e.reason == "GroupRestarted"], 120,
+        "a GroupRestarted event")[0]
+    assert rank.metadata.name in event.message and "restarts as a whole" in event.message, event.message
+    # a new group of both pods, in a free slot, serving through the router again
+    wait_for(lambda: (g := _group(dd)) and len(g) == 2 and leader.metadata.name not in {p.metadata.name for p in g},
+             300, "a new group")
+    dd.wait_phase("Ready", timeout=900)
+    realnode.wait_serving(api, NS, WIDE)
+    assert _unary(url, PROMPT + " again", 8)
+    operator = realnode.ready_pods(api, RELEASE_NS, "app.kubernetes.io/component=operator")[0]
+    port = next(p.container_port for c in operator.spec.containers for p in c.ports or [] if p.name == "metrics")
+    assert realnode.metric(_pod_url(operator, port), m.OPERATOR_GROUP_RESTARTS, namespace=NS, deployment=WIDE,
+                           role="prefill") == 1

@@ -1,7 +1,8 @@
-"""Parallel layouts as the operator renders them today: a one-pod replica carries its pipeline (and
-data-with-expert) parallel inside its pod, with GPUs and KV revision to match; a replica of several pods,
-which the API accepts but this operator does not render yet, applies nothing and says so in status and an
-event, never a one-pod imitation whose engines would wait for ranks that never come."""
+"""Parallel layouts as the operator renders them: a one-pod replica carries its pipeline (and
+data-with-expert) parallel inside its pod, with GPUs and KV revision to match; a replica of several pods
+with a gang backend that has no per-replica level (scheduler-plugins, Volcano) applies nothing and says so
+in status and an event, never replicas that could be half placed, whose engines would wait for ranks that
+never come (tests/test_operator_groups.py runs multi-pod replicas with the workload API)."""
 
 from __future__ import annotations
 
@@ -37,13 +38,14 @@ def test_a_one_pod_pipeline_replica_gets_its_flags_gpus_and_revision():
     assert render.unrendered_layout(pp) is None and render.unrendered_layout(plain) is None
 
 
-def test_a_multi_pod_replica_is_not_rendered_and_says_so(api_client, namespace, operator):
-    assert "prefill.podsPerReplica is 2" in render.unrendered_layout(
-        _dd(prefill={"replicas": 1, "podsPerReplica": 2, "parallelism": {"tensor": 2}}))
-    dd = DD(api_client, namespace, dd_manifest("wide", prefill={"replicas": 1, "podsPerReplica": 2,
-                                                                "parallelism": {"tensor": 2}}))
+def test_a_multi_pod_replica_without_a_replica_gang_is_not_rendered_and_says_so(api_client, namespace, operator):
+    volcano = {"gang": {"backend": "volcano", "minPrefill": 1, "minDecode": 1}}
+    wide = {"replicas": 1, "podsPerReplica": 2, "parallelism": {"tensor": 2}}
+    assert "prefill.podsPerReplica is 2" in render.unrendered_layout(_dd(prefill=wide, scheduling=volcano))
+    assert render.unrendered_layout(_dd(prefill=wide)) is None, "the workload API has a level per replica"
+    dd = DD(api_client, namespace, dd_manifest("wide", prefill=wide, scheduling=volcano))
     degraded = dd.wait_condition("Degraded", "True", "ApplyFailed")
-    assert "prefill.podsPerReplica is 2" in degraded["message"] and "not rendered" in degraded["message"]
+    assert "prefill.podsPerReplica is 2" in degraded["message"] and "workload-api" in degraded["message"]
     core = client.CoreV1Api(api_client)
     wait_for(lambda: any(e.reason == "LayoutNotRendered" and e.type == "Warning" for e in core.list_namespaced_event(
         namespace, field_selector="involvedObject.name=wide").items), 60, "a LayoutNotRendered event")

@@ -180,6 +180,21 @@ def test_target_from_the_api_spec():
     assert (default.startup, default.season) == (90, 0)
 
 
+def test_a_replica_spanning_pods_counts_every_gpu_of_its_pods_against_the_budget():
+    """A prefill replica of 2 pods x 8 GPUs (tensor 8 x pipeline 2) holds 16 GPUs, not its tensor size."""
+    spec = api.DisaggDeploymentSpec.model_validate({
+        "model": {"name": "m", "source": "hf://x/y"},
+        "prefill": {"replicas": 1, "podsPerReplica": 2, "parallelism": {"tensor": 8, "pipeline": 2}},
+        "decode": {"replicas": 1, "parallelism": {"tensor": 8}},
+        "scheduling": {"gang": {"minPrefill": 1, "minDecode": 1}},
+        "slo": {"ttftMs": 500, "itlMs": 40}, "planner": {"enabled": True, "gpuBudget": 40}})
+    t = dc.Target.from_spec(spec)
+    assert t.replica_gpus == (16, 8) and t.gpus(2, 1) == 40
+    # asked 3 + 2 (64 GPUs) under a budget of 40: one more 16-GPU prefill replica fits above the floors, and no
+    # decode beside it (counted by tensor size alone, 3 x 8 + 2 x 8 = 40 would have looked like it fit)
+    assert dc.fit_budget(3, 2, t) == (2, 1, True)
+
+
 def test_a_season_from_the_spec_lets_the_planner_see_a_burst_coming():
     """Four quiet intervals then a burst, every eight: after one cycle, the seasonal planner is ready
     for the burst before it arrives; the trend-only one is not."""

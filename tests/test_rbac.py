@@ -157,6 +157,14 @@ def operator_scenario(api_client, namespace: str) -> None:
         wait_for(lambda: gang_groups(api_client, namespace, backend), 60, f"{backend} PodGroups")
         other.patch_spec({"scheduling": {"gang": {"backend": "workload-api"}}})
         wait_for(lambda: not gang_groups(api_client, namespace, backend), 120, f"{backend} PodGroups deleted")
+    # a replica of two pods: the operator creates its pods itself, and recreates the replica as a whole
+    # once one of them is gone (deleting the other)
+    wide = DD(api_client, namespace, dd_manifest("wide", prefill={"replicas": 1, "podsPerReplica": 2,
+                                                                  "parallelism": {"tensor": 2}}))
+    wait_for(lambda: len(wide.pods("prefill")) == 2, 60, "the replica's two pods")
+    client.CoreV1Api(api_client).delete_namespaced_pod("wide-prefill-0-1", namespace, grace_period_seconds=0)
+    wait_for(lambda: {p.metadata.name for p in wide.pods("prefill")} == {"wide-prefill-1-0", "wide-prefill-1-1"},
+             120, "the replica recreated whole")
     # a gang that cannot be placed: the capacity view lists nodes and bound pods cluster-wide
     DD(api_client, namespace, dd_manifest("too-big", decode={"replicas": 1, "tensorParallelSize": 16,
                                                              "resources": {"limits": {"nvidia.com/gpu": 16}}})
@@ -237,6 +245,9 @@ def refusals(operator_api, namespace: str) -> dict[str, str]:
         "a Deployment with a host path": lambda: apps.create_namespaced_deployment(
             namespace, deployment("host", owned, {"automountServiceAccountToken": False,
                                                   "volumes": [{"name": "h", "hostPath": {"path": "/"}}]})),
+        "a Pod under another account": lambda: client.CoreV1Api(operator_api).create_namespaced_pod(namespace, {
+            "metadata": {"name": "borrowed", **owned},
+            "spec": {"serviceAccountName": "main-router", "containers": [{"name": "c", "image": "x"}]}}),
         "a RoleBinding to another account": lambda: rbac.create_namespaced_role_binding(namespace, {
             "metadata": {"name": "main-router-2", **owned},
             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "main-router"},

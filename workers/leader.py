@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+import sys
 import time
 from collections.abc import Callable
 
@@ -20,6 +21,9 @@ from .command import LEADER_ADDRESS_FLAGS
 # As long as a worker pod's startup probe lets it start (operator/render.py: 180 x 10 s): a leader that is
 # not there by then is a replica the operator recreates as a whole.
 LEADER_WAIT_SECONDS = 1800
+# How long a non-leader pod's preStop waits for its leader to go: the leader's whole drain (contract's
+# grace, its preStop sleep and vLLM's drain) fits in the pod's grace period, which bounds this anyway.
+LEADER_DRAIN_WAIT_SECONDS = 600
 
 
 def _is_ip(value: str) -> bool:
@@ -64,3 +68,34 @@ def resolve_leader_flags(engine_args: list[str], timeout: float,
         elif i + 1 < len(out):
             out[i + 1] = resolve(out[i + 1], timeout, log=log)
     return out
+
+
+def wait_gone(host: str, port: int, timeout: float, interval: float = 1.0) -> bool:
+    """Wait until the leader no longer takes connections on ``port`` (its engine drained and exited, or its
+    pod is gone and its name with it); True if it went within ``timeout``. A non-leader pod's preStop runs
+    this: its ranks must outlive the leader's drain, as the leader's engine computes with them."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=min(interval * 2, 5)):
+                pass
+        except OSError:
+            return True
+        time.sleep(interval)
+    return False
+
+
+def main(argv: list[str]) -> int:
+    """``wait-gone HOST PORT [TIMEOUT]``: the preStop of a replica's non-leader pods (operator/render.py).
+    Always exits 0: the kubelet stops the pod after the hook either way, the grace period bounds it."""
+    if len(argv) < 3 or argv[0] != "wait-gone":
+        print("usage: python -m disagg.workers.leader wait-gone HOST PORT [TIMEOUT]", file=sys.stderr)
+        return 2
+    timeout = float(argv[3]) if len(argv) > 3 else LEADER_DRAIN_WAIT_SECONDS
+    gone = wait_gone(argv[1], int(argv[2]), timeout)
+    print(f"leader {argv[1]}:{argv[2]} {'gone' if gone else f'still serving after {timeout:.0f} s'}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

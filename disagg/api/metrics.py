@@ -112,6 +112,8 @@ OPERATOR_RECONCILES = "disagg_operator_reconciles_total"            # counter; l
 OPERATOR_GANG_WAIT_SECONDS = "disagg_operator_gang_wait_seconds"    # histogram: first gang pod created -> gang placed
 OPERATOR_CHILD_WRITES = "disagg_operator_child_writes_total"        # counter; labels: kind
 OPERATOR_DRIFT_REVERTS = "disagg_operator_drift_reverts_total"      # counter; labels: kind, manager (who changed it)
+# counter; labels: namespace, deployment, role. A multi-pod replica recreated as a whole (operator/groups.py)
+OPERATOR_GROUP_RESTARTS = "disagg_operator_group_restarts_total"
 OPERATOR_STATUS_WRITES = "disagg_operator_status_writes_total"      # counter
 OPERATOR_DEPLOYMENTS = "disagg_operator_deployments"                # gauge; labels: phase
 OPERATOR_CONDITION = "disagg_operator_condition"                    # gauge 0/1; labels: namespace, deployment, type, reason

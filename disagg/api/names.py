@@ -29,6 +29,12 @@ LABEL_DEPLOYMENT = f"{GROUP}/deployment"
 LABEL_ROLE = f"{GROUP}/role"
 LABEL_GANG = f"{GROUP}/gang"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+# On the pods of a replica that spans several pods (operator/groups.py): the group (group_name), the pod's
+# index in it (0 = the leader), and, on every pod but the leader, LABEL_HEADLESS: such a pod serves no API,
+# so the router's discovery leaves it out even though the role Service selects it.
+LABEL_GROUP = f"{GROUP}/group"
+LABEL_GROUP_POD = f"{GROUP}/group-pod"
+LABEL_HEADLESS = f"{GROUP}/headless"
 MANAGED_BY = "disagg-operator"
 
 ROLE_PREFILL = "prefill"
@@ -86,6 +92,18 @@ def group_name(name: str, role: str, replica: int) -> str:
 def group_pod_name(name: str, role: str, replica: int, pod: int) -> str:
     """The name (and hostname) of pod ``pod`` of a multi-pod replica; pod 0 is the leader."""
     return f"{group_name(name, role, replica)}-{pod}"
+
+
+def ranks_service(name: str, role: str) -> str:
+    """The headless Service under which a multi-pod replica's pods have host names (their ``subdomain``):
+    it publishes pods that are not ready, since a leader is only ready once its other pods have joined."""
+    return child_name(name, f"{role}-ranks")
+
+
+def group_index(group: str) -> int | None:
+    """The replica index at the end of a group's name (:func:`group_name`), or None."""
+    tail = group.rpartition("-")[2]
+    return int(tail) if tail.isdigit() else None
 
 
 def child_name(name: str, suffix: str) -> str:

@@ -61,10 +61,12 @@
   resources: [podgroups]
   verbs: [get, list, create, patch, delete]
 {{- end }}
-# Its children's pods: placement and faults in status (watch), which gang they belong to (list).
+# Its children's pods: placement and faults in status (watch), which gang they belong to (list); the pods
+# of replicas that span several pods it runs itself (create, delete: operator/groups.py), which the
+# chart's operator-writes admission policy holds to what it renders.
 - apiGroups: [""]
   resources: [pods]
-  verbs: [list, watch]
+  verbs: [list, watch, create, delete]
 # Events for every decision.
 - apiGroups: [""]
   resources: [events]
