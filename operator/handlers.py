@@ -533,7 +533,8 @@ def _run_groups(clients: children.Clients, dd: DisaggDeployment, uid: str, pods:
     views = [(role, groups.deployment_view(dd, role, pods, revision, generation,
                                            gang.name if gang.objects else None))
              for role in (ROLE_PREFILL, ROLE_DECODE) if render.multi_pod(dd, role)]
-    return serving, [*[d for d in deps if not render.multi_pod(dd, d[0])], *views], events
+    kept = [d for d in deps if d[0] not in (ROLE_PREFILL, ROLE_DECODE) or not render.multi_pod(dd, d[0])]
+    return serving, [*kept, *views], events
 
 
 def _observe_gang_wait(previous: dict[str, Any], status: dict[str, Any]) -> None:
