@@ -165,7 +165,7 @@ def test_a_two_worker_prefill_hands_kv_to_a_one_process_decode(prefill_tp2, refe
         assert metric_sum(served, m.VLLM_NIXL_FAILED_TRANSFERS + "_total") == 0
         # each rank registered its own KV shard with NIXL, in its own process
         assert NIXL_REGISTERED in _log(leader) and NIXL_REGISTERED in _log(rank)
-        assert "remote_tp=2" in _log(decode), "the decode planned its reads for a prefill of two ranks"
+        assert "local_tp=1, remote_tp=2" in _log(decode), "the decode planned its reads for a prefill of two ranks"
         assert rank.proc.poll() is None and leader.proc.poll() is None
     finally:
         stop_all([front, decode])

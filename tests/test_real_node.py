@@ -274,6 +274,7 @@ def enforcer(real_cluster):
         yield e
     finally:
         e.stop()
+    assert not netpol.own_chains() and not netpol.own_ipsets(), "the enforcer's rules outlived it"
 
 
 def test_the_operators_network_policy_holds_against_real_traffic(real_cluster, core, ns, enforcer):

@@ -18,7 +18,7 @@ import urllib.request
 from pathlib import Path
 
 from .controlplane import HERE, SERVICE_CIDR, LocalCluster, free_port
-from .node import NODE_NAME
+from .node import NODE_NAME, remove_iptables_chains
 
 COMPONENT = "kube-router"
 
@@ -31,11 +31,26 @@ def netpol_binaries() -> Path:
 
 # The ipsets kube-router's firewall names (a policy's pod selectors and namespaces, its own local IPs).
 IPSET_PREFIXES = ("KUBE-SRC-", "KUBE-DST-", "KUBE-ROUTER-", "kube-router-")
+# Its iptables chains: the base ones and one per policy and per pod.
+IPTABLES_PREFIXES = ("KUBE-ROUTER-", "KUBE-NWPLCY-", "KUBE-POD-FW-")
 
 
 def own_ipsets() -> list[str]:
     out = subprocess.run(["ipset", "list", "-n"], capture_output=True, text=True, check=False).stdout
     return [n for n in out.split() if n.startswith(IPSET_PREFIXES)]
+
+
+def own_chains() -> list[str]:
+    """Its iptables-nft chains left on the machine, as ``family table chain``."""
+    import json
+
+    out = []
+    for family in ("ip", "ip6"):
+        listing = subprocess.run(["nft", "-j", "list", "chains", family], capture_output=True, text=True, check=False)
+        if listing.returncode == 0:
+            out += [f"{family} {c['chain']['table']} {c['chain']['name']}" for c in json.loads(listing.stdout)["nftables"]
+                    if "chain" in c and c["chain"]["name"].startswith(IPTABLES_PREFIXES)]
+    return out
 
 
 def destroy_own_ipsets(timeout: float = 60) -> None:
@@ -86,7 +101,10 @@ class NetworkPolicyEnforcer:
         """Stop it and remove every rule and set it made (pods are then unfiltered again)."""
         self.cluster.stop_component(COMPONENT)
         subprocess.run([str(self.bin), "--cleanup-config"], capture_output=True, text=True, check=False)
-        # --cleanup-config (v2.1.0) removes its chains but leaves the policies' ipsets
+        # --cleanup-config (v2.1.0) leaves its base chains, the jumps to them and the policies' ipsets
+        # (seen after a run: KUBE-ROUTER-INPUT/FORWARD/OUTPUT, KUBE-NWPLCY-DEFAULT): removed here, chains
+        # first, as a set stays in use while a rule names it
+        remove_iptables_chains(IPTABLES_PREFIXES)
         destroy_own_ipsets()
 
     def tail(self, lines: int = 40) -> str:

@@ -535,6 +535,14 @@ def _remove_kubelet_iptables_chains(tables_before: list[str]) -> None:
     """Where an iptables binary exists, the kubelet adds its KUBE-* chains (firewall, canaries) to the
     iptables-nft tables and never removes them. Delete those chains and the jumps to them, and a table that
     did not exist before the node started and is left holding only empty base chains."""
+    remove_iptables_chains(("KUBE-",), tables_before)
+
+
+def remove_iptables_chains(prefixes: tuple[str, ...], tables_before: list[str] | None = None) -> None:
+    """Delete the iptables-nft chains whose names start with one of ``prefixes``, and every jump to them;
+    with ``tables_before`` (``family name`` of the tables there before), also a table not among them that is
+    left holding only empty base chains."""
+    target = "|".join(re.escape(p) for p in prefixes)
     for family in ("ip", "ip6"):
         for table in ("filter", "mangle", "nat"):
             listing = _run("nft", "-j", "list", "table", family, table, check=False)
@@ -542,13 +550,15 @@ def _remove_kubelet_iptables_chains(tables_before: list[str]) -> None:
                 continue
             items = json.loads(listing.stdout)["nftables"]
             for rule in (i["rule"] for i in items if "rule" in i):
-                if re.search(r'"(jump|goto)": \{"target": "KUBE-', json.dumps(rule.get("expr", []))):
+                if re.search(rf'"(jump|goto)": \{{"target": "({target})', json.dumps(rule.get("expr", []))):
                     _run("nft", "delete", "rule", family, table, rule["chain"], "handle", str(rule["handle"]))
             chains = [i["chain"] for i in items if "chain" in i]
-            for chain in (c for c in chains if c["name"].startswith("KUBE-")):
+            for chain in (c for c in chains if c["name"].startswith(prefixes)):
                 _run("nft", "flush", "chain", family, table, chain["name"])
-            for chain in (c for c in chains if c["name"].startswith("KUBE-")):
+            for chain in (c for c in chains if c["name"].startswith(prefixes)):
                 _run("nft", "delete", "chain", family, table, chain["name"])
+            if tables_before is None:
+                continue
             rest = json.loads(_run("nft", "-j", "list", "table", family, table).stdout)["nftables"]
             if f"{family} {table}" not in tables_before and not any("rule" in i for i in rest) and all(
                     "hook" in i["chain"] for i in rest if "chain" in i):
