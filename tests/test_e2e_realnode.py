@@ -514,12 +514,13 @@ WIDE = "tiny-wide"
 
 
 @pytest.fixture(scope="module")
-def wide(api, serving_ns, images, pd, agg):
+def wide(api, serving_ns, images):
     """A prefill replica of two pods (tensor parallel 2 across them: the leader serves, the other pod runs
-    its rank headless) and one decode pod at TP 1. After the other deployments are gone: three CPU vLLM
-    processes at a time on this machine. Returns (dd, url, seconds from apply to the first token)."""
-    _delete(api, agg[0])
-    _delete(api, pd[0])
+    its rank headless) and one decode pod at TP 1. After the other deployments are gone (the tests above
+    are done with them): three CPU vLLM processes at a time on this machine. Returns (dd, url, seconds
+    from apply to the first token)."""
+    for other in (AGG, PD):
+        _delete(api, DD(api, NS, other))
     start = time.monotonic()
     dd = DD(api, NS, realnode.deployment(WIDE, serving_ns, images["worker-cpu"], prefill_layout={
         "podsPerReplica": 2, "parallelism": {"tensor": 2}}))
@@ -553,16 +554,24 @@ def test_a_two_pod_prefill_replica_serves_with_nixl_from_both_ranks(api, wide):
     assert leader.metadata.labels[LABEL_GROUP] == rank.metadata.labels[LABEL_GROUP] == f"{WIDE}-prefill-0"
     assert rank.metadata.labels[LABEL_HEADLESS] == "true" and rank.spec.hostname == f"{WIDE}-prefill-0-1"
     decode = dd.pods("decode")[0]
-    before = metric_sum(scrape(_pod_url(decode, contract.WORKER_METRICS_PORT)), m.VLLM_NIXL_BYTES_TRANSFERRED + "_sum")
+    decode_metrics = _pod_url(decode, contract.WORKER_METRICS_PORT)
+    before = metric_sum(scrape(decode_metrics), m.VLLM_NIXL_BYTES_TRANSFERRED + "_sum")
+    reads = metric_sum(scrape(decode_metrics), m.VLLM_NIXL_BYTES_TRANSFERRED + "_count")
     oa = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=300)
     raw = oa.completions.with_raw_response.create(model=realnode.SERVED_MODEL, prompt=PROMPT + "wide",
                                                   max_tokens=8, temperature=0)
-    assert raw.headers.get("x-disagg-path") == m.PATH_REMOTE_PREFILL
+    assert raw.headers.get("x-disagg-path") == m.PATH_REMOTE_PREFILL, realnode.pod_logs(
+        api, NS, f"{LABEL_DEPLOYMENT}={WIDE}", lines=40)
     assert raw.parse().choices[0].text
     moved = wait_for(lambda: (v := metric_sum(scrape(_pod_url(decode, contract.WORKER_METRICS_PORT)),
                                               m.VLLM_NIXL_BYTES_TRANSFERRED + "_sum")) > before and v, 60,
                      "NIXL bytes counted on the decode pod")
     assert moved > before
+    # the decode (TP 1) read the KV of both prefill ranks, each from its own pod's memory: two reads for the
+    # request (vLLM splits the tiny model's 2 KV heads one per rank; a one-rank prefill would make one)
+    assert wait_for(lambda: metric_sum(scrape(decode_metrics), m.VLLM_NIXL_BYTES_TRANSFERRED + "_count") - reads >= 2,
+                    60, "a NIXL read per prefill rank") and metric_sum(
+        scrape(decode_metrics), m.VLLM_NIXL_BYTES_TRANSFERRED + "_count") - reads == 2
     # one engine of two ranks, one in each pod: the headless pod's log shows its rank of a world of 2
     log = client.CoreV1Api(api).read_namespaced_pod_log(rank.metadata.name, NS)
     assert "world_size=2" in log or "world size 2" in log, log[-3000:]

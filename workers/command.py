@@ -137,6 +137,10 @@ def build(s: WorkerSettings, python: str = "python") -> Command:
         # list ("0,1") or "auto", and "auto" reserves cores a small pod does not have.
         env["VLLM_CPU_OMP_THREADS_BIND"] = s.cpu_cores or allowed_cores()
         env["VLLM_CPU_CI_ENV"] = "1"       # skip graph compilation at start-up
+        # and none later either: with tensor parallel, vLLM's vocabulary-parallel embedding is a
+        # torch.compile'd function that inductor builds with a C++ compiler at the first request, and the
+        # CPU worker image has none (an engine across two pods died on it); eager is what --enforce-eager asks
+        env["TORCHDYNAMO_DISABLE"] = "1"
         env.setdefault("UCX_TLS", CPU_UCX_TLS)
     # what the engines' sitecustomize (engine_site/) applies; the folder goes on PYTHONPATH when any is on
     site = {}
