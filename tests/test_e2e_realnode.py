@@ -599,3 +599,55 @@ def test_deleting_a_pod_of_the_replica_restarts_it_whole_and_it_serves_again(api
     port = next(p.container_port for c in operator.spec.containers for p in c.ports or [] if p.name == "metrics")
     assert realnode.metric(_pod_url(operator, port), m.OPERATOR_GROUP_RESTARTS, namespace=NS, deployment=WIDE,
                            role="prefill") == 1
+
+
+def test_a_rollout_replaces_the_replica_whole_and_the_new_one_serves(api, wide):
+    """A new KV revision (engine arguments changed, same behaviour): a new group comes up beside the old
+    one, the old goes once the new serves, and the new leader hands KV to the new decode, one NIXL read
+    per rank. (Pipeline parallel across the two pods would be the layout to roll to, but vLLM 0.32's CPU
+    engine with pipeline parallel 2 dies at its first request: KeyError in the scheduler's
+    update_from_output with the pipeline's batch queue, seen on this node; README says so.)"""
+    from disagg.api.names import LABEL_GROUP
+
+    dd, url, _ = wide
+    old = {p.metadata.labels[LABEL_GROUP] for p in _group(dd)}
+    dd.patch_spec({"engine": {"args": [*realnode.ENGINE_ARGS, "--kv-cache-dtype", "auto"]}})
+
+    def rolled():
+        pods = _group(dd)
+        return (len(pods) == 2 and not {p.metadata.labels[LABEL_GROUP] for p in pods} & old
+                and dd.status().get("phase") == "Ready" and pods)
+    try:
+        pods = wait_for(rolled, 900, "the prefill replica replaced by one of the new revision")
+    except AssertionError as e:
+        raise AssertionError(realnode.pod_logs(api, NS, f"{LABEL_DEPLOYMENT}={WIDE}", lines=40)) from e
+    assert GROUP_DELETED in {e.reason for e in client.CoreV1Api(api).list_namespaced_event(
+        NS, field_selector=f"involvedObject.name={WIDE}").items}
+    realnode.wait_serving(api, NS, WIDE)
+    decode = dd.pods("decode")[0]
+    decode_metrics = _pod_url(decode, contract.WORKER_METRICS_PORT)
+    reads = metric_sum(scrape(decode_metrics), m.VLLM_NIXL_BYTES_TRANSFERRED + "_count")
+    # the old pair drains for a while after it left (its preStop), and the router may still send it a
+    # request in that window: ask until the new replica's leader has served one
+    leader = _pod_url(pods[0])
+    attempt = iter(range(1000))
+    headers, text = wait_for(lambda: (r := _routed(url, f"{PROMPT} rolled {next(attempt)}"))[0].get(
+        "x-disagg-prefill") == leader and r, 180, "a request served by the new replica")
+    assert headers.get("x-disagg-path") == m.PATH_REMOTE_PREFILL and text, realnode.pod_logs(
+        api, NS, f"{LABEL_DEPLOYMENT}={WIDE}", lines=40)
+    assert headers["x-disagg-decode"] == _pod_url(decode), headers
+    wait_for(lambda: metric_sum(scrape(decode_metrics), m.VLLM_NIXL_BYTES_TRANSFERRED + "_count") - reads >= 2, 60,
+             "a NIXL read per rank of the new replica")
+
+
+GROUP_DELETED = "GroupDeleted"
+
+
+def _routed(url: str, prompt: str) -> tuple[dict[str, str], str]:
+    """The router's x-disagg-* headers (the path, the workers) and the text of one completion."""
+    import openai
+
+    oa = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=300)
+    raw = oa.completions.with_raw_response.create(model=realnode.SERVED_MODEL, prompt=prompt, max_tokens=8,
+                                                  temperature=0)
+    return {k: v for k, v in raw.headers.items() if k.startswith("x-disagg-")}, raw.parse().choices[0].text
