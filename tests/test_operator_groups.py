@@ -13,8 +13,12 @@ groups (operator/gang.py).
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
+import pytest
+import yaml
 from kubernetes import client, watch
+from kubernetes.client.exceptions import ApiException
 
 from disagg.api import contract
 from disagg.api.names import LABEL_GROUP, LABEL_GROUP_POD, LABEL_HEADLESS
@@ -23,6 +27,7 @@ from disagg.e2e.testing import DD, dd_manifest, wait_for
 from disagg.operator import metrics as operator_metrics
 
 GPUS_PER_NODE = 8
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 def _wide(name: str, pods: int, replicas: int = 1) -> dict:
@@ -147,3 +152,57 @@ def test_a_rollout_keeps_a_whole_ready_replica(api_client, namespace, operator):
     assert any(rev != old_revision and ok for _, rev, ok in seen), "the new leader was seen ready"
     assert len(new) == 1 and len(next(iter(new.values()))) == 2
     assert _events(core, namespace, "roll", "GroupDeleted"), "the old replica's removal is evented"
+
+
+@pytest.fixture(scope="module")
+def nvl72_fleet(cluster, api_client):
+    """The GPU racks of e2e/clusters/nvl72.yaml (18 nodes x 4 GPUs per NVLink domain, tainted: no other
+    test's pods land there) added to the test cluster, removed afterwards."""
+    core = client.CoreV1Api(api_client)
+    pools = nodepools.load(nodepools.CLUSTERS / "nvl72.yaml")
+    pools.pools = [p for p in pools.pools if p.gpus]
+    nodes = nodepools.nodes(pools, first_address=8192)
+    for node in nodes:
+        try:
+            core.create_node(node)
+        except ApiException as e:
+            if e.status != 409:
+                raise
+    names = [n["metadata"]["name"] for n in nodes]
+
+    def ready(name):  # Ready, and the node lifecycle controller's start-up taints gone
+        node = core.read_node(name)
+        return any(c.type == "Ready" and c.status == "True" for c in node.status.conditions or []) \
+            and not any(t.key.startswith("node.kubernetes.io/") for t in node.spec.taints or [])
+    wait_for(lambda: all(ready(n) for n in names), 90, "the NVL72 racks' nodes Ready")
+    yield names
+    for name in names:
+        core.delete_node(name)
+
+
+@pytest.mark.parametrize("example", ["deepseek-wide-ep.yaml", "llama-405b-pp.yaml"])
+def test_the_multi_node_examples_place_every_replica_inside_one_domain(example, api_client, namespace, operator,
+                                                                       nvl72_fleet):
+    """The wide expert-parallel MoE example on the NVL72 racks, the dense pipeline-parallel one on the default
+    H100 pool: every replica of every role bound, each inside one NVLink domain, with its GPUs."""
+    core = client.CoreV1Api(api_client)
+    manifest = yaml.safe_load((EXAMPLES / example).read_text())
+    dd = DD(api_client, namespace, manifest)
+    spec = manifest["spec"]
+
+    def placed():
+        s = dd.status()
+        return all((s.get(r) or {}).get("ready") == spec[r]["replicas"] for r in ("prefill", "decode")) and s
+    wait_for(placed, 180, f"every replica of {dd.name} placed and ready (status: {dd.status()})")
+    nodes = {n.metadata.name: n for n in core.list_node().items}
+    for role in ("prefill", "decode"):
+        groups: dict[str, list] = {}
+        for p in dd.pods(role):
+            groups.setdefault(p.metadata.labels[LABEL_GROUP], []).append(p)
+        assert len(groups) == spec[role]["replicas"]
+        for group, pods in groups.items():
+            assert len(pods) == spec[role]["podsPerReplica"], group
+            domains = {nodes[p.spec.node_name].metadata.labels[nodepools.CLIQUE_LABEL] for p in pods}
+            assert len(domains) == 1, f"{group} spans {domains}"
+            gpus = {p.spec.containers[0].resources.limits["nvidia.com/gpu"] for p in pods}
+            assert gpus == {str(spec[role]["resources"]["limits"]["nvidia.com/gpu"])}
