@@ -468,9 +468,13 @@ def refresh(clients: children.Clients, namespace: str, name: str, pods: list[sta
             return True, []
         state.parsed = (version, dd)
     events: list[tuple[str, str, str]] = []
+    restarts: dict[str, int] = {}
+    scheduled = {r: sum(1 for p in pods if p.group and p.role == r and p.node and not p.terminating)
+                 for r in (ROLE_PREFILL, ROLE_DECODE)}
     if any(render.multi_pod(dd, r) for r in (ROLE_PREFILL, ROLE_DECODE)) or any(p.group for p in pods):
-        pods, deps, events = _run_groups(clients, dd, obj["metadata"].get("uid", ""), pods, deps, applied)
-    obs = statuses.Observed(pods=pods, deployments={role: view for role, view in deps})
+        pods, deps, events, restarts = _run_groups(clients, dd, obj["metadata"].get("uid", ""), pods, deps, applied)
+    obs = statuses.Observed(pods=pods, deployments={role: view for role, view in deps},
+                            group_pods_scheduled=scheduled, group_restarts=restarts)
     if applied:
         obs.applied_generation, obs.apply_error = applied
     gang = dd.spec.scheduling.gang
@@ -516,7 +520,8 @@ def refresh(clients: children.Clients, namespace: str, name: str, pods: list[sta
 
 def _run_groups(clients: children.Clients, dd: DisaggDeployment, uid: str, pods: list[statuses.PodView],
                 deps: list[tuple[str, statuses.DeploymentView]], applied: tuple[int, str | None] | None,
-                ) -> tuple[list[statuses.PodView], list[tuple[str, statuses.DeploymentView]], list[tuple[str, str, str]]]:
+                ) -> tuple[list[statuses.PodView], list[tuple[str, statuses.DeploymentView]], list[tuple[str, str, str]],
+                           dict[str, int]]:
     """Run the multi-pod roles' groups (operator/groups.py) once the children they need (the ranks Service,
     the gang) are applied for this generation; then what the status sees: each group as one replica (its
     leader, as the router sees it) and each multi-pod role as if a Deployment ran it."""
@@ -525,16 +530,17 @@ def _run_groups(clients: children.Clients, dd: DisaggDeployment, uid: str, pods:
     generation = groups.live_generation(dd, pods, deps)
     gang = gangs.render(dd.metadata.name, dd.spec)
     events: list[tuple[str, str, str]] = []
+    restarts: dict[str, int] = {}
     if uid and applied and applied[1] is None and applied[0] >= (dd.metadata.model_extra or {}).get("generation", 0):
         outcome = groups.run(clients, dd, uid, pods, gang, generation, revisions.hold(serving, revision))
-        events = outcome.events
+        events, restarts = outcome.events, outcome.restarts
         for role, n in outcome.restarts.items():
             metrics.group_restarts.labels(dd.metadata.namespace, dd.metadata.name, role).inc(n)
     views = [(role, groups.deployment_view(dd, role, pods, revision, generation,
                                            gang.name if gang.objects else None))
              for role in (ROLE_PREFILL, ROLE_DECODE) if render.multi_pod(dd, role)]
     kept = [d for d in deps if d[0] not in (ROLE_PREFILL, ROLE_DECODE) or not render.multi_pod(dd, d[0])]
-    return serving, [*kept, *views], events
+    return serving, [*kept, *views], events, restarts
 
 
 def _observe_gang_wait(previous: dict[str, Any], status: dict[str, Any]) -> None:

@@ -64,6 +64,9 @@ class Observed:
     gang_fits: bool | None = None       # capacity verdict, when computed
     blocked: tuple[str, str] | None = None  # (reason, message) that stops the rollout
     applied_generation: int | None = None   # last generation whose children were applied (None: unknown)
+    # roles of multi-pod replicas: pods of every rank bound, and groups restarted by this refresh
+    group_pods_scheduled: dict[str, int] = field(default_factory=dict)
+    group_restarts: dict[str, int] = field(default_factory=dict)
     apply_error: str | None = None          # why applying the current generation failed
 
 
@@ -113,6 +116,11 @@ def compute(dd: DisaggDeployment, generation: int, previous: dict[str, Any] | No
         updated = dep.updated if dep else 0
         roles[role] = {"desired": desired, "scheduled": sum(bool(p.node) for p in pods), "ready": ready,
                        "updated": min(updated, desired) if dep else 0, "summary": f"{ready}/{desired}"}
+        if role != ROLE_ROUTER and getattr(spec, role).pods_per_replica > 1:
+            before = (previous.get(role) or {}).get("groupRestarts") or 0
+            roles[role] |= {"podsPerReplica": getattr(spec, role).pods_per_replica,
+                            "podsScheduled": obs.group_pods_scheduled.get(role, 0),
+                            "groupRestarts": before + obs.group_restarts.get(role, 0)}
 
     faults = sorted((p.role, p.name, p.waiting_reason, p.waiting_message) for p in obs.pods
                     if p.waiting_reason in FAULTS and not p.terminating)

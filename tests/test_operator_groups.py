@@ -75,7 +75,9 @@ def test_a_replica_lands_in_one_domain_and_a_lost_pod_restarts_it_whole(api_clie
         assert len({nodes[p.spec.node_name][nodepools.CLIQUE_LABEL] for p in pods}) == 1, f"{group} in one domain"
         assert [p.metadata.labels.get(LABEL_HEADLESS) for p in sorted(
             pods, key=lambda p: p.metadata.labels[LABEL_GROUP_POD])] == [None, "true", "true", "true"]
-    assert dd.status()["prefill"]["desired"] == 2, "replicas, not pods"
+    prefill = dd.status()["prefill"]
+    assert (prefill["desired"], prefill["podsPerReplica"], prefill["podsScheduled"]) == (2, 4, 8), prefill
+    assert prefill.get("groupRestarts") == 0
 
     restarts = operator_metrics.group_restarts.labels(namespace, "grp", "prefill")
     before = restarts._value.get()
@@ -91,6 +93,7 @@ def test_a_replica_lands_in_one_domain_and_a_lost_pod_restarts_it_whole(api_clie
         return len(gs) == 2 and len(ready) == 2 and "grp-prefill-1" not in gs and gs
     wait_for(whole_again, 120, "two whole replicas again")
     dd.wait_phase("Ready", timeout=120)
+    wait_for(lambda: dd.status()["prefill"].get("groupRestarts") == 1, 30, "the restart counted in status")
 
 
 def test_a_rollout_keeps_a_whole_ready_replica(api_client, namespace, operator):

@@ -689,10 +689,17 @@ class Condition(_Model):
 
 class RoleStatus(_Model):
     desired: int = Field(0, ge=0, description="Replicas wanted now.")
-    scheduled: int = Field(0, ge=0, description="Pods bound to a node.")
-    ready: int = Field(0, ge=0, description="Pods ready to serve.")
-    updated: int = Field(0, ge=0, description="Pods running the current template.")
+    scheduled: int = Field(0, ge=0, description="Replicas bound to a node (a multi-pod replica by its leader).")
+    ready: int = Field(0, ge=0, description="Replicas ready to serve (a multi-pod replica by its leader, "
+                                            "which is ready once every rank joined).")
+    updated: int = Field(0, ge=0, description="Replicas running the current template.")
     summary: str = Field("0/0", max_length=32, description="ready/desired, for kubectl's columns.")
+    pods_per_replica: int | None = Field(None, ge=1, description="Pods of each replica, when it spans several.")
+    pods_scheduled: int | None = Field(None, ge=0, description="Pods of every replica bound to a node, when "
+                                                                "replicas span several pods.")
+    group_restarts: int | None = Field(None, ge=0, description="Multi-pod replicas recreated as a whole since this "
+                                                                "DisaggDeployment was created (one of their pods "
+                                                                "failed or went; events GroupRestarted say which).")
 
 
 class LatencyStatus(_Model):
