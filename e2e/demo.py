@@ -3,8 +3,9 @@
 Brings up the local control plane with its simulated GPU pools, installs the
 CRD, shows the API refusing bad specs with messages that name the field, runs
 the operator (in this process, under its least-privilege ServiceAccount),
-applies the deployments in examples/, waits for them to be Ready, and prints
-`kubectl get dd` and where every prefill/decode pod landed (NVLink domain, rack).
+applies the deployments in examples/ (NVL72-style racks from e2e/clusters/nvl72.yaml added for the
+wide expert-parallel one), waits for them to be Ready, and prints `kubectl get dd` and where every
+prefill/decode pod landed (NVLink domain, rack): every pod of a multi-pod replica in one domain.
 
 Then it serves for real: the project's images are built from the Dockerfile into the real node's image
 store (BuildKit; reused when nothing changed), and a DisaggDeployment of the tiny model (generated here)
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import yaml
 
+from disagg.api.names import LABEL_GROUP
 from disagg.operator.render import ROUTER_IMAGE_ENV
 
 from .localcluster import LocalCluster, nodepools
@@ -52,8 +54,13 @@ def run(cluster_name: str = "default") -> int:
     _show("GPU node pools (kubectl get nodes -L nvidia.com/gpu.clique,topology.kubernetes.io/zone)",
           cluster.kubectl("get", "nodes", "-L", "nvidia.com/gpu.clique,topology.kubernetes.io/zone").stdout)
 
+    from kubernetes import client, config
+
+    api = config.new_client_from_config(str(cluster.kubeconfig))
+    # the NVL72-style racks the wide expert-parallel example needs, beside the default pools
+    nodepools.add_gpu_pools(client.CoreV1Api(api), nodepools.CLUSTERS / "nvl72.yaml", first_address=8192)
     examples = sorted((REPO / "examples").glob("*.yaml"))
-    base = yaml.safe_load(examples[0].read_text())
+    base = yaml.safe_load((REPO / "examples" / "small.yaml").read_text())
     refusals = [
         ("tensorParallelSize 4 on a replica of 2 GPUs",
          {"tensorParallelSize": 4, "resources": {"limits": {"nvidia.com/gpu": 2}}}, "prefill"),
@@ -66,9 +73,6 @@ def run(cluster_name: str = "default") -> int:
         out = cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc), check=False)
         _show(f"refused at admission: {title}", out.stderr)
 
-    from kubernetes import client, config
-
-    api = config.new_client_from_config(str(cluster.kubeconfig))
     kubeconfig = operator_kubeconfig(cluster, api, cluster.dir / "operator.kubeconfig")
     print("\nstarting the operator (in this process, as ServiceAccount disagg-system/disagg-operator) ...")
     with running_operator(kubeconfig):
@@ -81,7 +85,7 @@ def run(cluster_name: str = "default") -> int:
             return {n: (custom.get_namespaced_custom_object("serving.disagg.dev", "v1alpha1", "default",
                                                             "disaggdeployments", n).get("status") or {}).get("phase")
                     for n in names}
-        wait_for(lambda: set(phases().values()) == {"Ready"}, 120, "the examples to be Ready")
+        wait_for(lambda: set(phases().values()) == {"Ready"}, 180, "the examples to be Ready")
         answer = _serve_for_real(cluster, api)
     _show("placement of prefill/decode pods (node, NVLink domain, rack)", _placement(api, "default")
           + "\n\n" + _placement(api, DEMO_NS))
@@ -135,13 +139,14 @@ def _placement(api, namespace: str) -> str:
 
     core = client.CoreV1Api(api)
     nodes = {n.metadata.name: n.metadata.labels for n in core.list_node().items}
-    rows = [("DEPLOYMENT", "ROLE", "POD", "NODE", "NVLINK DOMAIN", "RACK")]
+    rows = [("DEPLOYMENT", "ROLE", "REPLICA", "POD", "NODE", "NVLINK DOMAIN", "RACK")]
     for pod in sorted(core.list_namespaced_pod(namespace, label_selector="serving.disagg.dev/deployment").items,
                       key=lambda p: (p.metadata.labels["serving.disagg.dev/deployment"],
                                      p.metadata.labels.get("serving.disagg.dev/role", ""), p.metadata.name)):
         labels = nodes.get(pod.spec.node_name or "", {})
         rows.append((pod.metadata.labels["serving.disagg.dev/deployment"],
-                     pod.metadata.labels.get("serving.disagg.dev/role", ""), pod.metadata.name,
+                     pod.metadata.labels.get("serving.disagg.dev/role", ""),
+                     pod.metadata.labels.get(LABEL_GROUP, "-"), pod.metadata.name,
                      pod.spec.node_name or "<pending>", labels.get(nodepools.CLIQUE_LABEL, "-"),
                      labels.get(nodepools.RACK_LABEL, "-")))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 import yaml
 from kubernetes import client, watch
-from kubernetes.client.exceptions import ApiException
 
 from disagg.api import contract
 from disagg.api.names import LABEL_GROUP, LABEL_GROUP_POD, LABEL_HEADLESS
@@ -162,22 +161,7 @@ def nvl72_fleet(cluster, api_client):
     """The GPU racks of e2e/clusters/nvl72.yaml (18 nodes x 4 GPUs per NVLink domain, tainted: no other
     test's pods land there) added to the test cluster, removed afterwards."""
     core = client.CoreV1Api(api_client)
-    pools = nodepools.load(nodepools.CLUSTERS / "nvl72.yaml")
-    pools.pools = [p for p in pools.pools if p.gpus]
-    nodes = nodepools.nodes(pools, first_address=8192)
-    for node in nodes:
-        try:
-            core.create_node(node)
-        except ApiException as e:
-            if e.status != 409:
-                raise
-    names = [n["metadata"]["name"] for n in nodes]
-
-    def ready(name):  # Ready, and the node lifecycle controller's start-up taints gone
-        node = core.read_node(name)
-        return any(c.type == "Ready" and c.status == "True" for c in node.status.conditions or []) \
-            and not any(t.key.startswith("node.kubernetes.io/") for t in node.spec.taints or [])
-    wait_for(lambda: all(ready(n) for n in names), 90, "the NVL72 racks' nodes Ready")
+    names = nodepools.add_gpu_pools(core, nodepools.CLUSTERS / "nvl72.yaml", first_address=8192)
     yield names
     for name in names:
         core.delete_node(name)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 from kubernetes import client
-from kubernetes.client.exceptions import ApiException
 
 from disagg.e2e.localcluster import nodepools
 from disagg.e2e.testing import DD, dd_manifest, wait_for
@@ -23,22 +22,7 @@ def mixed_fleet(cluster, api_client):
     """The GPU pools of mixed.yaml added to the test cluster (tainted: no other test's pods land there),
     removed afterwards. Addresses start past the default pools' own."""
     core = client.CoreV1Api(api_client)
-    pools = nodepools.load(MIXED)
-    pools.pools = [p for p in pools.pools if p.gpus]
-    nodes = nodepools.nodes(pools, first_address=4096)
-    for node in nodes:
-        try:
-            core.create_node(node)
-        except ApiException as e:
-            if e.status != 409:
-                raise
-    names = [n["metadata"]["name"] for n in nodes]
-
-    def ready(name):  # Ready, and the node lifecycle controller's start-up taints gone
-        node = core.read_node(name)
-        return any(c.type == "Ready" and c.status == "True" for c in node.status.conditions or []) \
-            and not any(t.key.startswith("node.kubernetes.io/") for t in node.spec.taints or [])
-    wait_for(lambda: all(ready(n) for n in names), 60, "the mixed fleet's nodes Ready")
+    names = nodepools.add_gpu_pools(core, MIXED, first_address=4096, timeout=60)
     yield names
     for name in names:
         core.delete_node(name)

@@ -129,17 +129,41 @@ def real_node_labels(path: Path | None = None) -> dict[str, str]:
 
 def apply_node_pools(cluster: LocalCluster, path: Path | None = None) -> list[str]:
     from kubernetes import client, config
-    from kubernetes.client.exceptions import ApiException
 
     api = client.CoreV1Api(config.new_client_from_config(str(cluster.kubeconfig)))
-    names = []
-    for node in nodes(load(path)):
+    return _create_nodes(api, nodes(load(path)))
+
+
+def _create_nodes(core, manifests: list[dict[str, Any]]) -> list[str]:
+    """Create the nodes (one already there is kept); their names."""
+    from kubernetes.client.exceptions import ApiException
+
+    for node in manifests:
         try:
-            api.create_node(node)
+            core.create_node(node)
         except ApiException as e:
             if e.status != 409:
                 raise
-        names.append(node["metadata"]["name"])
+    return [n["metadata"]["name"] for n in manifests]
+
+
+def add_gpu_pools(core, path: Path, first_address: int, timeout: float = 90) -> list[str]:
+    """The GPU pools of another pool file added to a running cluster (``core``: a CoreV1Api), their node
+    addresses from ``first_address`` on (past the cluster's own); returns their names once every one is Ready
+    without the node lifecycle controller's start-up taints. Delete them with ``core.delete_node``."""
+    pools = load(path)
+    pools.pools = [p for p in pools.pools if p.gpus]
+    names = _create_nodes(core, nodes(pools, first_address=first_address))
+
+    def ready(name: str) -> bool:
+        node = core.read_node(name)
+        return any(c.type == "Ready" and c.status == "True" for c in node.status.conditions or []) \
+            and not any(t.key.startswith("node.kubernetes.io/") for t in node.spec.taints or [])
+    deadline = time.monotonic() + timeout
+    while not all(ready(n) for n in names):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the nodes of {path.name} not Ready within {timeout:.0f} s")
+        time.sleep(0.5)
     return names
 
 
