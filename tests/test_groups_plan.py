@@ -142,3 +142,31 @@ def test_plan_rolls_out_whole_groups_and_never_below_the_ready_count():
     regang = _group(0, gang="old") + _group(1)
     assert _plan(regang).create == [2], "a new gang shape is a new group"
     assert contract.KV_REVISION_LABEL  # the labels the plan reads are the contract's
+
+
+def test_a_non_leader_waits_for_its_leader_to_stop_serving():
+    """The preStop of a replica's non-leader pods (workers/leader.py wait-gone): it returns once the leader
+    takes no more connections, and gives up at its timeout while the leader still serves."""
+    import socket
+    import threading
+
+    from disagg.workers.leader import wait_gone
+
+    server = socket.create_server(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+    accepting = threading.Event()
+
+    def accept():
+        accepting.set()
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            conn.close()
+    threading.Thread(target=accept, daemon=True).start()
+    accepting.wait(5)
+    assert wait_gone("127.0.0.1", port, timeout=1.5, interval=0.2) is False, "the leader still serves"
+    server.close()
+    assert wait_gone("127.0.0.1", port, timeout=10, interval=0.2) is True
