@@ -41,6 +41,9 @@ def test_a_group_is_a_leader_and_headless_ranks_with_its_gpus_flags_and_names():
         assert c["resources"]["limits"][GPU_RESOURCE] == "2", "tensor 4 over 2 pods"
         assert pod["metadata"]["labels"][LABEL_GROUP] == "big-prefill-1"
         assert pod["metadata"]["labels"][LABEL_GROUP_POD] == str(index)
+        # what the plan reads to tell a current group from an old one
+        assert pod["metadata"]["labels"][contract.KV_REVISION_LABEL] == render.kv_revision(dd)
+        assert pod["metadata"]["labels"][contract.KV_REVISION_GENERATION_LABEL] == "3"
         engine = c["args"][c["args"].index("--") + 1:]
         assert engine[:8] == ["--distributed-executor-backend", "mp", "--nnodes", "2", "--node-rank", str(index),
                               "--master-addr", "big-prefill-1-0.big-prefill-ranks"]
@@ -141,7 +144,6 @@ def test_plan_rolls_out_whole_groups_and_never_below_the_ready_count():
     assert not _plan(one_new_ready, hold=True).remove, "no ready pair in the new revision yet: hold"
     regang = _group(0, gang="old") + _group(1)
     assert _plan(regang).create == [2], "a new gang shape is a new group"
-    assert contract.KV_REVISION_LABEL  # the labels the plan reads are the contract's
 
 
 def test_a_non_leader_waits_for_its_leader_to_stop_serving():
