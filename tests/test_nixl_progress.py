@@ -122,3 +122,50 @@ def test_without_the_settings_vllm_reserves_the_last_core(worker_python):
     how much a spinning process gets depends on the machine's load.)"""
     no_reservation, _, _ = _vllm_probe(worker_python, {})
     assert not no_reservation
+
+
+# Runs in the worker environment: a later pipeline stage's model runner as vLLM's eager CPU engine leaves
+# it (no warm-up run, so no activation buffer), asked for the activations of its first batch.
+PP_PROBE = r"""
+import types, torch
+from vllm.sequence import IntermediateTensors
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+class Model:
+    def make_empty_intermediate_tensors(self, batch_size, dtype, device):
+        return IntermediateTensors({"hidden_states": torch.zeros(batch_size, 4, dtype=dtype, device=device)})
+runner = object.__new__(CPUModelRunner)
+runner.intermediate_tensors, runner.model, runner.max_num_tokens = None, Model(), 64
+runner.model_config, runner.device = types.SimpleNamespace(dtype=torch.float32), torch.device("cpu")
+try:
+    got = runner.sync_and_gather_intermediate_tensors(5, None, False)
+    print("allocated", tuple(runner.intermediate_tensors["hidden_states"].shape), tuple(got["hidden_states"].shape))
+except AssertionError:
+    print("assertion")
+"""
+
+
+def _pp_probe(python: str, env: dict[str, str]) -> str:
+    keep = {k: v for k, v in os.environ.items() if k != "PYTHONPATH" and not k.startswith("DISAGG_")}
+    out = subprocess.run([python, "-B", "-P", "-c", PP_PROBE], env={**keep, **env}, capture_output=True, text=True,
+                         timeout=300, cwd="/")
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.strip().splitlines()[-1]
+
+
+def test_a_cpu_pipeline_stage_gets_its_activation_buffer_without_a_warm_up_run(worker_python):
+    """vLLM 0.32's eager CPU engine skips the warm-up run that allocates a later pipeline stage's activation
+    buffer, and the stage fails its first request (the engine died: KeyError in the scheduler); the
+    sitecustomize allocates it at first use, as that run would. Only engines with pipeline stages get it."""
+    env = build(WorkerSettings(role="prefill", model="/m", cpu=True,
+                               engine_args=["--pipeline-parallel-size", "2"])).env
+    assert env["DISAGG_VLLM_PP_BUFFERS"] == "1"
+    env = {k: v for k, v in env.items() if k == "PYTHONPATH" or k.startswith("DISAGG_")}
+    assert _pp_probe(worker_python, env) == "allocated (64, 4) (5, 4)"
+    # the control: vLLM's own behaviour
+    assert _pp_probe(worker_python, {}) == "assertion"
+    for args in ([], ["--tensor-parallel-size", "2"], ["--pipeline-parallel-size=1"]):
+        assert "DISAGG_VLLM_PP_BUFFERS" not in build(WorkerSettings(role="prefill", model="/m", cpu=True,
+                                                                    engine_args=args)).env, args
+    assert build(WorkerSettings(role="prefill", model="/m", cpu=True, engine_args=["-pp", "2"])).env[
+        "DISAGG_VLLM_PP_BUFFERS"] == "1"

@@ -44,6 +44,17 @@ LEADER_ADDRESS_FLAGS = ("--master-addr", "--data-parallel-address")
 ENGINE_SITE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "engine_site")
 
 
+def _pipeline_stages(args: list[str]) -> int:
+    """The pipeline parallel size vLLM would read from these arguments (either spelling, last one wins)."""
+    size = 1
+    for i, a in enumerate(args):
+        name, _, value = a.partition("=")
+        if name in ("--pipeline-parallel-size", "-pp"):
+            value = value or (args[i + 1] if i + 1 < len(args) else "1")
+            size = int(value) if value.isdigit() else size
+    return size
+
+
 @dataclass(frozen=True)
 class Command:
     argv: list[str]
@@ -156,6 +167,8 @@ def build(s: WorkerSettings, python: str = "python") -> Command:
         site["DISAGG_VLLM_SHM_WAIT_MS"] = str(wait)
     if s.kv_transfer and (s.cpu if s.nixl_keep_affinity is None else s.nixl_keep_affinity):
         site["DISAGG_NIXL_KEEP_AFFINITY"] = "1"
+    if s.cpu and _pipeline_stages(s.engine_args) > 1:   # a stage's buffer, which vLLM's eager CPU engine never allocates
+        site["DISAGG_VLLM_PP_BUFFERS"] = "1"
     if site:
         env |= site
         env["PYTHONPATH"] = os.pathsep.join([ENGINE_SITE_DIR, *filter(None, [os.environ.get("PYTHONPATH")])])

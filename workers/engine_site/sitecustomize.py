@@ -1,7 +1,7 @@
 """Loaded by every Python process of a vLLM engine this project starts (the supervisor puts this folder
 on the engine's PYTHONPATH): the API server, the engine core and its spawned workers.
 
-Three jobs, each done when the module it changes is imported (a meta-path hook, so a process that never
+Four jobs, each done when the module it changes is imported (a meta-path hook, so a process that never
 imports it pays nothing), each off unless its variable is set (workers/command.py sets them):
 
 1. NIXL's UCX progress thread busy-polls. nixl 1.5's Python agent hard-codes the thread's poll timeout
@@ -22,6 +22,12 @@ imports it pays nothing), each off unless its variable is set (workers/command.p
    ``sched_yield`` for 1 s after every read (``SpinCondition``), so each engine keeps one or two
    processes at 100% of a core through every stream and for a second after it. ``DISAGG_VLLM_SHM_WAIT_MS``
    (> 0): in that second the reader waits for the writer's notification for at most this long instead.
+4. Pipeline parallel on vLLM's eager CPU engine: a stage after the first receives its activations into a
+   buffer (``intermediate_tensors``) that only the start-up warm-up run allocates, and the CPU worker skips
+   that run in eager mode (``CPUModelRunner.warming_up_model`` returns at once without compilation), so
+   stage 2 failed its first request on an assertion and the engine died (a ``KeyError`` in the
+   scheduler). ``DISAGG_VLLM_PP_BUFFERS`` (1/true): the buffer is allocated at its first use, as the
+   warm-up run allocates it.
 """
 
 from __future__ import annotations
@@ -115,6 +121,31 @@ def patch_kv_core_reservation(module) -> bool:
     return True
 
 
+PP_BUFFERS_ENV = "DISAGG_VLLM_PP_BUFFERS"
+MODEL_RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
+
+
+def patch_pp_buffers(module) -> bool:
+    """``GPUModelRunner.sync_and_gather_intermediate_tensors`` (the CPU runner inherits it) allocates the
+    stage's activation buffer when no warm-up run did: the same call, sizes and dtype as its dummy run."""
+    cls = getattr(module, "GPUModelRunner", None)
+    gather = getattr(cls, "sync_and_gather_intermediate_tensors", None)
+    if gather is None:
+        return False
+    if getattr(gather, "_disagg", False):
+        return True
+
+    def allocating_gather(self, *args, **kwargs):
+        if getattr(self, "intermediate_tensors", None) is None:
+            self.intermediate_tensors = self.model.make_empty_intermediate_tensors(
+                batch_size=self.max_num_tokens, dtype=self.model_config.dtype, device=self.device)
+        return gather(self, *args, **kwargs)
+
+    allocating_gather._disagg = True
+    cls.sync_and_gather_intermediate_tensors = allocating_gather
+    return True
+
+
 def _warn_unless(patched: bool, what: str) -> None:
     if not patched:
         print(f"disagg: {what} left as vLLM has it (its code is not the one engine_site knows)", file=sys.stderr)
@@ -163,6 +194,8 @@ def install() -> None:
     if os.environ.get(KEEP_AFFINITY_ENV, "").lower() in ("1", "true", "yes"):
         patches[CPU_PLATFORM_MODULE] = lambda m: _warn_unless(patch_kv_core_reservation(m),
                                                               "NIXL's core reservation")
+    if os.environ.get(PP_BUFFERS_ENV, "").lower() in ("1", "true", "yes"):
+        patches[MODEL_RUNNER_MODULE] = lambda m: _warn_unless(patch_pp_buffers(m), "pipeline stages' buffers")
 
     def patch_for(name: str):
         if delay and name.startswith("nixl") and name.endswith("._bindings"):   # nixl's or nixl_cu12's
