@@ -167,10 +167,10 @@ def nvl72_fleet(cluster, api_client):
         core.delete_node(name)
 
 
-@pytest.mark.parametrize("example", ["deepseek-wide-ep.yaml", "llama-405b-pp.yaml"])
+@pytest.mark.parametrize("example", ["deepseek-wide-ep.yaml", "llama-405b-tp16.yaml"])
 def test_the_multi_node_examples_place_every_replica_inside_one_domain(example, api_client, namespace, operator,
                                                                        nvl72_fleet):
-    """The wide expert-parallel MoE example on the NVL72 racks, the dense pipeline-parallel one on the default
+    """The wide expert-parallel MoE example on the NVL72 racks, the dense tensor-parallel-across-pods one on the default
     H100 pool: every replica of every role bound, each inside one NVLink domain, with its GPUs."""
     core = client.CoreV1Api(api_client)
     manifest = yaml.safe_load((EXAMPLES / example).read_text())

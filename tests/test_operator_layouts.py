@@ -1,5 +1,5 @@
-"""Parallel layouts as the operator renders them: a one-pod replica carries its pipeline (and
-data-with-expert) parallel inside its pod, with GPUs and KV revision to match; a replica of several pods
+"""Parallel layouts as the operator renders them: a one-pod replica carries its data-with-expert
+parallel inside its pod (pipeline parallel is refused on both roles: disagg.api.parallelism.PIPELINE), with GPUs and KV revision to match; a replica of several pods
 with a gang backend that has no per-replica level (scheduler-plugins, Volcano) applies nothing and says so
 in status and an event, never replicas that could be half placed, whose engines would wait for ranks that
 never come (tests/test_operator_groups.py runs multi-pod replicas with the workload API)."""
@@ -26,16 +26,16 @@ def _worker(dd: DisaggDeployment, role: str) -> tuple[list[str], dict]:
     return c["args"], c["resources"]["limits"]
 
 
-def test_a_one_pod_pipeline_replica_gets_its_flags_gpus_and_revision():
-    plain, pp = _dd(), _dd(prefill={"replicas": 1, "parallelism": {"pipeline": 2, "tensor": 2}})
-    args, limits = _worker(pp, "prefill")
-    assert contract.flag_value(args, "--pipeline-parallel-size") == "2"
+def test_a_one_pod_expert_parallel_replica_gets_its_flags_gpus_and_revision():
+    plain, ep = _dd(), _dd(prefill={"replicas": 1, "parallelism": {"data": 2, "expert": True, "tensor": 2}})
+    args, limits = _worker(ep, "prefill")
+    assert contract.flag_value(args, "--data-parallel-size") == "2" and "--enable-expert-parallel" in args
     assert contract.flag_value(args, "--tensor-parallel-size") == "2"
-    assert limits[GPU_RESOURCE] == "4", "tensor 2 x pipeline 2 in one pod"
+    assert limits[GPU_RESOURCE] == "4", "tensor 2 x data 2 in one pod"
     plain_args, plain_limits = _worker(plain, "prefill")
-    assert contract.flag_value(plain_args, "--pipeline-parallel-size") is None and plain_limits[GPU_RESOURCE] == "1"
-    assert render.kv_revision(pp) != render.kv_revision(plain), "pipeline parallel splits KV differently"
-    assert render.unrendered_layout(pp) is None and render.unrendered_layout(plain) is None
+    assert contract.flag_value(plain_args, "--data-parallel-size") is None and plain_limits[GPU_RESOURCE] == "1"
+    assert render.kv_revision(ep) != render.kv_revision(plain), "expert parallel splits KV differently"
+    assert render.unrendered_layout(ep) is None and render.unrendered_layout(plain) is None
 
 
 def test_a_multi_pod_replica_without_a_replica_gang_is_not_rendered_and_says_so(api_client, namespace, operator):

@@ -162,7 +162,9 @@ REFUSED = [
      "resources.requests: nvidia.com/gpu must equal the GPUs of each pod of a replica"),
     ("one-pod-tp-gpus-wrong", "prefill", {"tensorParallelSize": 4, "resources": {"limits": {"nvidia.com/gpu": 2}}},
      "must equal the nvidia.com/gpu each replica requests in resources.limits"),
-    ("decode-pipeline", "decode", {"parallelism": {"pipeline": 2}, "podsPerReplica": 2}, par.DECODE_PIPELINE),
+    ("decode-pipeline", "decode", {"parallelism": {"pipeline": 2}, "podsPerReplica": 2}, par.PIPELINE),
+    ("prefill-pipeline", "prefill", {"parallelism": {"pipeline": 2}, "podsPerReplica": 2}, par.PIPELINE),
+    ("prefill-pipeline-in-one-pod", "prefill", {"parallelism": {"pipeline": 2, "tensor": 2}}, par.PIPELINE),
     ("group-names-too-long", "prefill", {"parallelism": {"tensor": 2}, "podsPerReplica": 2, "replicas": 1,
                                          "maxReplicas": MAX_GROUP_REPLICAS + 1},
      "maxReplicas may be at most 1000 when podsPerReplica is above 1"),
@@ -177,7 +179,7 @@ def test_models_refuse_naming_the_field(case, role_name, fields, message):
 
 
 def test_planner_budget_counts_every_pod_of_a_replica():
-    doc = spec_with("prefill", parallelism={"tensor": 4, "pipeline": 2}, podsPerReplica=2)
+    doc = spec_with("prefill", parallelism={"tensor": 8}, podsPerReplica=2)
     doc["spec"]["slo"] = {"ttftMs": 500, "itlMs": 50}
     doc["spec"]["planner"] = {"enabled": True, "gpuBudget": 9}  # 8 for one prefill replica, 1 for decode
     assert api.DisaggDeployment.model_validate(doc).spec.gang_min_gpus() == 9
@@ -194,7 +196,8 @@ def test_cel_and_models_share_their_messages():
                      par.DATA_LOCAL_MISMATCH):
         assert constant in messages
     spec_rules = api.DisaggDeploymentSpec.model_json_schema()["x-kubernetes-validations"]
-    assert par.DECODE_PIPELINE in {r["message"] for r in spec_rules}
+    assert [r["fieldPath"] for r in spec_rules if r["message"] == par.PIPELINE] == \
+        [".prefill.parallelism.pipeline", ".decode.parallelism.pipeline"]
 
 
 def test_longest_pod_name_is_a_dns_label():

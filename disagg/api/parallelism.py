@@ -53,8 +53,15 @@ PODS_DIVIDE_DATA = ("podsPerReplica must divide parallelism.data: every pod of a
                     "data-parallel ranks, parallelism.dataLocal of them")
 DATA_LOCAL_MISMATCH = ("parallelism.dataLocal must equal parallelism.data / podsPerReplica, the data-parallel "
                        "ranks each pod runs (1 without data parallel); leave it unset to have it derived")
-DECODE_PIPELINE = ("decode.parallelism.pipeline must be 1: vLLM's NIXL connector cannot receive KV cache into "
-                   "a decode engine with pipeline parallel (prefill may use it)")
+# vLLM 0.32, measured on its CPU build (tests/test_nixl_progress.py has the engine fix that got PP serving):
+# a decode (pipeline 1) refuses the KV of a pipeline-parallel prefill at the NIXL handshake ("Number of KV
+# layers must match between prefill and decode": each stage registers only its layers, and only the push
+# connector slices a remote's layers, which left every transfer waiting here), and a decode with pipeline
+# parallel is refused outright. A pipeline-parallel prefill would silently recompute every prompt on the
+# decode, so neither role may have one; a replica spans nodes with tensor (or data + expert) parallel.
+PIPELINE = ("parallelism.pipeline must be 1 on prefill and decode: vLLM's NIXL connector moves KV cache only "
+            "between engines that each hold every layer (a decode refuses a pipeline-parallel prefill's KV, and "
+            "cannot receive into pipeline stages); span nodes with parallelism.tensor instead")
 
 
 class _RoleLike(Protocol):

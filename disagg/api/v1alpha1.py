@@ -283,8 +283,9 @@ class ParallelismSpec(_Model):
     pipeline: int = Field(1, ge=1, le=par.MAX_PIPELINE,
                           description="Pipeline parallel size (vLLM --pipeline-parallel-size): the layers are cut "
                                       "into this many consecutive stages on different GPUs, typically one stage "
-                                      "per pod. Decode must keep 1: vLLM's NIXL connector cannot receive KV cache "
-                                      "into a pipeline-parallel engine.")
+                                      "per pod. Must be 1 on both roles while vLLM's NIXL connector moves KV only "
+                                      "between engines that each hold every layer (a decode refuses a "
+                                      "pipeline-parallel prefill's KV); span nodes with tensor parallel.")
     data: int = Field(1, ge=1, le=par.MAX_DATA,
                       description="Data-parallel engines in one replica (vLLM --data-parallel-size), each of "
                                   "tensor x pipeline GPUs, together holding one mixture-of-experts model's "
@@ -635,8 +636,8 @@ class DisaggDeploymentSpec(_Model):
             f"self.scheduling.gang.minPrefill * {_cel_world('self.prefill')} + "
             f"self.scheduling.gang.minDecode * {_cel_world('self.decode')}",
             "planner.gpuBudget is below the GPUs the gang minimum needs", field_path=".planner.gpuBudget"),
-        cel(f"{_cel_size('self.decode', 'pipeline')} == 1", par.DECODE_PIPELINE,
-            field_path=".decode.parallelism.pipeline"),
+        *(cel(f"{_cel_size(f'self.{role}', 'pipeline')} == 1", par.PIPELINE,
+              field_path=f".{role}.parallelism.pipeline") for role in ("prefill", "decode")),
     ))
 
     model: ModelSpec = Field(description="The model to serve.")
@@ -664,8 +665,9 @@ class DisaggDeploymentSpec(_Model):
             raise ValueError("planner.enabled needs slo targets (spec.slo)")
         if self.planner.gpu_budget is not None and self.planner.gpu_budget < self.gang_min_gpus():
             raise ValueError("planner.gpuBudget is below the GPUs the gang minimum needs")
-        if self.decode.parallelism.pipeline != 1:
-            raise ValueError(f"{par.DECODE_PIPELINE} (pipeline {self.decode.parallelism.pipeline})")
+        for role in ("prefill", "decode"):
+            if getattr(self, role).parallelism.pipeline != 1:
+                raise ValueError(f"{role}: {par.PIPELINE} (pipeline {getattr(self, role).parallelism.pipeline})")
         return self
 
     def gang_min_gpus(self) -> int:
