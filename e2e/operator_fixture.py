@@ -1,19 +1,27 @@
 """Run the operator in-process against the local cluster under its own
 least-privilege identity (operator/rbac.yaml), as the tests and the demo do; the planner's
-identity (its own ServiceAccount and role) likewise."""
+identity (its own ServiceAccount and role) likewise; or as the Helm chart's Deployment runs it
+(:func:`chart_operator`: its arguments and environment), as a process of its own."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
-from collections.abc import Iterator
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 from kubernetes import client
 
 from .localcluster import LocalCluster
+
+if TYPE_CHECKING:
+    from disagg.workers.local import LocalProcess
 
 RBAC = Path(__file__).resolve().parent.parent / "operator" / "rbac.yaml"
 NAMESPACE = "disagg-system"
@@ -100,3 +108,39 @@ def running_operator(kubeconfig: Path, namespaces: tuple[str, ...] = ()) -> Iter
             os.environ.pop("KUBECONFIG", None)
         else:
             os.environ["KUBECONFIG"] = old
+
+
+@contextlib.contextmanager
+def chart_operator(helm: Callable[..., subprocess.CompletedProcess], chart: Path, release: str, namespace: str,
+                   kubeconfig: Path, log_dir: Path) -> Iterator[LocalProcess]:
+    """The operator as the chart's Deployment runs it: ``python -m`` (the image's entrypoint) with the
+    operator container's arguments and environment from ``helm template`` (operator.enabled=true, the
+    default), as its own process, authenticated by ``kubeconfig`` instead of the pod's in-cluster
+    account. What a pod has that a process on this machine does not: its own network namespace. So
+    the metrics port is a free one, passed as the chart's own value (operator.metricsPort), and the
+    liveness address the chart fixes (0.0.0.0:8080) becomes a free loopback port; every other argument
+    and variable is the chart's. A variable the chart takes from elsewhere (valueFrom) is refused here,
+    so that a new one gets a deliberate local value rather than none."""
+    from disagg.workers.local import LocalProcess, free_port
+
+    metrics_port, live_port = free_port(), free_port()
+    out = helm("template", release, str(chart), "--namespace", namespace, "--set", "operator.enabled=true",
+               "--set", f"operator.metricsPort={metrics_port}")
+    (container,) = [c for d in yaml.safe_load_all(out.stdout) if d and d["kind"] == "Deployment"
+                    for c in d["spec"]["template"]["spec"]["containers"] if c["name"] == "operator"]
+    liveness = re.compile(r"^--liveness=http://0\.0\.0\.0:\d+/")
+    args = [liveness.sub(f"--liveness=http://127.0.0.1:{live_port}/", a) for a in container["args"]]
+    assert sum(bool(liveness.match(a)) for a in container["args"]) == 1, container["args"]
+    from_elsewhere = [e["name"] for e in container.get("env", []) if "value" not in e]
+    assert not from_elsewhere, f"chart variables without a value to run locally: {from_elsewhere}"
+    env = {e["name"]: e["value"] for e in container.get("env", [])}
+    assert env["DISAGG_OPERATOR_METRICS_PORT"] == str(metrics_port)
+    proc = LocalProcess("chart-operator", [sys.executable, "-m", *args], {**env, "KUBECONFIG": str(kubeconfig)},
+                        f"http://127.0.0.1:{live_port}", log_dir)
+    proc.metrics_port = metrics_port
+    try:
+        proc.start().wait_ready(timeout=120, path="/healthz")
+        yield proc
+    finally:
+        # the operator finishes posting queued events before it exits: as generous as running_operator's
+        proc.stop(grace=180)

@@ -1,14 +1,15 @@
 """End to end from `helm install` to `helm uninstall`, on the provider DISAGG_E2E_PROVIDER names
 (e2e/providers.py): `local` (default; the local control plane with kwok GPU pools, the chart installed
-with operator.enabled=false and the operator running from the source tree in this process under a token
-of the chart's own ServiceAccount) or `kind` (e2e/kind/: the chart's operator image in a kind cluster).
+with operator.enabled=false and the operator run from the source tree as the chart's Deployment runs it,
+`python -m` with that container's arguments and environment, under a token of the chart's own
+ServiceAccount) or `kind` (e2e/kind/: the chart's operator image in a kind cluster).
 
 The chart installs the CRD, ServiceAccount, RBAC, monitors (the minimal monitoring CRDs make the
 Prometheus Operator's API present) and dashboards; then every example is applied and checked for
 placement, gang, status and deletion (and no failed operator handler under the chart's role), one is
 scaled and rolled out, and `helm uninstall` removes everything the chart made but the CRD. On `local`, a
 second release with the operator enabled (its pod run by kwok) shows the operator Deployment becoming
-Available with the chart's security defaults, and a real Prometheus scrapes the in-process operator as
+Available with the chart's security defaults, and a real Prometheus scrapes the local operator as
 the chart's ServiceMonitor would, with the chart's rules: the overview dashboard's Operator row is
 queried on it and a gang that cannot be placed makes DisaggGangNotScheduled pending.
 
@@ -24,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import logging
 import math
 import re
 import time
@@ -99,20 +99,20 @@ def release(provider, kube, monitoring_api):
             suite.wait_crd_established(kube)
 
 
-class Operator(logging.Handler):
-    """The running operator; collects kopf's handler failures logged in this process."""
+class Operator:
+    """The running operator: on `local` its process (the chart's arguments and environment) and the
+    Prometheus scraping it."""
 
     def __init__(self):
-        super().__init__(logging.ERROR)
         self.stack = contextlib.ExitStack()
-        self.failures: list[str] = []
         self.started = time.time()
-        self.prometheus: LocalPrometheus | None = None   # scraping the in-process operator (local)
+        self.process = None                              # the chart's operator as a local process (local)
+        self.prometheus: LocalPrometheus | None = None   # scraping it (local)
 
-    def emit(self, record: logging.LogRecord) -> None:
-        message = record.getMessage()
-        if HANDLER_FAILED.search(message):
-            self.failures.append(message.splitlines()[0][:500])
+    def failures(self) -> list[str]:
+        """kopf's handler failures in the local operator's log."""
+        log = self.process.log_path.read_text(errors="replace")
+        return [line[:500] for line in log.splitlines() if HANDLER_FAILED.search(line)]
 
     def stop(self):
         self.stack.close()
@@ -120,21 +120,20 @@ class Operator(logging.Handler):
 
 @pytest.fixture(scope="module")
 def operator(provider, kube, release, tmp_path_factory):
-    """The operator serving the release: in this process under a token of the chart's ServiceAccount
-    (local), or the chart's own operator pod (kind)."""
+    """The operator serving the release: a local process run as the chart's Deployment runs it, under a
+    token of the chart's ServiceAccount (local), or the chart's own operator pod (kind)."""
     op = Operator()
     if provider.operator_in_process:
-        from disagg.e2e.operator_fixture import running_operator, token_kubeconfig
+        from disagg.e2e.operator_fixture import chart_operator, token_kubeconfig
 
         # the operator's (the planner's is <account>-planner)
         account, _ = suite.release_objects(kube, RELEASE, RELEASE_NS)["ServiceAccount"]
-        kubeconfig = token_kubeconfig(provider.kubeconfig, kube, RELEASE_NS, account,
-                                      tmp_path_factory.mktemp("e2e-operator") / "kubeconfig")
-        kopf_log = logging.getLogger("kopf")
-        kopf_log.addHandler(op)
-        op.stack.callback(kopf_log.removeHandler, op)
-        op.stack.enter_context(running_operator(kubeconfig))
-        op.prometheus = operator_prometheus(provider, tmp_path_factory.mktemp("e2e-prometheus"))
+        state = tmp_path_factory.mktemp("e2e-operator")
+        kubeconfig = token_kubeconfig(provider.kubeconfig, kube, RELEASE_NS, account, state / "kubeconfig")
+        op.process = op.stack.enter_context(chart_operator(provider.helm, CHART, RELEASE, RELEASE_NS, kubeconfig,
+                                                           state))
+        op.prometheus = operator_prometheus(provider, tmp_path_factory.mktemp("e2e-prometheus"),
+                                            op.process.metrics_port)
         op.stack.callback(op.prometheus.stop)
     else:
         for name in suite.release_objects(kube, RELEASE, RELEASE_NS)["Deployment"]:   # operator, planner
@@ -143,13 +142,10 @@ def operator(provider, kube, release, tmp_path_factory):
     op.stop()
 
 
-def operator_prometheus(provider, state_dir) -> LocalPrometheus:
-    """A real Prometheus scraping the in-process operator's /metrics as the chart's ServiceMonitor has the
-    Prometheus Operator scrape the operator pod (its `metrics` endpoint: path, honorLabels, the target
-    labels the Prometheus Operator adds), and evaluating the chart's PrometheusRule every second."""
-    from disagg.operator import metrics as operator_metrics
-
-    port = wait_for(operator_metrics.port, 60, "the operator's metrics endpoint")
+def operator_prometheus(provider, state_dir, port: int) -> LocalPrometheus:
+    """A real Prometheus scraping the local operator's /metrics (on `port`) as the chart's ServiceMonitor
+    has the Prometheus Operator scrape the operator pod (its `metrics` endpoint: path, honorLabels, the
+    target labels the Prometheus Operator adds), and evaluating the chart's PrometheusRule every second."""
     out = provider.helm("template", RELEASE, str(CHART), "--namespace", RELEASE_NS,
                         "--api-versions", "monitoring.coreos.com/v1")
     objs = [d for d in yaml.safe_load_all(out.stdout) if d]
@@ -267,10 +263,10 @@ HANDLER_FAILED = re.compile(r"Handler '[\w/.]+' failed")
 
 
 def handler_failures(provider, kube, operator) -> list[str]:
-    """kopf's "Handler '...' failed" lines so far: logged in this process (local) or by the operator
-    container (kind). A reconcile that fails on a 403 under the chart's role shows up here."""
+    """kopf's "Handler '...' failed" lines so far: logged by the local operator process (local) or by the
+    operator container (kind). A reconcile that fails on a 403 under the chart's role shows up here."""
     if provider.operator_in_process:
-        return list(operator.failures)
+        return operator.failures()
     name, _ = suite.release_objects(kube, RELEASE, RELEASE_NS)["Deployment"]   # the operator's; the planner's
     logs = provider.kubectl("logs", f"deployment/{name}", "-c", "operator", "-n", RELEASE_NS).stdout
     return [line for line in logs.splitlines() if HANDLER_FAILED.search(line)]
@@ -420,7 +416,7 @@ def _operator_row_failures(prom, row: list[dict], variables: dict[str, str], sta
 
 
 def test_helm_uninstall_removes_everything_but_the_crd(provider, kube, release, operator):
-    operator.stop()   # the in-process operator loses its role with the release
+    operator.stop()   # the local operator loses its role with the release
     assert suite.release_objects(kube, RELEASE, RELEASE_NS)
     suite.helm_uninstall(provider, RELEASE, RELEASE_NS)
     wait_for(lambda: suite.release_objects(kube, RELEASE, RELEASE_NS) == {}, 120,
