@@ -22,7 +22,9 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY disagg disagg
 COPY operator operator
+COPY perf perf
 COPY planner planner
+COPY simulator simulator
 COPY router router
 COPY workers workers
 COPY configurator configurator

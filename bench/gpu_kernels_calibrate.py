@@ -1,6 +1,6 @@
 """GPU only (never run by tests): time the kernels that dominate each phase on this GPU with PyTorch and
 write the calibration file the performance model uses in place of the data sheet's efficiencies
-(``disagg configure --calibration FILE``; :class:`disagg.planner.perfmodel.Calibration`).
+(``disagg configure --calibration FILE``; :class:`disagg.perf.model.Calibration`).
 
 Needs a CUDA GPU and a Python with PyTorch (the control-plane venv has none; the worker image's does):
 
@@ -29,12 +29,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 try:
-    from disagg.planner import perfmodel as pm
+    from disagg.perf import model as pm
 except ImportError:  # a Python without the disagg package (a worker image's): the model's file itself
     import importlib.util
 
     _spec = importlib.util.spec_from_file_location(
-        "disagg_perfmodel", Path(__file__).resolve().parent.parent / "planner" / "perfmodel.py")
+        "disagg_perfmodel", Path(__file__).resolve().parent.parent / "perf" / "model.py")
     pm = importlib.util.module_from_spec(_spec)
     sys.modules[_spec.name] = pm
     _spec.loader.exec_module(pm)
@@ -152,7 +152,7 @@ def _shape(model: str) -> pm.ModelShape:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gpu", required=True, help="the GPU's planner/data/gpus.yaml name or alias (h100, h200, ...)")
+    p.add_argument("--gpu", required=True, help="the GPU's perf/data/gpus.yaml name or alias (h100, h200, ...)")
     p.add_argument("--model", default="Qwen/Qwen2.5-32B-Instruct",
                    help="a known model name or a config.json: whose GEMM and attention shapes to time")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size the shapes are sharded for")

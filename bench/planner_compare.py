@@ -1,6 +1,6 @@
 """The SLO planner vs static-peak, a reactive autoscaler and a Dynamo-style throughput planner, many workloads.
 
-All four policies run in the same discrete-event simulator (disagg.planner.simulate), on the same traces,
+All four policies run in the same discrete-event simulator (disagg.simulator.simulate), on the same traces,
 in one run: per workload, horizon (20 minutes and 2 hours) and seed (3). Reported per row: SLO attainment
 (share of requests inside both the TTFT and the ITL target at their p90; and each target on its own),
 TTFT and ITL at p90, GPU-hours, goodput per GPU-hour (requests inside both targets per GPU-hour); and
@@ -46,8 +46,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from disagg.planner import simulate as sm
-from disagg.planner import traces
+from disagg.simulator import simulate as sm
+from disagg.simulator import traces
 
 REPO = Path(__file__).resolve().parent.parent
 HEAVY = traces.Mix(input_mean=18300, output_mean=70, sigma=0.92, prefix_groups=0)

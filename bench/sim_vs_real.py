@@ -21,7 +21,7 @@ What runs (no GPU, the tiny test model):
    times (the Mooncake trace logs its requests in bursts, ~10 at one instant every few seconds), and/or with
    each burst spread evenly over the time to the next one (same requests, same mean rate);
 5. the two workers profiled again after the replays, the same way (this host's speed drifts within minutes);
-6. the same trace through :class:`disagg.planner.simulate.Simulation` with one prefill and one decode
+6. the same trace through :class:`disagg.simulator.simulate.Simulation` with one prefill and one decode
    replica (a static policy), its performance model fitted to both profiles' points (and, to show the
    drift, to each profile alone).
 
@@ -59,9 +59,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from pd_path_timing import cpu_times   # this directory's: CPU seconds of every process of the pair and router
-from disagg.planner import perfmodel, serving, traces
-from disagg.planner.profile import mean_itl, stream_tokens
-from disagg.planner.simulate import SimConfig, Simulation, StaticPolicy, _pct
+from disagg.perf import model as perfmodel
+from disagg.perf import serving
+from disagg.perf.profile import mean_itl, stream_tokens
+from disagg.simulator import traces
+from disagg.simulator.simulate import SimConfig, Simulation, StaticPolicy, _pct
 from disagg.workers.envpath import worker_python
 from disagg.api.metrics import ROUTER_TTFT_SECONDS, VLLM_NIXL_XFER_TIME_SECONDS, VLLM_TTFT_SECONDS
 from disagg.workers.local import free_port, metric_sum, pd_processes, scrape, start_pd, stop_all

@@ -11,10 +11,10 @@ from .estimate import Inputs, configure
 
 
 def add_arguments(p: Any) -> None:
-    p.add_argument("--model", help="a known model name (planner/data/models.yaml, any case, with or without the "
+    p.add_argument("--model", help="a known model name (perf/data/models.yaml, any case, with or without the "
                                    "organisation) or a Hugging Face config.json (file or directory)")
     p.add_argument("--gpu", default="h100", help="GPU name or alias: h100, h200, b200, a100, l40s, ... "
-                                                  "(planner/data/gpus.yaml)")
+                                                  "(perf/data/gpus.yaml)")
     p.add_argument("--gpus", type=int, default=8, help="GPU budget")
     p.add_argument("--isl", type=int, default=3000, help="input (prompt) tokens per request")
     p.add_argument("--osl", type=int, default=150, help="output tokens per request")
@@ -22,7 +22,7 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--itl-ms", type=float, default=50.0, help="inter-token latency target at the percentile")
     p.add_argument("--percentile", type=float, default=90.0, help="SLO percentile")
     p.add_argument("--interconnect", default="infiniband",
-                   help="KV transfer link: nvlink, infiniband, ethernet (RoCE), or a planner/data/gpus.yaml name")
+                   help="KV transfer link: nvlink, infiniband, ethernet (RoCE), or a perf/data/gpus.yaml name")
     p.add_argument("--prefix-reuse", type=float, default=0.0, help="share of prompt tokens already cached (0..1)")
     p.add_argument("--precision", choices=["bf16", "fp8"], default="bf16", help="weights and KV cache")
     p.add_argument("--max-batch", type=int, default=512, help="most requests per worker (vLLM --max-num-seqs)")

@@ -1,7 +1,7 @@
 """Layouts, their estimates and the Pareto frontiers (aggregated and disaggregated).
 
-Every latency comes from the shared performance model (:mod:`disagg.planner.perfmodel`) and the queueing,
-KV transfer, batch margins and utilisation caps from the shared serving model (:mod:`disagg.planner.serving`),
+Every latency comes from the shared performance model (:mod:`disagg.perf.model`) and the queueing,
+KV transfer, batch margins and utilisation caps from the shared serving model (:mod:`disagg.perf.serving`),
 the planner's and the simulator's too; this module adds the layouts: how many requests a layout carries at a
 given decode batch (Little's law), the chunk budget of an aggregated engine, and the Pareto frontier of output
 tokens/s per GPU against tokens/s per user.
@@ -29,9 +29,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable
 
-from disagg.planner import perfmodel as pm
-from disagg.planner import serving
-from disagg.planner.serving import queue_wait
+from disagg.perf import model as pm
+from disagg.perf import serving
+from disagg.perf.serving import queue_wait
 
 TP_SIZES = (1, 2, 4, 8, 16)
 BATCHES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)

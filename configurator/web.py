@@ -15,7 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
-from disagg.planner import perfmodel as pm
+from disagg.perf import model as pm
 
 from . import manifest, report
 from .estimate import Estimate, Inputs, Result, configure

@@ -53,7 +53,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from disagg.planner import simulate
+    from disagg.simulator import simulate
 
     return simulate.run_cli(args, REPO)
 
@@ -68,7 +68,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _profile(args: argparse.Namespace) -> int:
-    from disagg.planner import profile
+    from disagg.perf import profile
 
     return profile.run_cli(args)
 
@@ -101,12 +101,12 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_demo)
 
     p = sub.add_parser("simulate", help="simulate a P/D deployment on a trace under the planner or a baseline")
-    from disagg.planner.simulate import add_arguments as _simulate_arguments
+    from disagg.simulator.simulate import add_arguments as _simulate_arguments
     _simulate_arguments(p)
     p.set_defaults(func=_simulate)
 
     p = sub.add_parser("profile", help="measure a running worker and write the planner's performance profile")
-    from disagg.planner.profile import add_arguments as _profile_arguments
+    from disagg.perf.profile import add_arguments as _profile_arguments
     _profile_arguments(p)
     p.set_defaults(func=_profile)
 

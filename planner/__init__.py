@@ -1,2 +1,3 @@
-"""The SLO planner: reads Prometheus, predicts load and resizes prefill and decode
-from the shared performance model. Imported as ``disagg.planner``."""
+"""The SLO planner process: reads Prometheus, predicts load and resizes prefill and decode with the shared
+performance model (:mod:`disagg.perf`). Imported as ``disagg.planner``; its simulator is
+:mod:`disagg.simulator`."""

@@ -4,7 +4,7 @@
 clock, no cluster and no Prometheus: the loop, the simulator and the tests call it
 the same way. The executor (:mod:`disagg.planner.apply`) carries decisions out.
 
-Sizing (per role, from the shared serving model :mod:`.serving`, corrected online):
+Sizing (per role, from the shared serving model :mod:`disagg.perf.serving`, corrected online):
 
 * prefill: the replicas serve one queue (M/G/c) fed the predicted rate of prompts drawn from the
   observed prompt-length distribution (a lognormal fitted to the mean and the percentile length), so
@@ -26,8 +26,9 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from . import serving
-from .perfmodel import OnlineCorrection, PerfModel
+from disagg.perf import serving
+from disagg.perf.model import OnlineCorrection, PerfModel
+
 from .predictors import get as get_predictor
 from .reasons import (BUDGET_LIMITED, COOLDOWN, METRICS_UNAVAILABLE, NOT_READY, PROMETHEUS_UNREACHABLE,
                       ROLLING_OUT, SCALED, STEADY)

@@ -33,8 +33,9 @@ import yaml
 
 from disagg.api.names import GROUP
 from disagg.api.v1alpha1 import PLURAL, VERSION, ConditionType, DisaggDeploymentSpec
+from disagg.perf import model as perfmodel
 
-from . import perfmodel, slo
+from . import slo
 from .apply import KUBE_REQUEST_TIMEOUT, Executor, PlannerMetrics
 from .decide import Decision, Memory, Observation, RoleModels, Target, decide, react
 from .endpoints import Allowlist, Endpoint

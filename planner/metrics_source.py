@@ -41,10 +41,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from disagg.api import metrics as m
+from disagg.perf.serving import TAIL_PERCENTILE
 
 from .decide import Observation
 from .reasons import PROMETHEUS_UNREACHABLE, QUERY_ERROR
-from .serving import TAIL_PERCENTILE
 
 SCRAPES_PER_WINDOW = 4
 FAST_SCRAPES = 3                # the fast path's window for a queue's growth (deriv needs two samples)

@@ -3,7 +3,7 @@
 real models at 1-4096 tokens and TP 1-8, and NCCL all-reduces within a DGX H100.
 
 The data sheet's efficiencies miss these by far more than 25%; the calibration fitted from them
-(:class:`Calibration`, shipped as ``planner/data/calibration/H100-SXM.json``) holds most points within 25%.
+(:class:`Calibration`, shipped as ``perf/data/calibration/H100-SXM.json``) holds most points within 25%.
 Not every one: cuBLAS picks a different kernel at some token counts, and neighbouring counts (8 tokens apart)
 then differ by up to 1.5x, which no smooth model follows. So the bounds are: at least 90% of the points
 within 25%, the median error under 15%, and none off by 2x; the worst ratio of each op is printed."""
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from disagg.planner import measured as ms
-from disagg.planner import perfmodel as pm
+from disagg.perf import measured as ms
+from disagg.perf import model as pm
 
 REPO = Path(__file__).resolve().parent.parent
 VIDUR = REPO.parent / "shared" / "calibration" / "vidur-h100"
@@ -142,7 +142,7 @@ def test_shipped_file_is_what_the_data_gives(tmp_path):
     out = tmp_path / "H100-SXM.json"
     assert ms.main([str(VIDUR), str(out)]) == 0
     assert out.read_text() == (pm.CALIBRATIONS / "H100-SXM.json").read_text(), \
-        "planner/data/calibration/H100-SXM.json drifted: python -m disagg.planner.measured DIR OUT"
+        "perf/data/calibration/H100-SXM.json drifted: python -m disagg.perf.measured DIR OUT"
 
 
 def test_the_configurator_plans_with_the_same_calibration():

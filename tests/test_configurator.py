@@ -18,8 +18,8 @@ from disagg.api import v1alpha1 as api
 from disagg.configurator import Inputs, configure
 from disagg.configurator import estimate as est
 from disagg.configurator import manifest
-from disagg.planner import perfmodel as pm
-from disagg.planner import serving
+from disagg.perf import model as pm
+from disagg.perf import serving
 
 REPO = Path(__file__).resolve().parent.parent
 SPEEDS = (5, 10, 20, 30, 50, 75, 100, 125, 150, 200)

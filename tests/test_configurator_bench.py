@@ -8,7 +8,7 @@ import json
 import subprocess
 from pathlib import Path
 
-from disagg.planner import perfmodel as pm
+from disagg.perf import model as pm
 from disagg.workers.testing import worker_python  # noqa: F401 (fixture)
 
 REPO = Path(__file__).resolve().parent.parent

@@ -1,4 +1,4 @@
-"""The configurator's analytic estimate against the discrete-event simulator (planner/simulate.py).
+"""The configurator's analytic estimate against the discrete-event simulator (simulator/simulate.py).
 
 For a few disaggregated layouts, the simulator serves Poisson arrivals at the request rate the estimate
 says the layout carries (fixed ISL/OSL, no prefix reuse, the same performance models, prefill workers
@@ -20,8 +20,8 @@ import pytest
 
 from disagg.configurator import Inputs
 from disagg.configurator import estimate as est
-from disagg.planner.simulate import SimConfig, Simulation, StaticPolicy, _pct
-from disagg.planner.traces import Request, Trace
+from disagg.simulator.simulate import SimConfig, Simulation, StaticPolicy, _pct
+from disagg.simulator.traces import Request, Trace
 
 TOLERANCE = 0.15
 REQUESTS = 3000

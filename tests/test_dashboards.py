@@ -260,7 +260,7 @@ class PlannerFeed:
 
         from disagg.planner import decide as dc
         from disagg.planner.apply import PlannerMetrics
-        from disagg.planner.perfmodel import PerfModel
+        from disagg.perf.model import PerfModel
 
         self.dc, self.interval = dc, interval
         self.metrics = PlannerMetrics()

@@ -8,7 +8,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from disagg.planner import perfmodel as pm
+from disagg.perf import model as pm
 
 MODELS = pm.known_models()
 GPUS = pm.known_gpus()

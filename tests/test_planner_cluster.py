@@ -18,11 +18,12 @@ from disagg.api.names import GROUP
 from disagg.api.v1alpha1 import PLURAL, VERSION
 from disagg.e2e.prometheus import LocalPrometheus, MetricsExporter
 from disagg.e2e.testing import wait_for
+from disagg.perf import model as perfmodel
 from disagg.planner import decide as dc
+from disagg.planner import reasons, slo
 from disagg.planner.apply import FIELD_MANAGER, Executor, PlannerMetrics, replicas_owner
 from disagg.planner.endpoints import Allowlist, Endpoint
 from disagg.planner.loop import GPU_ANNOTATION, PlannerLoop, resolve_gpu, resolve_model_name, unplannable
-from disagg.planner import perfmodel, reasons, slo
 from disagg.planner.metrics_source import PrometheusSource, parse_duration
 
 pytestmark = pytest.mark.cluster

@@ -8,10 +8,11 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from disagg.api import v1alpha1 as api
+from disagg.perf import model as pm
+from disagg.perf import serving
+from disagg.perf.model import PerfModel
 from disagg.planner import decide as dc
-from disagg.planner import perfmodel as pm
-from disagg.planner import predictors, serving
-from disagg.planner.perfmodel import PerfModel
+from disagg.planner import predictors
 
 MODEL = PerfModel.analytic("meta-llama/Llama-3.1-8B-Instruct", "H100-SXM")
 

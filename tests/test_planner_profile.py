@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from disagg.planner import perfmodel
-from disagg.planner.profile import measure
+from disagg.perf import model as perfmodel
+from disagg.perf.profile import measure
 
 PREFILL_BASE, PREFILL_PER_TOKEN = 0.05, 100e-6       # 50 ms + 100 us/token (slow enough to dwarf jitter)
 DECODE_BASE, DECODE_PER_STREAM = 0.02, 0.01           # 20 ms + 10 ms per concurrent stream

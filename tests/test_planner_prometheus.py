@@ -14,11 +14,11 @@ from disagg.api import metrics as m
 from disagg.api.v1alpha1 import SLOSpec
 from disagg.e2e.prometheus import LocalPrometheus, MetricsExporter
 from disagg.e2e.testing import wait_for
+from disagg.perf.model import PerfModel
 from disagg.planner import decide as dc
 from disagg.planner import reasons, slo
 from disagg.planner.endpoints import Allowlist, Endpoint
 from disagg.planner.metrics_source import Labels, PrometheusSource, parse_duration, query_window
-from disagg.planner.perfmodel import PerfModel
 
 NS, NAME = "team-a", "llama"
 WINDOW = 4.0  # seconds of rate() window: four 1 s scrapes

@@ -40,12 +40,12 @@ from disagg.e2e.localcluster import binaries, nodepools
 from disagg.e2e.operator_fixture import AUDITED_NAMESPACE, running_operator, token_kubeconfig
 from disagg.e2e.testing import DD, GROUP, PLURAL, VERSION, dd_manifest, wait_for
 from disagg.operator import render
-from disagg.planner import perfmodel
+from disagg.perf import model as perfmodel
+from disagg.perf.profile import configmap
 from disagg.planner.apply import Executor
 from disagg.planner.endpoints import Allowlist, Endpoint
 from disagg.planner.loop import PlannerLoop
 from disagg.planner.metrics_source import PrometheusSource
-from disagg.planner.profile import configmap
 from disagg.router.discovery import EndpointSliceDiscovery
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]

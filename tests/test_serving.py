@@ -1,4 +1,4 @@
-"""The shared serving model (disagg.planner.serving): monotone in load, never faster than the hardware allows,
+"""The shared serving model (disagg.perf.serving): monotone in load, never faster than the hardware allows,
 heavy-tailed prompts cost what their variance costs, and the planner, the configurator and the simulator's
 sizing all answer from it."""
 
@@ -11,11 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from disagg.configurator import estimate as est
+from disagg.perf import model as pm
+from disagg.perf import serving as sv
 from disagg.planner import decide as dc
-from disagg.planner import perfmodel as pm
-from disagg.planner import serving as sv
-from disagg.planner import simulate as sm
-from disagg.planner import traces
+from disagg.simulator import simulate as sm
+from disagg.simulator import traces
 
 MODELS = pm.known_models()
 GPUS = pm.known_gpus()

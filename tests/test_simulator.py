@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from disagg.planner import decide as decide_module
-from disagg.planner import simulate as sm
-from disagg.planner import traces
+from disagg.simulator import simulate as sm
+from disagg.simulator import traces
 
 REPO = Path(__file__).resolve().parent.parent
 SMALL = sm.SimConfig(ttft_target=1.0, itl_target=0.04, interval=15.0, cooldown=60.0, startup=30.0)

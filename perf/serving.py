@@ -1,9 +1,9 @@
 """The serving model: queueing and batching on top of the performance model, with one set of constants.
 
-:mod:`.perfmodel` says how long one prefill, one decode step and one KV transfer take. This module says
+:mod:`.model` says how long one prefill, one decode step and one KV transfer take. This module says
 what that means for a deployment under load, and it is the only place that does: the planner
-(:mod:`.decide`), the configurator (:mod:`disagg.configurator.estimate`) and the simulator's sizing
-(:func:`.simulate.static_peak`) all call it, so they cannot disagree about the same layout.
+(:mod:`disagg.planner.decide`), the configurator (:mod:`disagg.configurator.estimate`) and the simulator's sizing
+(:func:`disagg.simulator.simulate.static_peak`) all call it, so they cannot disagree about the same layout.
 
 * **Prompts are a distribution**, not a representative length: :class:`PromptMix` is a lognormal fitted
   to the mean and one percentile of the prompt lengths (what Prometheus' token histogram gives; with the
@@ -21,7 +21,7 @@ what that means for a deployment under load, and it is the only place that does:
   cache allow; requests in flight by Little's law, plus a Poisson margin at the percentile.
 * **Utilisation caps**: no prefill queue is planned above :data:`PREFILL_MAX_UTILIZATION`, no decode
   batch above :data:`DECODE_MAX_UTILIZATION` of its limit.
-* **TP communication** is in every step (:meth:`.perfmodel.PerfModel.tp_comm_time`); **KV transfer** runs
+* **TP communication** is in every step (:meth:`.model.PerfModel.tp_comm_time`); **KV transfer** runs
   over ``min(prefill TP, decode TP)`` links in parallel (each prefill rank sends its shard; a narrower
   decode side receives on fewer). A profile that measured the P/D path through the router replaces it
   with the measured **hand-off** (router hops, KV pull, the frontends between). It adds to TTFT and not to
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from statistics import NormalDist
 
-from .perfmodel import PerfModel
+from .model import PerfModel
 
 PREFILL_MAX_UTILIZATION = 0.9   # no prefill queue is planned fuller than this (model error, burstiness)
 DECODE_MAX_UTILIZATION = 0.85   # no decode batch is planned above this share of its ITL / KV-memory limit
@@ -165,7 +165,7 @@ class PrefillWork:
 def kv_transfer_time(prefill: PerfModel, tokens: float, decode_tp: int | None = None) -> float:
     """Seconds from a prompt's prefill ending on a prefill replica to a decode replica of ``decode_tp``
     taking it: the KV cache over the link, or, where the prefill profile measured the P/D path through
-    the router, that hand-off (:meth:`.perfmodel.PerfModel.handoff_time`). The planner, the configurator
+    the router, that hand-off (:meth:`.model.PerfModel.handoff_time`). The planner, the configurator
     and the simulator all charge it here."""
     lanes = min(prefill.tp, decode_tp or prefill.tp)
     return prefill.handoff_time(tokens, parallel_links=lanes)

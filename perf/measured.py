@@ -1,15 +1,15 @@
-"""Kernel timings measured on real GPUs, in the performance model's :class:`~.perfmodel.Calibration` form.
+"""Kernel timings measured on real GPUs, in the performance model's :class:`~.model.Calibration` form.
 
 Vidur's public H100 profiling (``microsoft/vidur``, ``data/profiling/``, MIT; the project keeps a copy in
 ``../shared/calibration/vidur-h100/``, its README says what each column is) times one transformer layer's
 GEMMs for three models at 1-4096 tokens and TP 1-8, and NCCL all-reduces within a DGX H100 (NVSwitch).
-:func:`read_vidur` turns those files into a calibration (every point); ``python -m disagg.planner.measured
+:func:`read_vidur` turns those files into a calibration (every point); ``python -m disagg.perf.measured
 DIR`` writes the subset the package ships as ``data/calibration/H100-SXM.json`` (the fits need far fewer
 points than the files hold). tests/test_calibration_h100.py checks the model against every point.
 
 GEMM points with at least :data:`PREFILL_TOKENS` tokens count as prefill kernels (they set the calibrated
 prefill MFU), those with at most :data:`DECODE_TOKENS` as decode kernels (weight-read bound: decode MBU);
-the ones between (phase ``ridge``) only shape :meth:`~.perfmodel.Calibration.gemm_seconds`.
+the ones between (phase ``ridge``) only shape :meth:`~.model.Calibration.gemm_seconds`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any, Iterator
 
-from .perfmodel import Calibration, ModelShape
+from .model import Calibration, ModelShape
 
 # Vidur's per-layer op names -> the model's (ModelShape.layer_gemms)
 GEMM_OPS = {"attn_pre_proj": "qkv", "attn_post_proj": "o", "mlp_up_proj": "gate_up", "mlp_down_proj": "down"}
@@ -85,7 +85,7 @@ def read_vidur(root: Path, models: set[str] | None = None, tokens: set[int] | No
 def main(argv: list[str] | None = None) -> int:
     args = argv if argv is not None else sys.argv[1:]
     if len(args) != 2:
-        print("usage: python -m disagg.planner.measured VIDUR_DIR OUT.json", file=sys.stderr)
+        print("usage: python -m disagg.perf.measured VIDUR_DIR OUT.json", file=sys.stderr)
         return 2
     cal = read_vidur(Path(args[0]), tokens=set(SHIPPED_TOKENS), allreduce_every=10)
     Path(args[1]).write_text(json.dumps(cal.to_dict(), separators=(",", ":")) + "\n")

@@ -1,9 +1,9 @@
 """Discrete-event simulator of one P/D deployment, driven by a trace, resized by a policy.
 
-What it models (latencies from :mod:`disagg.planner.perfmodel`, optionally a
+What it models (latencies from :mod:`disagg.perf.model`, optionally a
 ``reality`` factor slower than the model the planner plans with):
 
-* arrivals from a :class:`~disagg.planner.traces.Trace`; the router holds one FIFO queue per
+* arrivals from a :class:`~disagg.simulator.traces.Trace`; the router holds one FIFO queue per
   role and hands work to ready replicas as they free up (so a new replica takes load at once);
 * prefill: batches of up to ``max_batch_tokens`` from the queue; cached
   prefix blocks (a shared LRU sized by the prefill replicas' KV capacity, as a
@@ -37,10 +37,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from .decide import (HISTORY, Decision, Load, Memory, Observation, RoleModels, Target, decide, react, size_decode,
-                     size_prefill)
-from . import serving
-from .perfmodel import PerfModel
+from disagg.perf import serving
+from disagg.perf.model import PerfModel
+from disagg.planner.decide import (HISTORY, Decision, Load, Memory, Observation, RoleModels, Target, decide, react,
+                                   size_decode, size_prefill)
+
 from .traces import BLOCK_TOKENS, Trace
 
 
@@ -207,7 +208,7 @@ class DynamoPolicy:
         self.p_correction = self.d_correction = 1.0
 
     def _next(self, key: str) -> float:
-        from .predictors import get as get_predictor
+        from disagg.planner.predictors import get as get_predictor
 
         params = {"season": self.season} if self.predictor == "holt-winters" else {}
         return get_predictor(self.predictor, **params).predict(self.history[key][-HISTORY:])

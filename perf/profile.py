@@ -13,7 +13,7 @@ whose frontend shared a core with its engine, 2026-12-02).
 With ``path_url`` (``--path-url``: the router in front of this worker and a decode worker), a lone
 request of each prompt length is also sent through the whole P/D path, and its TTFT (router, prefill, KV
 pull, decode's first step) kept as a hand-off point: what the path costs beyond this worker's prefill
-(:class:`.perfmodel.Profile`). The path is measured right after the worker, on the same machine state.
+(:class:`.model.Profile`). The path is measured right after the worker, on the same machine state.
 With ``repeats`` > 1 each point is measured that many times and its median kept: on a shared or noisy
 machine one sample can be off by a factor (seen on a busy 2-core CPU host: a 32-token prefill slower
 than a 768-token one).
@@ -36,7 +36,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from disagg.api.metrics import VLLM_ITL_SECONDS
 
-from .perfmodel import PROFILE_KEY, Profile
+from .model import PROFILE_KEY, Profile
 
 
 def stream_tokens(url: str, model: str, prompt: list[int], max_tokens: int,
