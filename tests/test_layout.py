@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-CHECK = ("import operator, disagg.operator, disagg.planner, disagg.router, disagg.workers, disagg.api.v1alpha1;"
+CHECK = ("import operator, disagg.operator, disagg.perf.model, disagg.planner, disagg.simulator.simulate, disagg.router,"
+         " disagg.workers, disagg.api.v1alpha1;"
          "assert operator.add(2, 3) == 5, 'stdlib operator shadowed';"
          "assert disagg.operator.__file__.endswith('operator/__init__.py');"
          "print(operator.__name__, disagg.operator.__name__)")
