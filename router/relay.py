@@ -24,9 +24,13 @@ from disagg.api import metrics as m
 
 from .errors import RouterError, UpstreamFailed, UpstreamTimeout, sse
 from .migration import TokenLog
-from .upstream import Connection, ReadTimeout, UpstreamError
+from .upstream import Connection, ProtocolError, ReadTimeout, UpstreamError
 
 _USAGE_ONLY = re.compile(rb'"choices":\s*\[\]')
+# The most a worker may send of one stream without completing an event (or, before the first token, without
+# a token event): a token event is ~100 bytes and one with top-20 logprobs a few KB, so this bounds only a
+# broken or hostile worker, whose bytes would otherwise pile up in the router's memory, one buffer a stream.
+MAX_EVENT_BYTES = 1 << 20
 _DATA = b"data: "
 _DONE = b"data: [DONE]"
 
@@ -131,6 +135,10 @@ async def first_token(resp: Connection, worker: str) -> tuple[bytes, BaseExcepti
             if not data:
                 raise EndedBeforeOutput(f"the decode worker {worker} closed the stream before its first token")
             buf += data
+            if len(buf) > MAX_EVENT_BYTES:
+                # what it sent is no use to the client: the relay reports the failure, with nothing to replay
+                return b"", ProtocolError(f"sent {len(buf)} bytes and no token event (at most "
+                                          f"{MAX_EVENT_BYTES} before the first)")
             events = buf.replace(b"\r\n", b"\n").split(b"\n\n")[:-1]   # the complete ones
             for event in events:
                 if not event.startswith(_DATA) or _USAGE_ONLY.search(event):
@@ -183,6 +191,14 @@ class _Relay:
         pending = self.pending + data if self.pending else data
         cut = pending.rfind(b"\n\n")
         if cut < 0:
+            if len(pending) > MAX_EVENT_BYTES:
+                self.pending = b""
+                self.end.fail(UpstreamFailed(f"the decode worker {self.worker} sent an event of more than "
+                                             f"{MAX_EVENT_BYTES} bytes"))
+                self.stopped = True
+                self.resp.detach()
+                self.resp.wake()
+                return
             self.pending = pending
             return
         complete, self.pending = pending[:cut], pending[cut + 2:]

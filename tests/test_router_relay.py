@@ -10,6 +10,7 @@ import time
 
 from disagg.api import metrics as m
 from disagg.router import upstream
+from disagg.router import relay as relay_module
 from disagg.router.relay import StreamEnd, first_token, relay
 from disagg.router.upstream import Client, Target
 
@@ -88,3 +89,65 @@ def test_a_held_client_bounds_what_the_connection_keeps_and_pauses_the_worker():
     end, out = asyncio.run(main())
     assert end.outcome == m.OUTCOME_SUCCESS and end.error is None
     assert out == b"".join(_event(i) for i in range(EVENTS)) + b"data: [DONE]\n\n"
+
+
+def _endless(first: bytes):
+    """A broken worker: ``first``, then an event that never ends (3 MiB with no blank line), then nothing
+    until the router closes."""
+    async def worker(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:"))
+        await reader.readexactly(length)
+        writer.write(HEAD)
+        chunks = [first] if first else []
+        chunks += [b'data: {"choices":[{"index":0,"text":"' + b"x" * 65536] + [b"x" * 65536] * 48
+        try:
+            for c in chunks:
+                writer.write(b"%x\r\n%b\r\n" % (len(c), c))
+                await writer.drain()
+            await reader.read()
+        except ConnectionError:
+            pass
+        writer.close()
+    return worker
+
+
+def _relay_endless(first: bytes) -> tuple[StreamEnd, bytes, BaseException | None]:
+    async def main():
+        server = await asyncio.start_server(_endless(first), "127.0.0.1", 0)
+        client = Client(connect_timeout_s=10)
+        try:
+            target = Target.parse(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+            conn = await client.post(target, "/v1/completions", b"{}", 10)
+            head, head_error = await first_token(conn, "w")
+            sink, end = HeldSink(), StreamEnd(last_activity=time.monotonic(), resp=conn)
+            sink.gate.set()
+            async with asyncio.timeout(60):
+                await relay(conn, "w", end, sink, start=time.monotonic(), client_wants_usage=False,
+                            observe_ttft=lambda _: None, observe_itl=lambda _: None, first_token_timeout_s=10,
+                            idle_timeout_s=10, head=head, head_error=head_error)
+            return end, b"".join(sink.got), head_error
+        finally:
+            client.close()
+            server.close()
+    return asyncio.run(main())
+
+
+def test_a_worker_that_never_completes_its_first_event_is_cut_at_the_bound():
+    """Before the first token: what the worker sent is kept only up to MAX_EVENT_BYTES (it was unbounded),
+    then the stream fails as a broken worker's does, and the client got none of it."""
+    end, out, head_error = _relay_endless(b"")
+    assert head_error is not None and "no token event" in str(head_error)
+    assert end.outcome != m.OUTCOME_SUCCESS and "failed mid-stream" in end.error and out == b""
+
+
+def test_an_event_that_never_ends_mid_stream_is_cut_at_the_bound():
+    """After a token went out: an incomplete event grows only to MAX_EVENT_BYTES, then the stream fails with
+    the router's error event; the client has its token and that error, never the endless bytes."""
+    first = _event(0)
+    end, out, head_error = _relay_endless(first)
+    assert head_error is None
+    assert end.outcome != m.OUTCOME_SUCCESS
+    assert end.error == f"the decode worker w sent an event of more than {relay_module.MAX_EVENT_BYTES} bytes"
+    assert out == first and end.failure.startswith(b'data: {"error"')
