@@ -182,17 +182,19 @@ def test_target_from_the_api_spec():
 
 
 def test_a_replica_spanning_pods_counts_every_gpu_of_its_pods_against_the_budget():
-    """A prefill replica of 2 pods x 8 GPUs (tensor 16 across the pods) holds 16 GPUs, not one pod's 8."""
+    """A prefill replica of 2 pods x 8 GPUs (data parallel 16 with expert parallel, tensor 1) holds 16 GPUs:
+    not its tensor size (1), nor one pod's 8."""
     spec = api.DisaggDeploymentSpec.model_validate({
         "model": {"name": "m", "source": "hf://x/y"},
-        "prefill": {"replicas": 1, "podsPerReplica": 2, "parallelism": {"tensor": 16}},
+        "prefill": {"replicas": 1, "podsPerReplica": 2, "parallelism": {"data": 16, "expert": True}},
         "decode": {"replicas": 1, "parallelism": {"tensor": 8}},
         "scheduling": {"gang": {"minPrefill": 1, "minDecode": 1}},
         "slo": {"ttftMs": 500, "itlMs": 40}, "planner": {"enabled": True, "gpuBudget": 40}})
     t = dc.Target.from_spec(spec)
     assert t.replica_gpus == (16, 8) and t.gpus(2, 1) == 40
     # asked 3 + 2 (64 GPUs) under a budget of 40: one more 16-GPU prefill replica fits above the floors, and no
-    # decode beside it (counted by one pod's GPUs, 3 x 8 + 2 x 8 = 40 would have looked like it fit)
+    # decode beside it (counted by one pod's GPUs, 3 x 8 + 2 x 8 = 40 would have looked like it fit; by tensor
+    # size, 3 x 1 + 2 x 8 = 19)
     assert dc.fit_budget(3, 2, t) == (2, 1, True)
 
 
