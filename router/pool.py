@@ -7,11 +7,14 @@ EndpointSlices of the deployment's prefill and decode Services.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from disagg.api.names import ROLE_DECODE, ROLE_PREFILL
 
 from .config import RouterConfig, WorkerEndpoint
-from .upstream import Target
+
+if TYPE_CHECKING:       # imported where a stream first connects: the routing decision loads no HTTP client
+    from .upstream import Target
 
 
 @dataclass
@@ -31,6 +34,7 @@ class Worker:
     def target(self) -> Target:
         """Where its streams connect (router/upstream.py), parsed once."""
         if self._target is None:
+            from .upstream import Target
             self._target = Target.parse(self.url)
         return self._target
 

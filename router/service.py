@@ -1,4 +1,4 @@
-"""The router's logic: pick workers, run prefill then decode, account for it all.
+"""The router's logic: workers picked (:mod:`.decision`), run prefill then decode, account for it all.
 
 Routes (:mod:`.app`) hand it validated requests; it returns a JSON body or a
 :class:`Stream` of SSE bytes, and raises :mod:`.errors` types for everything a
@@ -13,7 +13,6 @@ import logging
 import ssl
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from functools import partial
 from typing import TypeVar
 
@@ -22,15 +21,15 @@ import zmq.asyncio
 
 from disagg.api import metrics as m
 from disagg.api.names import ROLE_DECODE, ROLE_PREFILL
-from disagg.api.v1alpha1 import Disaggregation
 
-from . import migration, pairing, policies, upstream
+from . import migration, pairing, upstream
 from .admission import Admission
 from .config import MAX_ANSWER_BYTES, MAX_ERROR_BODY_BYTES, RouterConfig
+from .decision import Decider, Plan, Route
 from .errors import (BadRequest, NoWorkers, NotFound, RouterError, UpstreamFailed, UpstreamRejected, UpstreamTimeout,
                      sse)
 from .events import Subscriber
-from .index import PrefixIndex, block_keys
+from .index import PrefixIndex
 from .pool import Pool, Worker
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .relay import EndedBeforeOutput, Sink, StreamEnd, Watchdog, emit, finish, first_token, relay
@@ -44,36 +43,6 @@ PROBE_TIMEOUTS_TO_UNHEALTHY = 3
 T = TypeVar("T")
 REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                  "remote_block_ids": None, "remote_host": None, "remote_port": None}
-
-
-@dataclass
-class Plan:
-    decode: Worker
-    prefill: Worker | None
-    prompt_tokens: int
-    cached_tokens: int
-
-
-@dataclass
-class Route:
-    """Which way a request went, returned to the client as ``x-disagg-*`` headers so that a
-    fallback is never silent: path (remote_prefill, local_prefill, fallback), the workers, and
-    the fallback reason."""
-    path: str
-    decode: str
-    prefill: str | None = None
-    fallback: str | None = None
-    revision: str | None = None     # the workers' KV revision (prefill and decode share it: pairing.py)
-
-    def headers(self) -> dict[str, str]:
-        h = {"x-disagg-path": self.path, "x-disagg-decode": self.decode}
-        if self.prefill:
-            h["x-disagg-prefill"] = self.prefill
-        if self.fallback:
-            h["x-disagg-fallback"] = self.fallback
-        if self.revision:
-            h["x-disagg-revision"] = self.revision
-        return h
 
 
 class Stream:
@@ -119,8 +88,9 @@ class Router:
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.pool = pool or Pool.static(config)
-        self.policy = policies.create(config.spec.policy, config.spec)
         self.index = {ROLE_PREFILL: PrefixIndex(), ROLE_DECODE: PrefixIndex()}
+        self.decider = Decider(config, self.pool, self.index, metrics)
+        self.policy = self.decider.policy
         self._session: aiohttp.ClientSession | None = None
         # decode streams: the lean client (upstream.py); the rest on aiohttp's session
         self._streams: upstream.Client | None = None
@@ -138,17 +108,8 @@ class Router:
         self._prefill_lost: dict[str, asyncio.Event] = {}
         self.watchdog = Watchdog(spec.first_token_timeout_seconds, spec.idle_timeout_seconds)
         self._watchdog_task: asyncio.Task | None = None
-        # made once, not per request (the one-stream profile: label lookups and timeout objects add up)
-        self._routing_seconds = {role: metrics.routing_seconds.labels(spec.policy, role)
-                                 for role in (ROLE_PREFILL, ROLE_DECODE)}
-        self._decisions: dict[tuple[str, str], object] = {}
         self._children: dict[tuple, object] = {}
-        # token ids before the first token only where routing uses them (prefix overlap, conditional
-        # disaggregation's uncached length, a prefill's pick by overlap); round-robin or least-loaded
-        # with disaggregation never skips tokenizing (a sixth of the router's CPU before the first token):
-        # the worker refuses an over-long prompt or a bad one itself, and a migration tokenizes then
-        self.needs_ids = not (spec.policy in ("round-robin", "least-loaded")
-                              and spec.disaggregation == Disaggregation.NEVER)
+        self.needs_ids = self.decider.needs_ids
 
     def _labelled(self, metric, *values: str):
         """``metric.labels(*values)``, looked up once: prometheus_client's ``labels`` validates, joins and
@@ -219,13 +180,11 @@ class Router:
         # a decode still waiting for this prefill's KV holds the event itself; no probe sets it any more,
         # so that decode ends at its first-token timeout, as it would have before the worker left
         self._prefill_lost.pop(w.name, None)
-        for metric, labels in ((self.metrics.active, (w.role, w.name)),
-                               (self.metrics.decisions, (self.config.spec.policy, w.role, w.name))):
-            try:
-                metric.remove(*labels)
-            except KeyError:        # never chosen (decisions) or never watched
-                pass
-        self._decisions.pop((w.role, w.name), None)
+        try:
+            self.metrics.active.remove(w.role, w.name)
+        except KeyError:        # never watched
+            pass
+        self.decider.forget(w)
         if self._streams is not None:
             self._streams.forget(w.target)
 
@@ -278,48 +237,9 @@ class Router:
             await asyncio.sleep(self.config.health_interval_s)
 
     # ---------------------------------------------------------------- routing
-    def _pick(self, role: str, keys: list[int], exclude: set[str] = frozenset(),
-              workers: list[Worker] | None = None) -> tuple[Worker, int]:
-        """A worker of ``role`` (of ``workers`` when given, else any healthy one not in ``exclude``)."""
-        if workers is None:
-            workers = self.pool.healthy(role, exclude)
-        if not workers:
-            raise NoWorkers(f"no healthy {role} workers are available")
-        t0 = time.perf_counter()
-        overlap = self.index[role].match(keys) if self.config.spec.policy == "kv-aware" else {}
-        d = self.policy.choose([policies.Candidate(w.name, w.active) for w in workers],
-                               policies.Request(blocks=len(keys), overlap=overlap))
-        self._routing_seconds[role].observe(time.perf_counter() - t0)
-        decisions = self._decisions.get((role, d.worker))
-        if decisions is None:
-            decisions = self._decisions[role, d.worker] = self.metrics.decisions.labels(
-                self.config.spec.policy, role, d.worker)
-        decisions.inc()
-        if d.load_bounded:
-            self.metrics.load_bounded.labels(role).inc()
-        return self.pool.workers[role][d.worker], d.overlap_blocks
-
     def plan(self, token_ids: list[int], exclude: set[str] = frozenset(),
              revision: str | None | pairing.Unset = pairing.UNSET) -> Plan:
-        keys = block_keys(token_ids, self.config.block_size)
-        bs = self.config.block_size
-        # prefill and decode of one KV revision only: the newest complete one for a new request, the
-        # request's own for one under way (pairing.py)
-        pair = pairing.choose(self.pool, exclude, revision)
-        decode, decode_overlap = self._pick(ROLE_DECODE, keys, exclude, pair.decodes)
-        mode = self.config.spec.disaggregation
-        prefills = pair.prefills
-        remote = bool(prefills) and mode != Disaggregation.NEVER
-        if pair.refused and mode != Disaggregation.NEVER:
-            self.metrics.pairing_refusals.labels(m.PAIRING_OTHER_REVISION).inc()
-        if remote and mode == Disaggregation.CONDITIONAL:
-            uncached = len(token_ids) - decode_overlap * bs
-            saturated = min(w.active for w in prefills) >= self.config.max_prefill_active
-            remote = uncached >= self.config.spec.local_prefill_threshold_tokens and not saturated
-        if not remote:
-            return Plan(decode, None, len(token_ids), min(decode_overlap * bs, len(token_ids)))
-        prefill, overlap = self._pick(ROLE_PREFILL, keys, workers=prefills)
-        return Plan(decode, prefill, len(token_ids), min(overlap * bs, len(token_ids)))
+        return self.decider.plan(token_ids, exclude, revision)
 
     # ---------------------------------------------------------------- requests
     def _check_model(self, req: CompletionRequest | ChatCompletionRequest) -> None:
@@ -514,15 +434,7 @@ class Router:
         log.warning("decode on %s failed before any output: %s", failed.name, err)
         nxt = None
         if len(tried) < self.config.decode_attempts:
-            keys = block_keys(ids, self.config.block_size)
-            for exclude in (set(tried), set()):
-                try:
-                    # a decode of the request's own KV revision: its body was made for that model
-                    nxt = self._pick(ROLE_DECODE, keys, workers=pairing.choose(
-                        self.pool, exclude, failed.revision).decodes)[0]
-                    break
-                except NoWorkers:
-                    continue
+            nxt = self.decider.another_decode(failed, ids, tried)
         if nxt is None:
             self.metrics.requests.labels(m.OUTCOME_UPSTREAM_ERROR, route.path).inc()
             raise UpstreamFailed(f"the decode worker failed: {err}")

@@ -1,0 +1,139 @@
+"""The routing decision: which decode and which prefill serve a request's token ids.
+
+Pure: it reads the workers (:mod:`.pool`: health, load, KV revision) and the prefix index (:mod:`.index`)
+and answers, with no HTTP and no event loop, so that a caller which only picks endpoints (an endpoint
+picker in front of the workers) decides exactly as the router does. Carrying the request out is
+:mod:`.handoff`'s.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from disagg.api import metrics as m
+from disagg.api.names import ROLE_DECODE, ROLE_PREFILL
+from disagg.api.v1alpha1 import Disaggregation
+
+from . import pairing, policies
+from .config import RouterConfig
+from .errors import NoWorkers
+from .index import PrefixIndex, block_keys
+from .pool import Pool, Worker
+
+
+@dataclass
+class Plan:
+    decode: Worker
+    prefill: Worker | None
+    prompt_tokens: int
+    cached_tokens: int
+
+
+@dataclass
+class Route:
+    """Which way a request went, returned to the client as ``x-disagg-*`` headers so that a
+    fallback is never silent: path (remote_prefill, local_prefill, fallback), the workers, and
+    the fallback reason."""
+    path: str
+    decode: str
+    prefill: str | None = None
+    fallback: str | None = None
+    revision: str | None = None     # the workers' KV revision (prefill and decode share it: pairing.py)
+
+    def headers(self) -> dict[str, str]:
+        h = {"x-disagg-path": self.path, "x-disagg-decode": self.decode}
+        if self.prefill:
+            h["x-disagg-prefill"] = self.prefill
+        if self.fallback:
+            h["x-disagg-fallback"] = self.fallback
+        if self.revision:
+            h["x-disagg-revision"] = self.revision
+        return h
+
+
+class Decider:
+    """Plans requests over ``pool`` and ``index`` (one :class:`~.index.PrefixIndex` per role), both shared
+    with whoever keeps them current, and counts its decisions in ``metrics``."""
+
+    def __init__(self, config: RouterConfig, pool: Pool, index: dict[str, PrefixIndex], metrics) -> None:
+        self.config = config
+        self.pool = pool
+        self.index = index
+        self.metrics = metrics
+        spec = config.spec
+        self.policy = policies.create(spec.policy, spec)
+        # made once, not per request (the one-stream profile: label lookups and timeout objects add up)
+        self._routing_seconds = {role: metrics.routing_seconds.labels(spec.policy, role)
+                                 for role in (ROLE_PREFILL, ROLE_DECODE)}
+        self._decisions: dict[tuple[str, str], object] = {}
+        # token ids before the first token only where routing uses them (prefix overlap, conditional
+        # disaggregation's uncached length, a prefill's pick by overlap); round-robin or least-loaded
+        # with disaggregation never skips tokenizing (a sixth of the router's CPU before the first token):
+        # the worker refuses an over-long prompt or a bad one itself, and a migration tokenizes then
+        self.needs_ids = not (spec.policy in ("round-robin", "least-loaded")
+                              and spec.disaggregation == Disaggregation.NEVER)
+
+    def pick(self, role: str, keys: list[int], exclude: set[str] = frozenset(),
+             workers: list[Worker] | None = None) -> tuple[Worker, int]:
+        """A worker of ``role`` (of ``workers`` when given, else any healthy one not in ``exclude``)."""
+        if workers is None:
+            workers = self.pool.healthy(role, exclude)
+        if not workers:
+            raise NoWorkers(f"no healthy {role} workers are available")
+        t0 = time.perf_counter()
+        overlap = self.index[role].match(keys) if self.config.spec.policy == "kv-aware" else {}
+        d = self.policy.choose([policies.Candidate(w.name, w.active) for w in workers],
+                               policies.Request(blocks=len(keys), overlap=overlap))
+        self._routing_seconds[role].observe(time.perf_counter() - t0)
+        decisions = self._decisions.get((role, d.worker))
+        if decisions is None:
+            decisions = self._decisions[role, d.worker] = self.metrics.decisions.labels(
+                self.config.spec.policy, role, d.worker)
+        decisions.inc()
+        if d.load_bounded:
+            self.metrics.load_bounded.labels(role).inc()
+        return self.pool.workers[role][d.worker], d.overlap_blocks
+
+    def plan(self, token_ids: list[int], exclude: set[str] = frozenset(),
+             revision: str | None | pairing.Unset = pairing.UNSET) -> Plan:
+        keys = block_keys(token_ids, self.config.block_size)
+        bs = self.config.block_size
+        # prefill and decode of one KV revision only: the newest complete one for a new request, the
+        # request's own for one under way (pairing.py)
+        pair = pairing.choose(self.pool, exclude, revision)
+        decode, decode_overlap = self.pick(ROLE_DECODE, keys, exclude, pair.decodes)
+        mode = self.config.spec.disaggregation
+        prefills = pair.prefills
+        remote = bool(prefills) and mode != Disaggregation.NEVER
+        if pair.refused and mode != Disaggregation.NEVER:
+            self.metrics.pairing_refusals.labels(m.PAIRING_OTHER_REVISION).inc()
+        if remote and mode == Disaggregation.CONDITIONAL:
+            uncached = len(token_ids) - decode_overlap * bs
+            saturated = min(w.active for w in prefills) >= self.config.max_prefill_active
+            remote = uncached >= self.config.spec.local_prefill_threshold_tokens and not saturated
+        if not remote:
+            return Plan(decode, None, len(token_ids), min(decode_overlap * bs, len(token_ids)))
+        prefill, overlap = self.pick(ROLE_PREFILL, keys, workers=prefills)
+        return Plan(decode, prefill, len(token_ids), min(overlap * bs, len(token_ids)))
+
+    def another_decode(self, failed: Worker, ids: list[int], tried: list[str]) -> Worker | None:
+        """A decode to retry on after ``failed``: one not yet ``tried`` first, else any healthy one (one
+        that still looks healthy may be tried again when there is no other); None when none is left."""
+        keys = block_keys(ids, self.config.block_size)
+        for exclude in (set(tried), set()):
+            try:
+                # a decode of the request's own KV revision: its body was made for that model
+                return self.pick(ROLE_DECODE, keys, workers=pairing.choose(
+                    self.pool, exclude, failed.revision).decodes)[0]
+            except NoWorkers:
+                continue
+        return None
+
+    def forget(self, w: Worker) -> None:
+        """Drops the decision counts of a worker that left, so /metrics stops listing it."""
+        try:
+            self.metrics.decisions.remove(self.config.spec.policy, w.role, w.name)
+        except KeyError:        # never chosen
+            pass
+        self._decisions.pop((w.role, w.name), None)
