@@ -89,12 +89,12 @@ def test_a_departed_workers_state_is_freed(routers, tiny_model, tmp_path):
                                         "stream": True}) as r:
                     await r.read()
         waiting = asyncio.run_coroutine_threadsafe(stream(), loop.loop)
-        wait_for(lambda: loop.call(lambda: prefill.url in router._prefill_lost), 30,
+        wait_for(lambda: loop.call(lambda: prefill.url in router.fleet.prefill_lost), 30,
                  "the decode to wait for the prefill's KV", interval=0.1)
         # a decode worker whose /health never answers joins: its probes time out
         loop.call(router.update_workers, ROLE_DECODE,
                   [WorkerEndpoint(url=decode.url), WorkerEndpoint(url=silent_url)])
-        wait_for(lambda: loop.call(lambda: router._probe_timeouts.get(silent_url, 0) >= 1), 30,
+        wait_for(lambda: loop.call(lambda: router.fleet.probe_timeouts.get(silent_url, 0) >= 1), 30,
                  "a probe of the silent worker to time out", interval=0.1)
         for worker in (prefill.url, decode.url, silent_url):
             assert loop.call(_series_of, router, worker), worker
@@ -107,8 +107,8 @@ def test_a_departed_workers_state_is_freed(routers, tiny_model, tmp_path):
         loop.call(router.update_workers, ROLE_DECODE, [WorkerEndpoint(url=decode.url)])
         for worker in (prefill.url, silent_url):
             assert loop.call(_series_of, router, worker) == [], worker
-        assert loop.call(lambda: silent_url not in router._probe_timeouts)
-        assert loop.call(lambda: prefill.url not in router._prefill_lost)
+        assert loop.call(lambda: silent_url not in router.fleet.probe_timeouts)
+        assert loop.call(lambda: prefill.url not in router.fleet.prefill_lost)
         # the decode that stays keeps its series
         assert any(f'role="{ROLE_DECODE}"' in line for line in loop.call(_series_of, router, decode.url))
     finally:
