@@ -92,8 +92,21 @@ def images(real):
 
 
 @pytest.fixture(scope="module")
-def release(real, api, images):
-    """The chart as a user installs it, operator pod included."""
+def enforced(real):
+    """kube-router's firewall (e2e/localcluster/netpol.py) enforcing every NetworkPolicy from before the
+    chart's install to the module's end: every deployment below serves through the policy the operator
+    writes for it (router to workers, NIXL and torch.distributed between its workers, Prometheus to the
+    metrics port), not beside it. tests/test_real_node.py proves what the policy refuses."""
+    from disagg.e2e.localcluster.netpol import NetworkPolicyEnforcer
+
+    e = NetworkPolicyEnforcer(real).start()
+    yield e
+    e.stop()
+
+
+@pytest.fixture(scope="module")
+def release(real, api, images, enforced):
+    """The chart as a user installs it, operator pod included, under an enforced network policy."""
     realnode.helm(real, "install", RELEASE, str(CHART), "--namespace", RELEASE_NS, "--create-namespace",
                   "--wait", "--timeout", "5m", *realnode.chart_values(images["control-plane"]))
     yield
@@ -198,6 +211,21 @@ def test_openai_client_chat_and_completions_take_the_remote_prefill_path(api, pd
     moved = wait_for(lambda: (v := metric_sum(scrape(_pod_url(decode, contract.WORKER_METRICS_PORT)), m.VLLM_NIXL_BYTES_TRANSFERRED + "_sum"))
                      > before and v, 60, "NIXL bytes counted on the decode pod")
     assert moved > before
+
+
+def test_the_deployment_serves_under_its_enforced_network_policy(api, pd, enforced):
+    """The operator's policy is in force (kube-router made a chain for it and one per worker pod it
+    guards) while the P/D path above served, NIXL included; a request through the router still does."""
+    from disagg.e2e.localcluster import netpol
+
+    dd, url = pd
+    policies = client.NetworkingV1Api(api).list_namespaced_network_policy(NS).items
+    assert [p.metadata.name for p in policies if p.metadata.name.startswith(PD)] == [f"{PD}-workers"]
+    chains = wait_for(lambda: (c := netpol.own_chains()) and any("KUBE-POD-FW-" in x for x in c) and c, 60,
+                      "kube-router's chains for the policy and the pods it guards")
+    assert any("KUBE-NWPLCY-" in c and not c.endswith("KUBE-NWPLCY-DEFAULT") for c in chains), chains
+    assert sum("KUBE-POD-FW-" in c for c in chains) >= 2, chains   # prefill and decode, at least
+    assert _unary(url, PROMPT + " under policy", 4), enforced.tail()
 
 
 def test_probe_endpoints_answer_on_the_pod_ips(pd):
