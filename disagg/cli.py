@@ -25,10 +25,22 @@ def _crds(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cluster(args: argparse.Namespace) -> int:
-    from disagg.e2e.localcluster import LocalCluster
+def _harness(module: str):
+    """A module of the local cluster and demo harness (``disagg.e2e``), which only a source checkout has: the
+    images' wheel leaves it out (Dockerfile), so there ``disagg cluster`` and ``disagg demo`` say so."""
+    import importlib
 
-    cluster = LocalCluster(args.name, real_node=args.real_node)
+    try:
+        return importlib.import_module(f"disagg.e2e.{module}")
+    except ModuleNotFoundError as e:
+        if e.name is None or not e.name.startswith("disagg.e2e"):
+            raise
+        raise SystemExit(f"disagg: this command runs the local cluster harness (disagg.e2e), which this "
+                         f"installation does not include; run it from a source checkout (make demo)") from None
+
+
+def _cluster(args: argparse.Namespace) -> int:
+    cluster = _harness("localcluster").LocalCluster(args.name, real_node=args.real_node)
     if args.action == "up":
         cluster.up(nodes_file=Path(args.nodes) if args.nodes else None)
         node = cluster.node
@@ -47,9 +59,7 @@ def _cluster(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from disagg.e2e.demo import run
-
-    return run(cluster_name=args.cluster)
+    return _harness("demo").run(cluster_name=args.cluster)
 
 
 def _simulate(args: argparse.Namespace) -> int:

@@ -1,5 +1,6 @@
 """Fixtures: one real local control plane per test run, one namespace per test; routers in front of
-test upstreams (`routers`)."""
+test upstreams (`routers`); the worker environment and the tiny model for tests that run real engines
+(`worker_python`, `tiny_model`: here, not in the product's packages)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,23 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = REPO / "tests"
+
+
+@pytest.fixture(scope="session")
+def worker_python() -> str:
+    """The worker environment's interpreter (vLLM CPU build + NIXL), built once into the cache outside the
+    repository and reused by every later run."""
+    from disagg.workers.envpath import worker_python as python
+
+    return python()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(worker_python) -> str:
+    """The tiny model the real-engine tests serve, generated once into the cache by the worker environment."""
+    from disagg.workers.tinymodel import ensure
+
+    return str(ensure(worker_python))
 
 
 @pytest.fixture(scope="session")

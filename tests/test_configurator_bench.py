@@ -9,7 +9,6 @@ import subprocess
 from pathlib import Path
 
 from disagg.perf import model as pm
-from disagg.workers.testing import worker_python  # noqa: F401 (fixture)
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -40,7 +40,6 @@ from disagg.e2e.prometheus import LocalPrometheus
 from disagg.e2e.suite import dashboard_rows
 from disagg.e2e.testing import wait_for
 from disagg.workers.local import cpu_settings, free_port, metric_sum, router, scrape, wait_metric, worker
-from disagg.workers.testing import tiny_model, worker_python  # noqa: F401  (fixtures)
 
 REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "charts" / "disagg"

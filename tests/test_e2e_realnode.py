@@ -37,7 +37,6 @@ from disagg.e2e.prometheus import LocalPrometheus
 from disagg.e2e.providers import CHART
 from disagg.e2e.testing import DD, wait_for
 from disagg.workers.local import metric_sum, scrape
-from disagg.workers.testing import tiny_model, worker_python  # noqa: F401  (fixtures)
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(3000)]
 

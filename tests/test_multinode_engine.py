@@ -30,7 +30,6 @@ from disagg.workers.command import HEADLESS_LAUNCHER, build
 from disagg.workers.leader import resolve, resolve_leader_flags
 from disagg.workers.local import cpu_settings, free_port, metric_sum, router, scrape, stop_all, worker
 from disagg.workers.settings import WorkerSettings
-from disagg.workers.testing import tiny_model, worker_python  # noqa: F401  (fixtures)
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
 # Two KV blocks (32 tokens) and more each, every one its own first block: NIXL moves whole blocks (a prompt

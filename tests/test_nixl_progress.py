@@ -11,7 +11,6 @@ import subprocess
 
 from disagg.workers.command import CPU_NIXL_PROGRESS_DELAY_US, build
 from disagg.workers.settings import WorkerSettings
-from disagg.workers.testing import worker_python  # noqa: F401  (fixture)
 
 # Runs in the worker environment: a NIXL agent as vLLM creates one, then the delay its config carried
 # and the CPU its progress thread used while idle (ticks of every thread but the main one, over 2 s).

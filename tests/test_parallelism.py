@@ -15,7 +15,6 @@ from pydantic import ValidationError
 from disagg.api import parallelism as par
 from disagg.api import v1alpha1 as api
 from disagg.api.names import MAX_GROUP_REPLICAS, MAX_NAME_LENGTH, group_pod_name
-from disagg.workers.testing import worker_python  # noqa: F401  (fixture)
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = yaml.safe_load((REPO / "examples" / "small.yaml").read_text())

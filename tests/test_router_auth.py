@@ -21,7 +21,6 @@ import pytest
 from disagg.api import metrics as m
 from disagg.e2e.testing import wait_for
 from disagg.workers.local import free_port, metric_sum, scrape
-from disagg.workers.testing import tiny_model, worker_python  # noqa: F401  (fixtures)
 
 OLD, NEW, WRONG = "sk-old-3b1f0c9e7d5a42e8", "sk-new-8c2d4e6f0a1b3c5d", "sk-wrong-0000000000000000"
 

@@ -16,7 +16,6 @@ import pytest
 from disagg.api import metrics as m
 from disagg.e2e.testing import wait_for
 from disagg.workers.local import scrape
-from disagg.workers.testing import tiny_model, worker_python  # noqa: F401  (fixtures)
 
 # an upstream whose streams last as long as max_tokens asks (up to a million tokens, 1 ms apart)
 UPSTREAM_TOKENS, UPSTREAM_DELAY_S = 1_000_000, 0.001

@@ -24,7 +24,6 @@ from disagg.e2e.testing import wait_for
 from disagg.router.app import ROUTER_KEY, make_app
 from disagg.router.config import RouterConfig, WorkerEndpoint
 from disagg.workers.local import free_port, stop_all
-from disagg.workers.testing import tiny_model, worker_python  # noqa: F401  (fixtures)
 
 
 class Loop:

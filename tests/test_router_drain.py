@@ -27,7 +27,6 @@ from disagg.e2e.testing import dd_manifest, wait_for
 from disagg.operator import render
 from disagg.router.__main__ import _parser, config_from
 from disagg.workers.local import LocalProcess, free_port, scrape
-from disagg.workers.testing import tiny_model, worker_python  # noqa: F401  (fixtures)
 
 SLOW_TOKENS = 10     # stall_upstream's "slow N": one token every 0.4 s, 4 s in all
 

@@ -15,7 +15,6 @@ from openai import OpenAI
 
 from disagg.api import metrics as m
 from disagg.workers.local import LocalProcess, free_port, metric_sum, router, scrape
-from disagg.workers.testing import tiny_model, worker_python  # noqa: F401  (fixtures)
 
 TOKENS = 8
 

@@ -11,7 +11,6 @@ import openai
 import pytest
 
 from disagg.workers.local import free_port, router
-from disagg.workers.testing import tiny_model, worker_python  # noqa: F401  (fixtures)
 
 
 @pytest.fixture(scope="module")

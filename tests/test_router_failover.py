@@ -13,7 +13,6 @@ from openai import OpenAI
 
 from disagg.api import metrics as m
 from disagg.workers.local import scrape
-from disagg.workers.testing import tiny_model, worker_python  # noqa: F401  (fixtures)
 
 TOKENS = 20
 

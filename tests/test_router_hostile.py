@@ -22,7 +22,6 @@ from hypothesis import strategies as st
 from disagg.api import metrics as m
 from disagg.e2e.testing import wait_for
 from disagg.workers.local import free_port, scrape
-from disagg.workers.testing import tiny_model, worker_python  # noqa: F401  (fixtures)
 
 KEY = "sk-hostile-5f0e9d8c7b6a"
 LIMIT = 64 * 1024                 # spec.router.maxBodyBytes here: bodies at and over it are cheap to send

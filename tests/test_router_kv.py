@@ -23,7 +23,6 @@ from openai import OpenAI
 from disagg.api import metrics as m
 from disagg.e2e.testing import wait_for
 from disagg.workers.local import cpu_settings, free_port, metric_sum, router, scrape, stop_all, worker
-from disagg.workers.testing import tiny_model, worker_python  # noqa: F401  (fixtures)
 
 WORDS = ("alpha beta gamma delta parser token value buffer stream block cache route prefill decode "
          "worker router index prefix shared system prompt").split()

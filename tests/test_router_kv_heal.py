@@ -25,7 +25,6 @@ from disagg.router.events import Subscriber
 from disagg.router.index import PrefixIndex, block_keys
 from disagg.router.metrics import RouterMetrics
 from disagg.workers.local import cpu_settings, metric_sum, scrape, worker
-from disagg.workers.testing import tiny_model, worker_python  # noqa: F401  (fixtures)
 
 BLOCK = 32
 TOPIC = "kv-events"

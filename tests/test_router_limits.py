@@ -17,7 +17,6 @@ import pytest
 from disagg.api import metrics as m
 from disagg.e2e.testing import wait_for
 from disagg.workers.local import LocalProcess, metric_sum, scrape
-from disagg.workers.testing import tiny_model, worker_python  # noqa: F401  (fixtures)
 
 @contextmanager
 def _stalling(routers, tiny_model: str, logs: Path, name: str, spec: dict):

@@ -22,7 +22,6 @@ from openai import AsyncOpenAI, DefaultAsyncHttpx2Client
 
 from disagg.api import metrics as m
 from disagg.workers.local import metric_sum, scrape
-from disagg.workers.testing import tiny_model, worker_python  # noqa: F401  (fixtures)
 
 CLIENTS = 2000
 TOKENS = 8

@@ -15,7 +15,6 @@ from disagg.router.errors import NoWorkers
 from disagg.router.metrics import RouterMetrics
 from disagg.router.service import Route, Router
 from disagg.workers.local import metric_sum, parse_metrics
-from disagg.workers.testing import tiny_model, worker_python  # noqa: F401  (fixtures)
 
 PROMPT = list(range(100))
 # (url, revision, generation)

@@ -43,7 +43,6 @@ from disagg.api import metrics as m
 from disagg.e2e.testing import wait_for
 from disagg.workers.local import (cpu_settings, free_port, metric_sum, router, scrape, stop_all, wait_metric,
                                   worker)
-from disagg.workers.testing import tiny_model, worker_python  # noqa: F401  (fixtures)
 
 PROMPTS = ["def parse_args(argv): return the namespace of", "The quick brown fox jumps over the lazy dog " * 6]
 CHATS = [[{"role": "user", "content": "Say hello to the parser."}],

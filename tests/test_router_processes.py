@@ -20,7 +20,6 @@ import pytest
 from disagg.api import metrics as m
 from disagg.e2e.testing import wait_for
 from disagg.workers.local import LocalProcess, free_port, metric_sum, router, scrape
-from disagg.workers.testing import tiny_model, worker_python  # noqa: F401  (fixtures)
 
 PROCESSES = 2
 REQUESTS = 60

@@ -23,7 +23,6 @@ from openai import OpenAI
 
 from disagg.api import metrics as m
 from disagg.workers.local import free_port, router, scrape, stop_all
-from disagg.workers.testing import tiny_model, worker_python  # noqa: F401  (fixtures)
 
 TOKENS, CUT = 20, 5
 

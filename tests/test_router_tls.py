@@ -26,7 +26,6 @@ from disagg.router.config import RouterConfig
 from disagg.router.metrics import RouterMetrics
 from disagg.router.service import Router
 from disagg.router.tokenizer import Tokenizer
-from disagg.workers.testing import tiny_model, worker_python  # noqa: F401  (fixtures)
 
 TOKENS = 5
 

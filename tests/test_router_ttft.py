@@ -18,7 +18,6 @@ from openai import OpenAI
 from disagg.api import metrics as m
 from disagg.e2e.testing import wait_for
 from disagg.workers.local import scrape
-from disagg.workers.testing import tiny_model, worker_python  # noqa: F401  (fixtures)
 
 TOKENS, DELAY = 20, 0.1  # a 2 s answer whose first token exists after 0.1 s
 PATH = m.PATH_LOCAL_PREFILL

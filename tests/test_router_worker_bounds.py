@@ -20,7 +20,6 @@ from disagg.api import metrics as m
 from disagg.router.config import MAX_ANSWER_BYTES, MAX_ERROR_BODY_BYTES, MAX_KV_REPLAY_BYTES
 from disagg.router.events import END_SEQ, fetch_replay
 from disagg.workers.local import metric_sum, scrape
-from disagg.workers.testing import tiny_model, worker_python  # noqa: F401  (fixtures)
 
 OVER = MAX_ANSWER_BYTES + 16 * 2**20        # a worker's answer past the bound, by a margin
 

@@ -18,7 +18,6 @@ from disagg.e2e.testing import wait_for
 from disagg.router.service import REMOTE_DECODE
 from disagg.workers.command import build
 from disagg.workers.local import cpu_settings, metric_sum, scrape, wait_metric, worker
-from disagg.workers.testing import tiny_model, worker_python  # noqa: F401  (fixtures)
 
 PROMPT = "The quick brown fox jumps over the lazy dog " * 6     # several full 32-token blocks
 # the prefill's kv_lease_seconds: long enough that on a loaded host the read lands inside it (a

@@ -20,7 +20,6 @@ import pytest
 
 from disagg.workers.local import free_port, parse_metrics
 from disagg.e2e.testing import wait_for
-from disagg.workers.testing import tiny_model, worker_python  # noqa: F401  (fixtures)
 
 
 def _descendants(pid: int) -> set[int]:
