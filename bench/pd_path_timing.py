@@ -38,13 +38,12 @@ import time
 import urllib.request
 from pathlib import Path
 
+from disagg.router.handoff import REMOTE_DECODE   # what the router asks a prefill for
 from disagg.workers.envpath import worker_python
 from disagg.workers.local import free_port, metric_sum, pd_processes, scrape, start_pd, stop_all
 from disagg.workers.tinymodel import ensure
 
 LENGTHS = (16, 64, 128, 256, 400, 600, 800)
-REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-                 "remote_block_ids": None, "remote_host": None, "remote_port": None}   # router/service.py
 ENGINE_SUMS = {"ttft": "vllm:time_to_first_token_seconds_sum", "queue": "vllm:request_queue_time_seconds_sum",
                "prefill": "vllm:request_prefill_time_seconds_sum", "tpot": "vllm:request_time_per_output_token_seconds_sum"}
 # name -> both engines' worker settings (DISAGG_* variables) over the shipped ones
