@@ -28,6 +28,8 @@ class Plan:
     prefill: Worker | None
     prompt_tokens: int
     cached_tokens: int
+    # why: m.REASON_REMOTE with a prefill, else why the decode prefills itself (m.LOCAL_*)
+    reason: str = m.REASON_REMOTE
 
 
 @dataclass
@@ -40,6 +42,7 @@ class Route:
     prefill: str | None = None
     fallback: str | None = None
     revision: str | None = None     # the workers' KV revision (prefill and decode share it: pairing.py)
+    local_reason: str | None = None  # why the decode prefilled, on a local_prefill route (Plan.reason)
 
     def headers(self) -> dict[str, str]:
         h = {"x-disagg-path": self.path, "x-disagg-decode": self.decode}
@@ -47,6 +50,8 @@ class Route:
             h["x-disagg-prefill"] = self.prefill
         if self.fallback:
             h["x-disagg-fallback"] = self.fallback
+        if self.local_reason and self.path == m.PATH_LOCAL_PREFILL:
+            h["x-disagg-local-reason"] = self.local_reason
         if self.revision:
             h["x-disagg-revision"] = self.revision
         return h
@@ -108,12 +113,15 @@ class Decider:
         remote = bool(prefills) and mode != Disaggregation.NEVER
         if pair.refused and mode != Disaggregation.NEVER:
             self.metrics.pairing_refusals.labels(m.PAIRING_OTHER_REVISION).inc()
+        reason = m.LOCAL_NEVER if mode == Disaggregation.NEVER else m.LOCAL_NO_PREFILL
         if remote and mode == Disaggregation.CONDITIONAL:
             uncached = len(token_ids) - decode_overlap * bs
-            saturated = min(w.active for w in prefills) >= self.config.max_prefill_active
-            remote = uncached >= self.config.spec.local_prefill_threshold_tokens and not saturated
+            if uncached < self.config.spec.local_prefill_threshold_tokens:
+                remote, reason = False, m.LOCAL_SHORT
+            elif min(w.active for w in prefills) >= self.config.max_prefill_active:
+                remote, reason = False, m.LOCAL_SATURATED
         if not remote:
-            return Plan(decode, None, len(token_ids), min(decode_overlap * bs, len(token_ids)))
+            return Plan(decode, None, len(token_ids), min(decode_overlap * bs, len(token_ids)), reason)
         prefill, overlap = self.pick(ROLE_PREFILL, keys, workers=prefills)
         return Plan(decode, prefill, len(token_ids), min(overlap * bs, len(token_ids)))
 

@@ -134,7 +134,7 @@ class Router:
                 self.metrics.requests.labels(m.OUTCOME_NO_WORKERS, "none").inc()
                 raise
         route = Route(m.PATH_LOCAL_PREFILL, plan.decode.name, plan.prefill.name if plan.prefill else None,
-                      revision=plan.decode.revision)
+                      revision=plan.decode.revision, local_reason=plan.reason if plan.prefill is None else None)
         try:
             kv_params = await self.handoff.prefill(endpoint, plan, body, route)
             if self.needs_ids:

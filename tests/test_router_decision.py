@@ -11,7 +11,7 @@ from prometheus_client import generate_latest
 from disagg.api import metrics as m
 from disagg.api.names import ROLE_DECODE, ROLE_PREFILL
 from disagg.router.config import RouterConfig
-from disagg.router.decision import Decider
+from disagg.router.decision import Decider, Route
 from disagg.router.index import PrefixIndex, block_keys
 from disagg.router.metrics import RouterMetrics
 from disagg.router.pool import Pool
@@ -116,3 +116,22 @@ def test_the_decision_loads_no_http_client():
             "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_every_decision_says_why_the_decode_prefills_itself():
+    """Plan.reason, what a picker reports and the x-disagg-local-reason header of a local_prefill route."""
+    assert _decider(_workers("p0"), _workers("d0")).plan(PROMPT).reason == m.REASON_REMOTE
+    assert _decider(_workers("p0"), _workers("d0"), disaggregation="never").plan(PROMPT).reason == m.LOCAL_NEVER
+    assert _decider([], _workers("d0")).plan(PROMPT).reason == m.LOCAL_NO_PREFILL
+    d = _decider(_workers("p0"), _workers("d0"), disaggregation="conditional", localPrefillThresholdTokens=64)
+    assert d.plan(PROMPT[:40]).reason == m.LOCAL_SHORT
+    assert d.plan(PROMPT).reason == m.REASON_REMOTE
+    d.pool.workers[ROLE_PREFILL]["http://p0:8000"].active = d.config.max_prefill_active
+    plan = d.plan(PROMPT)
+    assert (plan.prefill, plan.reason) == (None, m.LOCAL_SATURATED)
+    # the header, on a local route only: a remote or fallback route says its own why
+    local = Route(m.PATH_LOCAL_PREFILL, "http://d0:8000", local_reason=m.LOCAL_SATURATED)
+    assert local.headers()["x-disagg-local-reason"] == m.LOCAL_SATURATED
+    moved = Route(m.PATH_FALLBACK, "http://d0:8000", "http://p0:8000", fallback="kv_transfer_failed",
+                  local_reason=None)
+    assert "x-disagg-local-reason" not in moved.headers()

@@ -224,6 +224,6 @@ def test_requests_through_the_router_pair_within_a_revision(tiny_model):
                             "x-disagg-prefill": urls["p-new"], "x-disagg-revision": "bbbb"}] * 4
     assert received["d-new"] == [{"from": "p-new"}] * 4
     assert headers[4] == {"x-disagg-path": "local_prefill", "x-disagg-decode": urls["d-old"],
-                          "x-disagg-revision": "aaaa"}
+                          "x-disagg-revision": "aaaa", "x-disagg-local-reason": m.LOCAL_NO_PREFILL}
     assert received["d-old"] == [None]
     assert metric_sum(parse_metrics(text), m.ROUTER_PAIRING_REFUSALS) == 1

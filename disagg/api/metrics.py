@@ -41,6 +41,13 @@ ROUTER_PAIRING_REFUSALS = "disagg_router_pairing_refusals_total"  # counter; lab
 PATH_REMOTE_PREFILL = "remote_prefill"
 PATH_LOCAL_PREFILL = "local_prefill"
 PATH_FALLBACK = "fallback"
+# why a request's decode prefills it itself (the x-disagg-local-reason header of a local_prefill route, and what
+# the routing decision says: router/decision.py Plan.reason); REASON_REMOTE when a prefill worker does it
+REASON_REMOTE = "remote"
+LOCAL_NEVER = "disaggregation_never"              # spec.router.disaggregation: never
+LOCAL_NO_PREFILL = "no_prefill"                   # no healthy prefill of the decode's KV revision
+LOCAL_SHORT = "short_uncached"                    # conditional: fewer uncached tokens than the threshold
+LOCAL_SATURATED = "prefill_saturated"             # conditional: every prefill at its active limit
 # outcomes (ROUTER_REQUESTS{outcome=...}) and fallback reasons (ROUTER_FALLBACKS{reason=...})
 OUTCOME_SUCCESS = "success"
 OUTCOME_CLIENT_ERROR = "client_error"
