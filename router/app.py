@@ -8,7 +8,6 @@ import time
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import ValidationError
 
 from disagg.api import metrics as m
 from disagg.api.contract import ROUTER_LIVE_PATH, ROUTER_READY_PATH
@@ -17,7 +16,8 @@ from . import errors
 from .auth import OPEN_PATHS, ApiKeys
 from .config import RouterConfig
 from .metrics import RouterMetrics
-from .protocol import ChatCompletionRequest, CompletionRequest, load_json
+from .body import parse_body
+from .protocol import ChatCompletionRequest, CompletionRequest
 from .service import Router
 
 log = logging.getLogger("disagg.router")
@@ -32,17 +32,6 @@ def _error(err: errors.RouterError) -> web.Response:
     elif isinstance(err, errors.Unauthorized):
         headers = {"WWW-Authenticate": "Bearer"}
     return web.json_response(errors.body(err), status=err.status, headers=headers)
-
-
-_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
-
-
-def _describe(e: ValidationError) -> errors.BadRequest:
-    """The first problem, as ``field.path: message`` (pydantic's union-member tags dropped)."""
-    first = e.errors()[0]
-    where = ".".join(str(p) for p in first["loc"]
-                     if not (isinstance(p, str) and (p in _UNION_TAGS or "-" in p or "[" in p)))
-    return errors.BadRequest(f"{where}: {first['msg']}" if where else first["msg"], param=where or None)
 
 
 @web.middleware
@@ -108,16 +97,7 @@ async def _parse(request: web.Request, model) -> tuple[object, dict]:
     except web.RequestPayloadError:        # a body aiohttp cannot decode
         raise errors.BadRequest("The request body could not be read: malformed chunked transfer encoding or "
                                 "a Content-Encoding the body does not have.") from None
-    try:
-        body = load_json(raw)
-    except ValueError as e:     # UnicodeDecodeError among them: not UTF-8
-        raise errors.BadRequest(f"The body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise errors.BadRequest("The body must be a JSON object.")
-    try:
-        return model.model_validate(body), body
-    except ValidationError as e:
-        raise _describe(e) from None
+    return parse_body(raw, model)
 
 
 class _EventStream(web.StreamResponse):
@@ -242,7 +222,10 @@ async def _metrics_site(router: Router, config: RouterConfig) -> web.AppRunner:
 
 
 def make_app(config: RouterConfig, tokenizer=None, router: Router | None = None,
-             discovery=None) -> web.Application:
+             discovery=None, picker_port: int | None = None, reuse_port: bool = False) -> web.Application:
+    """The router's HTTP app (the OpenAI API, probes, metrics); with ``picker_port``, also the endpoint
+    picker (:mod:`.extproc`: Envoy's ext_proc over gRPC) on that port, in the same event loop, over the
+    same workers, decision and admission."""
     if router is None:
         from .tokenizer import Tokenizer
 
@@ -268,7 +251,16 @@ def make_app(config: RouterConfig, tokenizer=None, router: Router | None = None,
         await router.start()
         reload = asyncio.create_task(keys.watch()) if keys is not None else None
         scrape = await _metrics_site(router, config) if config.metrics_port is not None else None
+        picker = None
+        if picker_port is not None:
+            from .extproc import serve
+            from .picker import Picker
+
+            picker = await serve(Picker(router, keys), config.host, picker_port, reuse_port)
         yield
+        if picker is not None:
+            picker.health_task.cancel()
+            await picker.stop(grace=None)
         if reload is not None:
             reload.cancel()
         if scrape is not None:

@@ -73,6 +73,11 @@ class RouterMetrics:
                                     "prompt was passed over because of the load-skew bound.", ["role"], registry=r)
         self.routing_seconds = Histogram(m.ROUTER_ROUTING_SECONDS, "Time to pick a worker (no tokenization).",
                                          ["policy", "role"], buckets=ROUTING_BUCKETS, registry=r)
+        self.picker_decision = Histogram(m.ROUTER_PICKER_DECISION_SECONDS, "Picker mode: time from a request's "
+                                         "body to its destination (parse, tokenize, plan; a prefill's wait is "
+                                         "not in it).", ["kind"], buckets=ROUTING_BUCKETS, registry=r)
+        self.picker_streams = Gauge(m.ROUTER_PICKER_STREAMS, "Picker mode: the gateway's ext_proc streams open.",
+                                    registry=r)
         self.prompt_tokens = Counter(m.ROUTER_PROMPT_TOKENS, "Prompt tokens routed.", registry=r)
         self.cached_prompt_tokens = Counter(m.ROUTER_CACHED_PROMPT_TOKENS,
                                             "Prompt tokens the chosen prefilling worker already held.",

@@ -147,17 +147,18 @@ class Routers:
 
     @contextmanager
     def serving(self, tokenizer: str, logs: Path, decode: Sequence, prefill: Sequence = (), name: str = "router",
-                spec: dict[str, Any] | None = None, **extra: Any) -> Iterator:
+                spec: dict[str, Any] | None = None, args: Sequence[str] = (), **extra: Any) -> Iterator:
         """A router in front of started upstreams (:meth:`upstream`), yielded once it and they answer
         /health; it and they are stopped afterwards (all at once), whatever happened. Its configuration
-        is ``logs/<name>.json``, its log ``logs/<name>.log``."""
+        is ``logs/<name>.json``, its log ``logs/<name>.log``; ``args``: more command-line arguments
+        (``--mode picker --grpc-port N``)."""
         from disagg.workers.local import free_port, router, stop_all
 
         port = free_port()
         path = logs / f"{name}.json"
         path.write_text(json.dumps(self.config(tokenizer, port, [u.url for u in decode], [u.url for u in prefill],
                                                spec, **extra)))
-        r = router(path, port, logs)
+        r = router(path, port, logs, *args)
         r.name, r.log_path = name, logs / f"{name}.log"
         try:
             r.start()

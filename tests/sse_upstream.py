@@ -13,7 +13,8 @@ SSE_EXIT_AFTER_PREFILL=1: the process then dies (a prefill lost after it answere
 request handed remote KV gets nothing (streamed: the headers, no event), as a decode waiting for KV from a
 hung prefill; without KV it serves. Either set to `continuation` applies only to requests whose prompt is
 token ids (a router's continuation of a cut stream). SSE_END_DELAY=S: the chunked body ends S seconds after [DONE].
-GET /stats: how many connections streams came on.
+GET /stats: how many connections streams came on, and how many prefills, decodes with a prefill's KV and
+decodes without it were served.
 """
 
 import asyncio
@@ -37,6 +38,8 @@ END_DELAY = float(os.environ.get("SSE_END_DELAY", "0"))
 # the client ends (host, port) of the connections streams came on: GET /stats says how many there were
 # (a router that pools its connections to workers sends many streams on one)
 STREAM_PEERS: set = set()
+# requests by kind: prefills answered, and decodes that came with a prefill's KV (GET /stats)
+SERVED = {"prefills": 0, "remote_kv_decodes": 0, "local_decodes": 0}
 
 
 def chunk(i: int, chat: bool, text: str | None, finish: str | None = None, ids: bool = False,
@@ -60,7 +63,10 @@ async def generate(request: web.Request) -> web.StreamResponse:
     chat = request.path.endswith("/chat/completions")
     kv = body.get("kv_transfer_params") or {}
     continuation = isinstance(body.get("prompt"), list)
+    if not kv.get("do_remote_decode"):
+        SERVED["remote_kv_decodes" if kv.get("remote_engine_id") else "local_decodes"] += 1
     if kv.get("do_remote_decode"):
+        SERVED["prefills"] += 1
         if _applies(os.environ.get("SSE_EXIT_AFTER_PREFILL"), continuation):
             asyncio.get_running_loop().call_later(0.2, os._exit, 0)
         return web.json_response({"id": "p", "object": "text_completion", "model": "tiny",
@@ -104,7 +110,7 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def stats(request: web.Request) -> web.Response:
-    return web.json_response({"stream_connections": len(STREAM_PEERS)})
+    return web.json_response({"stream_connections": len(STREAM_PEERS), **SERVED})
 
 
 app = web.Application()

@@ -47,9 +47,11 @@ def scrape(url: str, timeout: float = 30) -> dict[str, float]:
         return parse_metrics(r.read().decode())
 
 
-def metric_sum(samples: dict[str, float], name: str) -> float:
-    """Sum of every series of ``name`` (all label sets)."""
-    return sum(v for k, v in samples.items() if k == name or k.startswith(name + "{"))
+def metric_sum(samples: dict[str, float], name: str, **labels: str) -> float:
+    """Sum of every series of ``name`` (all label sets, or those carrying every one of ``labels``)."""
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    return sum(v for k, v in samples.items()
+               if (k == name or k.startswith(name + "{")) and all("{" + w in k or "," + w in k for w in want))
 
 
 def wait_metric(url: str, name: str, at_least: float, timeout: float = 30) -> float:
@@ -212,8 +214,8 @@ def kv_revision(prefill: WorkerSettings, decode: WorkerSettings, python: str) ->
                     roles=roles, engine_args=shared)
 
 
-def router(config_path: Path, port: int, log_dir: Path) -> LocalProcess:
-    return LocalProcess("router", [sys.executable, "-P", "-m", "disagg.router", "--config", str(config_path)],
+def router(config_path: Path, port: int, log_dir: Path, *args: str) -> LocalProcess:
+    return LocalProcess("router", [sys.executable, "-P", "-m", "disagg.router", "--config", str(config_path), *args],
                         {}, f"http://127.0.0.1:{port}", log_dir)
 
 

@@ -36,6 +36,10 @@ ROUTER_MIGRATIONS = "disagg_router_migrations_total"                # counter; l
 ROUTER_AUTH_FAILURES = "disagg_router_auth_failures_total"          # counter; labels: reason (401s: never in ROUTER_REQUESTS, whose rate the planner reads as load)
 ROUTER_API_KEYS = "disagg_router_api_keys"                          # gauge: API keys loaded (spec.router.auth)
 ROUTER_PAIRING_REFUSALS = "disagg_router_pairing_refusals_total"  # counter; labels: reason (a request not paired with a prefill of another KV revision)
+# picker mode (spec.router.mode: picker): the gateway carries the bytes, the router answers where they go
+ROUTER_PICKER_DECISION_SECONDS = "disagg_router_picker_decision_seconds"  # histogram; labels: kind (plan: an OpenAI request parsed, tokenized and planned, before any prefill; other: any other path)
+ROUTER_PICKER_STREAMS = "disagg_router_picker_streams"              # gauge: the gateway's ext_proc streams open now
+OUTCOME_UNANSWERED = "unanswered"                 # picker mode: the gateway's stream ended before the decode answered
 
 # request paths (label values of ROUTER_REQUESTS{path=...})
 PATH_REMOTE_PREFILL = "remote_prefill"
