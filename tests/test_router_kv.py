@@ -58,7 +58,7 @@ def workers(tiny_model, worker_python, tmp_path_factory):
 def start_router(workers, tiny_model, tmp_path):
     started = []
 
-    def start(policy: str, max_load_skew: float = 2.0):
+    def start(policy: str, max_load_skew: float = 2.0, args: tuple[str, ...] = ()):
         port = free_port()
         cfg = {"model": "tiny", "tokenizer": tiny_model, "block_size": 32, "max_model_len": MAX_MODEL_LEN, "port": port,
                "host": "127.0.0.1", "spec": {"policy": policy, "disaggregation": "never",
@@ -67,7 +67,7 @@ def start_router(workers, tiny_model, tmp_path):
                           for p, env in workers]}
         path = tmp_path / f"router-{policy}.json"
         path.write_text(json.dumps(cfg))
-        p = router(path, port, tmp_path).start()
+        p = router(path, port, tmp_path, *args).start()
         started.append(p)
         p.wait_ready(path="/v1/models", timeout=60)
         return p
@@ -369,3 +369,37 @@ def test_sigterm_drains_in_flight_requests(workers):
     finish_reasons = [c.choices[0].finish_reason for c in result["chunks"] if c.choices]
     # all 300 tokens (a slow stream may carry several tokens in one chunk)
     assert finish_reasons[-1] == "length" and result["chunks"][-1].usage.completion_tokens == 300 and text
+
+
+def test_through_envoy_the_picker_sends_a_shared_prefix_to_the_worker_that_holds_it(workers, start_router,
+                                                                                   tmp_path):
+    """Picker mode behind a real Envoy, the same two engines: the first request of a long prefix lands on
+    some worker; once that worker's KV events reach the picker's index, every request sharing the prefix
+    goes to it (the x-disagg-decode header Envoy passes on), and the worker computes only their new tokens."""
+    from disagg.e2e.gateway import Envoy
+
+    grpc_port = free_port()
+    r = start_router("kv-aware", args=("--mode", "picker", "--grpc-port", str(grpc_port)))
+    pool = [p.url.removeprefix("http://") for p, _ in workers]
+    with Envoy(tmp_path / "envoy", port=free_port(), admin_port=free_port(), picker=f"127.0.0.1:{grpc_port}",
+               pool=pool) as envoy:
+        client = OpenAI(base_url=f"{envoy.url}/v1", api_key="unused", max_retries=0)
+        rng = random.Random(11)
+        for group in range(2):
+            prefix = _prefix(rng)
+            indexed = metric_sum(scrape(r.url), m.ROUTER_INDEXED_BLOCKS)
+            first = client.completions.with_raw_response.create(model="tiny", prompt=f"{prefix} first?",
+                                                                max_tokens=2, temperature=0)
+            holder = first.headers["x-disagg-decode"]
+            wait_for(lambda: metric_sum(scrape(r.url), m.ROUTER_INDEXED_BLOCKS) > indexed, 60,
+                     "the first request's blocks in the picker's index (the worker's KV events)")
+            before = _computed_prefill_tokens(workers)
+            for i in range(4):
+                raw = client.completions.with_raw_response.create(model="tiny", prompt=f"{prefix} q{group}-{i}?",
+                                                                  max_tokens=2, temperature=0)
+                assert raw.headers["x-disagg-decode"] == holder, (group, i)
+                assert raw.parse().choices[0].text is not None
+            # the shared prefix came from the cache: each request computed its few new tokens, not the prefix
+            computed = _computed_prefill_tokens(workers) - before
+            prefix_tokens = len(prefix.split())
+            assert computed < 4 * prefix_tokens / 2, (computed, prefix_tokens)
