@@ -27,7 +27,7 @@ GEMM_OPS = {"attn_pre_proj": "qkv", "attn_post_proj": "o", "mlp_up_proj": "gate_
 PREFILL_TOKENS = 1024
 DECODE_TOKENS = 64
 SOURCE = {"source": "Vidur H100 profiling (github.com/microsoft/vidur data/profiling, commit "
-                    "7d47513363ec447a741ac5e47241580b47724fbf, MIT): per-layer GEMM medians, DGX H100 all-reduce medians"}
+                    "7d47513363ec447a741ac5e47241580b47724fbf, MIT): per-layer GEMM medians, DGX H100 all-reduce and send/recv medians"}
 # the shipped subset: these token counts, every tenth all-reduce size
 SHIPPED_TOKENS = (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
 
@@ -61,6 +61,15 @@ def allreduce_rows(root: Path, topology: str = "h100_dgx") -> Iterator[dict[str,
                    "seconds": float(row["time_stats.all_reduce.median"]) / 1000}
 
 
+def sendrecv_rows(root: Path, topology: str = "h100_dgx") -> Iterator[dict[str, Any]]:
+    """Every measured send/recv between two GPUs: ``{crossNode, bytes, seconds}`` (the median). Vidur's
+    ``devices_per_node`` 1 puts the two ranks on two nodes (the network), 2 on one node (NVLink)."""
+    with (root / "network" / f"{topology}.send_recv.csv").open() as f:
+        for row in csv.DictReader(f):
+            yield {"crossNode": int(row["devices_per_node"]) == 1, "bytes": 2 * int(row["size"]),
+                   "seconds": float(row["time_stats.send_recv.median"]) / 1000}
+
+
 def _phase(m: int) -> str:
     return "prefill" if m >= PREFILL_TOKENS else "decode" if m <= DECODE_TOKENS else "ridge"
 
@@ -77,9 +86,10 @@ def read_vidur(root: Path, models: set[str] | None = None, tokens: set[int] | No
     gemm = [_gemm_point(g) for g in gemm_rows(root)
             if (models is None or g["model"] in models) and (tokens is None or g["m"] in tokens)]
     ar = [p for i, p in enumerate(allreduce_rows(root)) if i % allreduce_every == 0]
+    sr = [p for i, p in enumerate(sendrecv_rows(root)) if i % allreduce_every == 0]
     return Calibration("H100-SXM", "NVIDIA H100 80GB HBM3 (Vidur's DGX H100)",
                        "Vidur commit 7d47513 or before", 2, tuple(gemm), (),
-                       dict(SOURCE), tuple(ar))
+                       dict(SOURCE), tuple(ar), tuple(sr))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -68,6 +68,34 @@ class ModelShape:
     params: float
     dtype_bytes: int = 2
     attention_head_dim: int = 0   # config.json head_dim when it is not hidden / heads (Qwen3); 0: hidden / heads
+    # mixture of experts (0: a dense model): routed experts, how many each token uses, each expert's FFN width,
+    # shared experts every token uses, the first layers that are dense instead (DeepSeek's first_k_dense_replace)
+    experts: int = 0
+    experts_active: int = 0
+    expert_intermediate: int = 0
+    shared_experts: int = 0
+    dense_layers: int = 0
+    active_params: float = 0.0    # parameters one token uses (MoE); 0: all of them
+    kv_latent: int = 0            # MLA: the cached width per layer and token (kv_lora_rank + rope dim); 0: K and V heads
+    kv_dtype_bytes: int = 0       # KV cache element width when it differs from the weights' (FP8 weights, BF16 KV)
+
+    @property
+    def moe(self) -> bool:
+        return self.experts > 0
+
+    @property
+    def moe_layers(self) -> int:
+        return self.layers - self.dense_layers if self.moe else 0
+
+    @property
+    def expert_params(self) -> float:
+        """Parameters of one routed expert (gate, up and down projections)."""
+        return 3.0 * self.hidden * self.expert_intermediate
+
+    @property
+    def routed_params(self) -> float:
+        """Parameters of every routed expert of every MoE layer (what expert parallel spreads over GPUs)."""
+        return self.moe_layers * self.experts * self.expert_params
 
     @property
     def head_dim(self) -> int:
@@ -80,8 +108,9 @@ class ModelShape:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """K and V, every layer, every KV head."""
-        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+        """K and V, every layer, every KV head (MLA: the latent, every layer)."""
+        width = self.kv_latent or 2 * self.kv_heads * self.head_dim
+        return self.layers * width * (self.kv_dtype_bytes or self.dtype_bytes)
 
     @property
     def weight_bytes(self) -> float:
@@ -89,8 +118,10 @@ class ModelShape:
 
     @property
     def matmul_flops_per_token(self) -> float:
-        """2 FLOPs per weight per token, less the embedding lookup (no FLOPs)."""
-        return 2.0 * max(self.params - self.vocab * self.hidden, self.params / 2)
+        """2 FLOPs per weight per token, less the embedding lookup (no FLOPs); a MoE token only through its
+        active parameters."""
+        used = self.active_params or self.params
+        return 2.0 * max(used - self.vocab * self.hidden, used / 2)
 
     def layer_gemms(self, tp: int = 1) -> list[tuple[str, int, int]]:
         """``(op, k, n)`` of one layer's GEMMs on one TP rank: column-parallel QKV and gate+up,
@@ -158,7 +189,12 @@ def model(name: str) -> ModelShape:
     s = specs[name]
     return ModelShape(name, int(s["layers"]), int(s["hidden"]), int(s["heads"]), int(s["kv_heads"]),
                       int(s["intermediate"]), int(s["vocab"]), float(s["params"]), int(s.get("dtype_bytes", 2)),
-                      int(s.get("head_dim", 0)))
+                      int(s.get("head_dim", 0)), experts=int(s.get("experts", 0)),
+                      experts_active=int(s.get("experts_active", 0)),
+                      expert_intermediate=int(s.get("expert_intermediate", 0)),
+                      shared_experts=int(s.get("shared_experts", 0)), dense_layers=int(s.get("dense_layers", 0)),
+                      active_params=float(s.get("active_params", 0.0)), kv_latent=int(s.get("kv_latent", 0)),
+                      kv_dtype_bytes=int(s.get("kv_dtype_bytes", 0)))
 
 
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "fp8": 1}
@@ -342,6 +378,8 @@ class Calibration:
     attention: tuple[dict[str, Any], ...]
     source: dict[str, Any] = field(default_factory=dict, compare=False)
     allreduce: tuple[dict[str, Any], ...] = ()   # {workers, bytes, seconds}: one all-reduce across the group
+    # {crossNode, bytes, seconds}: one send/recv between two GPUs, over NVLink (crossNode false) or the network
+    sendrecv: tuple[dict[str, Any], ...] = ()
 
     # -- per-kernel fits (what PerfModel.gemm_time and allreduce_time use) ----------------------------
     @cached_property
@@ -384,6 +422,31 @@ class Calibration:
             a, c = _lstsq_nonneg([[1.0 / t, x / t] for x, t in big], [1.0] * len(big))
             out[w] = (floor, a, c)
         return out
+
+    @cached_property
+    def sendrecv_coef(self) -> dict[bool, tuple[float, float, float]]:
+        """Per path (True: between nodes, over the network; False: inside a node, over NVLink):
+        ``(floor, a, c)`` of ``t = max(floor, a + bytes*c)``, fitted as :attr:`allreduce_coef`."""
+        out: dict[bool, tuple[float, float, float]] = {}
+        for cross in (False, True):
+            pts = sorted((float(p["bytes"]), float(p["seconds"])) for p in self.sendrecv
+                         if bool(p["crossNode"]) == cross and float(p["seconds"]) > 0)
+            if len(pts) < 3:
+                continue
+            small = sorted(t for _, t in pts[:max(len(pts) // 10, 1)])
+            floor = small[len(small) // 2]
+            big = [(x, t) for x, t in pts if t >= 1.5 * floor] or pts[-max(len(pts) // 4, 1):]
+            a, c = _lstsq_nonneg([[1.0 / t, x / t] for x, t in big], [1.0] * len(big))
+            out[cross] = (floor, a, c)
+        return out
+
+    def sendrecv_seconds(self, nbytes: float, cross_node: bool) -> float | None:
+        """One send/recv of ``nbytes`` between two GPUs; None if that path was not measured."""
+        coef = self.sendrecv_coef.get(bool(cross_node))
+        if coef is None:
+            return None
+        floor, a, c = coef
+        return max(floor, a + nbytes * c) if nbytes > 0 else 0.0
 
     def allreduce_seconds(self, workers: int, nbytes: float) -> float | None:
         """One all-reduce of ``nbytes`` across ``workers`` GPUs; None if no group of that size was measured."""
@@ -433,7 +496,8 @@ class Calibration:
     def to_dict(self) -> dict[str, Any]:
         return {**self.source, "gpu": self.gpu, "device": self.device, "measuredAt": self.measured_at,
                 "dtypeBytes": self.dtype_bytes, "gemm": list(self.gemm), "attention": list(self.attention),
-                **({"allreduce": list(self.allreduce)} if self.allreduce else {})}
+                **({"allreduce": list(self.allreduce)} if self.allreduce else {}),
+                **({"sendrecv": list(self.sendrecv)} if self.sendrecv else {})}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Calibration:
@@ -442,8 +506,8 @@ class Calibration:
             raise ValueError(f"calibration file lacks {', '.join(missing)} (which GPU, and when)")
         return cls(str(d["gpu"]), str(d.get("device", "")), str(d["measuredAt"]), int(d.get("dtypeBytes", 2)),
                    tuple(dict(g) for g in d.get("gemm", ())), tuple(dict(a) for a in d.get("attention", ())),
-                   {k: v for k, v in d.items() if k not in ("gemm", "attention", "allreduce")},
-                   tuple(dict(a) for a in d.get("allreduce", ())))
+                   {k: v for k, v in d.items() if k not in ("gemm", "attention", "allreduce", "sendrecv")},
+                   tuple(dict(a) for a in d.get("allreduce", ())), tuple(dict(a) for a in d.get("sendrecv", ())))
 
     @classmethod
     def load(cls, path: str | Path) -> Calibration:
@@ -548,6 +612,22 @@ class PerfModel:
             return 0.0
         return self.eff.tp_allreduce_latency_seconds + 2.0 * (w - 1) / w * nbytes / (self.hw.nvlink_bandwidth * 0.8)
 
+    def p2p_time(self, nbytes: float, cross_node: bool = False, link: Interconnect | None = None) -> float:
+        """One send/recv of ``nbytes`` between two GPUs (a pipeline stage's activations, a KV shard): inside
+        a node (or NVLink domain) over NVLink, else over the network ``link`` (the model's by default).
+        Measured where the calibration has that path (NCCL's send/recv on a DGX H100, inside it and between
+        two of them), else the data sheet: the link's latency plus the bytes at its efficiency."""
+        if nbytes <= 0:
+            return 0.0
+        if self.calibration is not None and link is None:
+            t = self.calibration.sendrecv_seconds(nbytes, cross_node)
+            if t is not None:
+                return t
+        if cross_node:
+            net = link or self.link
+            return net.latency_seconds + nbytes / (net.bandwidth * net.efficiency)
+        return self.eff.tp_allreduce_latency_seconds + nbytes / (self.hw.nvlink_bandwidth * 0.8)
+
     # -- tensor parallelism ------------------------------------------------
     def tp_comm_time(self, tokens: float) -> float:
         """Two all-reduces per layer of ``tokens`` x hidden 16-bit activations across the TP group: vLLM's
@@ -572,9 +652,10 @@ class PerfModel:
                 + self.shape.attention_flops(new_tokens, cached_tokens))
 
     def prefill_floor(self, batch: Sequence[tuple[float, float]]) -> float:
-        """Physical lower bound: all FLOPs at TP x peak, weights read once at TP x HBM bandwidth."""
+        """Physical lower bound: all FLOPs at TP x peak; weights read once, the cached KV read and the new KV
+        written, at TP x HBM bandwidth."""
         flops = sum(self.prefill_flops(n, c) for n, c in batch)
-        reads = self.shape.weight_bytes + self.shape.kv_bytes_per_token * sum(c for _, c in batch)
+        reads = self.shape.weight_bytes + self.shape.kv_bytes_per_token * sum(n + c for n, c in batch)
         return max(flops / (self.tp * self.hw.flops), reads / (self.tp * self.hw.hbm_bandwidth))
 
     def prefill_time(self, batch: Sequence[tuple[float, float]]) -> float:
@@ -589,7 +670,7 @@ class PerfModel:
                 self.tp * self.hw.flops * self.eff.prefill_mfu)
         else:
             flops = sum(self.prefill_flops(n, c) for n, c in batch)
-            reads = self.shape.weight_bytes + self.shape.kv_bytes_per_token * sum(c for _, c in batch)
+            reads = self.shape.weight_bytes + self.shape.kv_bytes_per_token * sum(n + c for n, c in batch)
             est = max(flops / (self.tp * self.hw.flops * self.eff.prefill_mfu),
                       reads / (self.tp * self.hw.hbm_bandwidth * self.eff.decode_mbu)) + self.eff.step_overhead_seconds
         comm = self.tp_comm_time(sum(n for n, _ in batch))

@@ -21,9 +21,10 @@ what that means for a deployment under load, and it is the only place that does:
   cache allow; requests in flight by Little's law, plus a Poisson margin at the percentile.
 * **Utilisation caps**: no prefill queue is planned above :data:`PREFILL_MAX_UTILIZATION`, no decode
   batch above :data:`DECODE_MAX_UTILIZATION` of its limit.
-* **TP communication** is in every step (:meth:`.model.PerfModel.tp_comm_time`); **KV transfer** runs
-  over ``min(prefill TP, decode TP)`` links in parallel (each prefill rank sends its shard; a narrower
-  decode side receives on fewer). A profile that measured the P/D path through the router replaces it
+* **TP communication** is in every step (:meth:`.model.PerfModel.tp_comm_time`); **KV transfer** is
+  charged per rank (:func:`.parallel.kv_transfer_seconds`): each rank has its own link, the slowest
+  rank's bytes over it plus a latency per read (prefill TP 2 -> decode TP 1: the decode rank reads both
+  shards over its one link; TP 1 -> TP 2: the prefill rank's link sends both halves). A profile that measured the P/D path through the router replaces it
   with the measured **hand-off** (router hops, KV pull, the frontends between). It adds to TTFT and not to
   any prefill queue's utilisation. The simulator also queues it, one hand-off at a time per serving decode
   replica (a burst's prompts reach decode one after another: measured on a CPU pair, 2026-12-04); this
@@ -167,8 +168,11 @@ def kv_transfer_time(prefill: PerfModel, tokens: float, decode_tp: int | None = 
     taking it: the KV cache over the link, or, where the prefill profile measured the P/D path through
     the router, that hand-off (:meth:`.model.PerfModel.handoff_time`). The planner, the configurator
     and the simulator all charge it here."""
-    lanes = min(prefill.tp, decode_tp or prefill.tp)
-    return prefill.handoff_time(tokens, parallel_links=lanes)
+    from .parallel import kv_transfer_seconds   # the per-rank charge between heterogeneous layouts
+
+    wire = kv_transfer_seconds(prefill.shape, tokens, prefill.tp, decode_tp or prefill.tp, prefill.link)
+    measured = prefill.profile.handoff_base if prefill.profile is not None else None
+    return wire if measured is None else max(measured, wire)
 
 
 def prefill_work(model: PerfModel, mix: PromptMix, prefix_hit: float = 0.0,
