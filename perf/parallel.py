@@ -379,3 +379,107 @@ def group_startup(pod_startups: list[float] | tuple[float, ...]) -> float:
     (``workers/leader.py``, vLLM's torch.distributed group), so a group's start-up is the largest of its
     pods'."""
     return max(pod_startups) if pod_startups else 0.0
+
+
+# ---------------------------------------------------------------- published large-scale results
+
+@dataclass(frozen=True)
+class Published:
+    """A published throughput per node, the setup it was measured on, and the model's figure for it."""
+
+    name: str
+    source: str
+    published: float          # tokens/s per node
+    model: float              # the model's tokens/s per node for the same setup
+    assumptions: tuple[str, ...]
+
+    @property
+    def ratio(self) -> float:
+        return self.model / self.published
+
+
+DEEPSEEK = "deepseek-ai/DeepSeek-V3"
+# DeepSeek's day-6 overview, 24 h of production: 608B input tokens (56.3% cache hits), 168B output tokens,
+# average KV length per output token 4,989, average output speed 20-22 tokens/s, peak 278 nodes, mean 226.75
+DS_CACHE_HIT = 0.563
+DS_PROMPT = 4384          # I + O/2 = 4,989 with I/O = 608/168: I = 4,384, O = 1,211
+DS_SPEED = 21.0           # tokens/s per request, the middle of 20-22
+DS_MTP = 1.8              # tokens per decode step: 1 + the second token's acceptance (V3 report: 85-90%)
+DS_LOAD = 0.9 * 226.75 / 278   # prefill node-average busy share (see published_checks)
+
+
+def _deepseek(gpu_name: str, ranks: int, mtp: float = 1.0) -> ReplicaModel:
+    lay = Layout(tensor=1, data=ranks, expert=True, pods=ranks // 8)
+    return ReplicaModel.of(DEEPSEEK, gpu_name, lay, Fabric(8, 8, interconnect("infiniband-ndr")), precision="fp8",
+                           redundant_experts=32, mtp_tokens=mtp)
+
+
+def decode_batch_at_speed(m: ReplicaModel, context: float, speed: float) -> float:
+    """The requests per GPU at which each request sees ``speed`` tokens/s (bisection; speed falls with batch)."""
+    lo, hi = 1.0, 4096.0
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if m.moe_decode_speed(mid, context) > speed else (lo, mid)
+    return lo
+
+
+def published_checks() -> list[Published]:
+    """The two published large-scale deployments of DeepSeek-V3 (four figures), each with the setup as its
+    source gives it and every assumption the model adds."""
+    common = ("DeepSeek-V3 671B (37B active), FP8 GEMMs and dispatch, BF16 attention and combine",
+              "data-sheet efficiencies (MFU 0.5, MBU 0.7, 3 ms a step), no calibration (FP8)",
+              "32 redundant experts (EPLB), residual expert skew 1.10 x the Poisson maximum",
+              "two micro-batches overlapped, hiding half of the shorter of compute and all-to-all",
+              "one 400 Gb/s InfiniBand NIC per GPU at 85%, NVLink inside each 8-GPU node")
+    out = []
+    m = _deepseek("H800-SXM", 32)
+    cached = DS_PROMPT * DS_CACHE_HIT
+    computed = m.moe_prefill_throughput(16384, DS_PROMPT, cached) * 8
+    out.append(Published(
+        "DeepSeek prefill, input tokens/s per H800 node (cache hits included)",
+        "DeepSeek open-source week day 6, 'DeepSeek-V3/R1 Inference System Overview' (2025-03-01)",
+        73.7e3, computed / (1 - DS_CACHE_HIT) * DS_LOAD,
+        common + ("EP32 / DP32 attention, 4 nodes per prefill unit (as published)",
+                  f"prompt {DS_PROMPT} tokens, {DS_CACHE_HIT:.1%} of them cached (published 608B input, 168B "
+                  "output, 4,989 KV tokens per output token: I + O/2 = 4,989, I/O = 3.62)",
+                  "16,384 prompt tokens per GPU a step (DeepSeek's profile-data batch)",
+                  f"nodes busy {DS_LOAD:.2f} of the day on average: the serving model's prefill cap 0.9 x "
+                  "226.75 / 278 (mean over peak nodes); at full load the model gives "
+                  f"{computed / (1 - DS_CACHE_HIT) / 1e3:.0f}k (the weakest assumption)")))
+    m = _deepseek("H800-SXM", 144, DS_MTP)
+    batch = decode_batch_at_speed(m, 4989, DS_SPEED)
+    out.append(Published(
+        "DeepSeek decode, output tokens/s per H800 node",
+        "DeepSeek open-source week day 6, 'DeepSeek-V3/R1 Inference System Overview' (2025-03-01)",
+        14.8e3, m.moe_decode_throughput(batch, 4989) * 8,
+        common + ("EP144 / DP144 attention, 18 nodes per decode unit (as published)",
+                  "context 4,989 tokens (published average KV length per output token)",
+                  f"MTP: 2 tokens through the model per request a step, {DS_MTP} emitted",
+                  f"batch {batch:.0f} requests per GPU: where the model's per-request speed is the published "
+                  f"20-22 tokens/s ({DS_SPEED:g})")))
+    m = _deepseek("H100-SXM", 32)
+    out.append(Published(
+        "SGLang prefill, input tokens/s per H100 node, 2,000-token prompts",
+        "LMSYS blog 'Deploying DeepSeek with PD Disaggregation and Large-scale Expert Parallelism on 96 H100 "
+        "GPUs' (2025-05-05)",
+        52.3e3, m.moe_prefill_throughput(16384, 2000) * 8,
+        common + ("4 nodes x 8 H100, EP32 / DP32 attention (as published), no cache hits",
+                  "16,384 prompt tokens per GPU a step (the blog's prefill batch)",
+                  "the headline 52.3k (the blog's 2K bar reads 54.5k)")))
+    m = _deepseek("H100-SXM", 72)
+    out.append(Published(
+        "SGLang decode, output tokens/s per H100 node, 2,000-token inputs",
+        "LMSYS blog 'Deploying DeepSeek with PD Disaggregation and Large-scale Expert Parallelism on 96 H100 "
+        "GPUs' (2025-05-05)",
+        22.3e3, m.moe_decode_throughput(256, 2000) * 8,
+        common + ("9 nodes x 8 H100, EP72 / DP72 attention (as published)",
+                  "256 requests per GPU, 2,000 tokens of KV each (as published), no MTP")))
+    return out
+
+
+if __name__ == "__main__":   # python -m disagg.perf.parallel: the table perf/README.md carries
+    print("| published | figure | model | model / published | assumptions |")
+    print("|---|---|---|---|---|")
+    for p in published_checks():
+        print(f"| {p.name} ({p.source}) | {p.published / 1e3:.1f}k | {p.model / 1e3:.1f}k | {p.ratio:.2f} | "
+              + "; ".join(p.assumptions) + " |")
