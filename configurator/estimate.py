@@ -33,7 +33,7 @@ from disagg.perf import model as pm
 from disagg.perf import serving
 from disagg.perf.serving import queue_wait
 
-TP_SIZES = (1, 2, 4, 8, 16)
+TP_SIZES = (1, 2, 4, 8, 16, 32, 64)
 BATCHES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 CHUNKS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768)   # aggregated prefill chunk budgets tried
 
@@ -58,6 +58,12 @@ class Inputs:
     max_tp: int = 8
     calibration: str | None = None
     profile: str | None = None
+    gpus_per_node: int = 8        # GPUs of one node: a pod takes at most these; a wider replica spans pods
+    domain_gpus: int = 0          # GPUs of one NVLink domain (0: one node): tensor parallel never leaves it
+
+    @property
+    def domain(self) -> int:
+        return self.domain_gpus or self.gpus_per_node
 
     def __post_init__(self) -> None:
         problems = []
@@ -73,6 +79,8 @@ class Inputs:
             problems.append("prefix-reuse must be in [0, 1)")
         if self.max_batch < 1 or self.max_batched_tokens < 1 or self.max_tp < 1:
             problems.append("max-batch, max-batched-tokens and max-tp must be at least 1")
+        if self.gpus_per_node < 1 or (self.domain_gpus and self.domain_gpus % self.gpus_per_node):
+            problems.append("gpus-per-node must be at least 1 and domain-gpus whole nodes of them")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -84,7 +92,8 @@ class Inputs:
         if unknown:
             raise ValueError(f"unknown inputs: {', '.join(sorted(unknown))}")
         kinds = {"gpus": int, "isl": int, "osl": int, "ttft_ms": float, "itl_ms": float, "percentile": float,
-                 "prefix_reuse": float, "max_batch": int, "max_batched_tokens": int, "max_tp": int}
+                 "prefix_reuse": float, "max_batch": int, "max_batched_tokens": int, "max_tp": int,
+                 "gpus_per_node": int, "domain_gpus": int}
         out: dict[str, Any] = {}
         for k, v in d.items():
             if v is None or v == "":
@@ -185,11 +194,15 @@ class Setup:
         return base.corrected(ps, ds)
 
     def tp_sizes(self) -> list[int]:
-        """TP sizes whose shards divide the heads, fit a node, and leave KV room for one full request."""
+        """TP sizes whose shards divide the heads, stay inside one NVLink domain (a TP wider than a node spans
+        whole-node pods: ``podsPerReplica``), and leave KV room for one full request."""
         out = []
         need = self.inputs.isl + self.inputs.osl
+        node = self.inputs.gpus_per_node
         for tp in TP_SIZES:
-            if tp > min(self.inputs.max_tp, self.inputs.gpus) or self.shape.heads % tp:
+            if tp > min(self.inputs.max_tp, self.inputs.gpus, self.inputs.domain) or self.shape.heads % tp:
+                continue
+            if tp > node and tp % node:
                 continue
             if self.model(tp).kv_capacity_tokens() >= need:
                 out.append(tp)
@@ -229,6 +242,19 @@ class Estimate:
     decode_bytes_per_gpu: float   # achieved HBM bytes/s on a GPU that decodes
     chunk_tokens: int = 0         # aggregated: prefill chunk budget a step (--max-num-batched-tokens)
     meets_slo: bool = False
+    gpus_per_node: int = 8        # a replica wider than this spans whole-node pods (tensor parallel across them)
+
+    def pods(self, tp: int) -> int:
+        """Pods of one replica of TP ``tp``: one, or whole nodes of ``gpus_per_node`` GPUs."""
+        return max(1, -(-tp // self.gpus_per_node)) if tp else 0
+
+    @property
+    def prefill_pods(self) -> int:
+        return self.pods(self.prefill_tp)
+
+    @property
+    def decode_pods(self) -> int:
+        return self.pods(self.decode_tp)
 
     @property
     def unit_gpus(self) -> int:
@@ -238,16 +264,22 @@ class Estimate:
     def gpus(self) -> int:
         return self.unit_gpus * self.replicas
 
+    def _tp(self, tp: int) -> str:
+        pods = self.pods(tp)
+        return f"TP{tp}" if pods == 1 else f"TP{tp}/{pods}pods"
+
     @property
     def layout(self) -> str:
         if self.mode == "aggregated":
-            return f"{self.decode_workers * self.replicas}x TP{self.decode_tp} chunk {self.chunk_tokens}"
-        unit = f"{self.prefill_workers}P(TP{self.prefill_tp})+{self.decode_workers}D(TP{self.decode_tp})"
+            return f"{self.decode_workers * self.replicas}x {self._tp(self.decode_tp)} chunk {self.chunk_tokens}"
+        unit = (f"{self.prefill_workers}P({self._tp(self.prefill_tp)})+"
+                f"{self.decode_workers}D({self._tp(self.decode_tp)})")
         return unit if self.replicas == 1 else f"{self.replicas}x {unit}"
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d.update(layout=self.layout, gpus=self.gpus, unit_gpus=self.unit_gpus)
+        d.update(layout=self.layout, gpus=self.gpus, unit_gpus=self.unit_gpus, prefill_pods=self.prefill_pods,
+                 decode_pods=self.decode_pods)
         return d
 
 
@@ -301,7 +333,7 @@ def aggregated(setup: Setup, tp: int, batch: int, chunk: int | None = None) -> E
                     ttft_s=ttft, itl_s=itl_p, itl_mean_s=mean, request_rate=rate_w * workers,
                     prefill_utilization=rate_w * service, kv_transfer_s=0.0,
                     prefill_flops_per_gpu=flops / mean / tp, decode_bytes_per_gpu=reads / mean / tp,
-                    chunk_tokens=chunk)
+                    chunk_tokens=chunk, gpus_per_node=i.gpus_per_node)
 
 
 @dataclass(frozen=True)
@@ -367,7 +399,8 @@ def _disagg_estimate(setup: Setup, pre: _Prefill, decode_tp: int, dec: tuple[flo
                     tokens_per_s_per_gpu=y * batch / itl / unit, tokens_per_s_per_user=1.0 / itl,
                     ttft_s=ttft, itl_s=itl_p, itl_mean_s=itl, request_rate=rate * k,
                     prefill_utilization=rate / x * pre.service, kv_transfer_s=pre.transfer,
-                    prefill_flops_per_gpu=rate / x * pre.flops / pre.tp, decode_bytes_per_gpu=reads / itl / decode_tp)
+                    prefill_flops_per_gpu=rate / x * pre.flops / pre.tp, decode_bytes_per_gpu=reads / itl / decode_tp,
+                    gpus_per_node=i.gpus_per_node)
 
 
 def least_prefill(setup: Setup, pre: _Prefill, decode_tp: int, dec: tuple[float, float, float], y: int,
@@ -512,9 +545,13 @@ class Result:
 def configure(inputs: Inputs) -> Result:
     """The whole search: one code path for the CLI and the web page."""
     setup = Setup.of(inputs)
+    pipeline = pipeline_note(setup)
+    if pipeline:
+        setup = replace(setup, notes=setup.notes + (pipeline,))
     if not setup.tp_sizes():
-        raise ValueError(f"{setup.shape.name} does not fit {inputs.gpus} x {setup.hw.name} at TP <= {inputs.max_tp} "
-                         f"with room for one {inputs.isl + inputs.osl}-token request")
+        raise ValueError(f"{setup.shape.name} does not fit {inputs.gpus} x {setup.hw.name} at TP <= "
+                         f"{min(inputs.max_tp, inputs.domain)} (NVLink domains of {inputs.domain} GPUs) with room "
+                         f"for one {inputs.isl + inputs.osl}-token request" + (f"; {pipeline}" if pipeline else ""))
     ttft = inputs.ttft_ms / 1000.0
     agg_all = enumerate_aggregated(setup)
     dis_all = enumerate_disaggregated(setup)
@@ -531,3 +568,35 @@ def configure(inputs: Inputs) -> Result:
     overall = max((e for e in (ba, bd) if e is not None),
                   key=lambda e: (e.tokens_per_s_per_gpu, e.tokens_per_s_per_user), default=None)
     return Result(setup, fronts[0], fronts[1], overall, ba, bd, len(agg_all) + len(dis_all))
+
+
+def pipeline_note(setup: Setup) -> str | None:
+    """Where a replica must be wider than one NVLink domain (the weights and one request's KV do not fit
+    the largest TP inside it): the layout that would serve it, pipeline stages over domains (DistServe's
+    low node-affinity placement when nodes have few GPUs: each stage's prefill and decode segments share
+    a node, KV moves over NVLink), priced by the performance model, and why it is not emitted. None when
+    a TP layout inside one domain fits."""
+    from disagg.api.parallelism import Layout
+    from disagg.perf import parallel
+
+    i = setup.inputs
+    if setup.tp_sizes():
+        return None
+    need = setup.shape.weight_bytes + setup.shape.kv_bytes_per_token * (i.isl + i.osl)
+    per_gpu = setup.hw.memory_bytes * setup.eff.memory_utilization
+    tp = max((t for t in TP_SIZES if t <= min(i.domain, i.max_tp) and setup.shape.heads % t == 0), default=1)
+    stages = max(2, math.ceil(need / (per_gpu * tp)))
+    if tp * stages > i.gpus:
+        return (f"{setup.shape.name} needs {stages} pipeline stages of TP {tp} ({tp * stages} GPUs), more than "
+                f"the budget of {i.gpus}")
+    lay = Layout(tensor=tp, pipeline=stages, pods=max(1, tp * stages // i.gpus_per_node))
+    fabric = parallel.Fabric(i.gpus_per_node, i.domain, pm.interconnect("infiniband-ndr"))
+    r = parallel.ReplicaModel(setup.model(tp), lay, fabric)
+    ttft = r.prefill_time([(float(i.isl), 0.0)])
+    itl1, bubble = r.pipeline_decode_step(1, i.isl + i.osl / 2)
+    itl = r.itl(stages * 8, i.isl + i.osl / 2)
+    return (f"needs pipeline parallel, refused by this vLLM (README, 'Why no pipeline parallel'): "
+            f"{setup.shape.name} fits no TP inside an NVLink domain of {i.domain} GPUs; "
+            f"{stages} stages of TP {tp} over {lay.pods} pods (DistServe's low node-affinity placement) would "
+            f"prefill {i.isl} tokens in {ttft * 1000:.0f} ms and decode at {itl1 * 1000:.1f} ms a token alone "
+            f"(pipeline bubble {bubble:.0%}), {itl * 1000:.1f} ms at {stages * 8} requests; not emitted")

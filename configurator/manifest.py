@@ -35,9 +35,14 @@ def default_name(result: Result, estimate: Estimate) -> str:
     return base[:MAX_NAME_LENGTH - len(suffix)].rstrip("-") + suffix
 
 
-def _role(replicas: int, tp: int, extra_args: list[str]) -> dict[str, Any]:
-    return {"replicas": replicas, "tensorParallelSize": tp,
-            "resources": {"limits": {api.GPU_RESOURCE: tp}}, "extraArgs": extra_args}
+def _role(replicas: int, tp: int, extra_args: list[str], pods: int = 1) -> dict[str, Any]:
+    """A role of ``replicas`` replicas of TP ``tp``; wider than a node, each replica spans ``pods`` whole-node
+    pods with tensor parallel across them (``podsPerReplica``, ``parallelism.tensor``; never pipeline)."""
+    if pods <= 1:
+        return {"replicas": replicas, "tensorParallelSize": tp,
+                "resources": {"limits": {api.GPU_RESOURCE: tp}}, "extraArgs": extra_args}
+    return {"replicas": replicas, "podsPerReplica": pods, "parallelism": {"tensor": tp},
+            "resources": {"limits": {api.GPU_RESOURCE: tp // pods}}, "extraArgs": extra_args}
 
 
 def manifest(result: Result, estimate: Estimate, name: str | None = None, namespace: str | None = None,
@@ -54,14 +59,16 @@ def manifest(result: Result, estimate: Estimate, name: str | None = None, namesp
     if e.mode == "aggregated":
         prefill = _role(0, 1, [])
         decode = _role(e.decode_workers * e.replicas, e.decode_tp,
-                       ["--max-num-seqs", str(b_max), "--max-num-batched-tokens", str(e.chunk_tokens)])
+                       ["--max-num-seqs", str(b_max), "--max-num-batched-tokens", str(e.chunk_tokens)],
+                       e.decode_pods)
         gang = {"minPrefill": 0, "minDecode": 1}
         router = {"disaggregation": "never"}
     else:
         # one prompt per prefill step (first come, first served: what the TTFT estimate assumes)
         budget = max(256, math.ceil(i.isl / 256) * 256)
-        prefill = _role(e.prefill_workers * e.replicas, e.prefill_tp, ["--max-num-batched-tokens", str(budget)])
-        decode = _role(e.decode_workers * e.replicas, e.decode_tp, ["--max-num-seqs", str(b_max)])
+        prefill = _role(e.prefill_workers * e.replicas, e.prefill_tp, ["--max-num-batched-tokens", str(budget)],
+                        e.prefill_pods)
+        decode = _role(e.decode_workers * e.replicas, e.decode_tp, ["--max-num-seqs", str(b_max)], e.decode_pods)
         gang = {"minPrefill": e.prefill_workers, "minDecode": e.decode_workers}
         router = {"disaggregation": "always"}
     spec: dict[str, Any] = {
@@ -74,8 +81,9 @@ def manifest(result: Result, estimate: Estimate, name: str | None = None, namesp
         "slo": {"ttftMs": i.ttft_ms, "itlMs": i.itl_ms, "percentile": i.percentile},
         "planner": {"enabled": False, "gpuBudget": i.gpus},
     }
-    if e.mode == "disaggregated" and setup.link.name == "nvlink":
-        # KV moves over NVLink only inside one NVLink domain: the gang must be placed in one
+    if (e.mode == "disaggregated" and setup.link.name == "nvlink") or max(e.prefill_pods, e.decode_pods) > 1:
+        # KV moves over NVLink only inside one NVLink domain, and tensor parallel across pods pays only inside
+        # one: the gang (each multi-pod replica, the operator's per-replica PodGroup) must be placed in one
         spec["scheduling"]["topology"] = {"key": TOPOLOGY_KEY, "mode": "required"}
     meta: dict[str, Any] = {"name": name or default_name(result, e)}
     if namespace:

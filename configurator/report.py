@@ -9,7 +9,8 @@ from pathlib import Path
 
 from .estimate import Estimate, Result, frontier_value
 
-CSV_COLUMNS = ["mode", "layout", "prefill_tp", "prefill_workers", "decode_tp", "decode_workers", "replicas", "gpus",
+CSV_COLUMNS = ["mode", "layout", "prefill_tp", "prefill_pods", "prefill_workers", "decode_tp", "decode_pods",
+               "decode_workers", "replicas", "gpus",
                "batch", "chunk_tokens", "tokens_per_s_per_gpu", "tokens_per_s_per_user", "ttft_ms", "itl_ms",
                "itl_mean_ms", "request_rate", "prefill_utilization", "kv_transfer_ms", "meets_slo", "best"]
 
@@ -17,8 +18,9 @@ USER_SPEEDS = (10, 20, 30, 50, 75, 100, 125, 150)   # tokens/s/user at which the
 
 
 def _row(e: Estimate, best: Estimate | None) -> dict[str, object]:
-    return {"mode": e.mode, "layout": e.layout, "prefill_tp": e.prefill_tp, "prefill_workers": e.prefill_workers,
-            "decode_tp": e.decode_tp, "decode_workers": e.decode_workers, "replicas": e.replicas, "gpus": e.gpus,
+    return {"mode": e.mode, "layout": e.layout, "prefill_tp": e.prefill_tp, "prefill_pods": e.prefill_pods,
+            "prefill_workers": e.prefill_workers, "decode_tp": e.decode_tp, "decode_pods": e.decode_pods,
+            "decode_workers": e.decode_workers, "replicas": e.replicas, "gpus": e.gpus,
             "batch": e.batch, "chunk_tokens": e.chunk_tokens,
             "tokens_per_s_per_gpu": round(e.tokens_per_s_per_gpu, 3),
             "tokens_per_s_per_user": round(e.tokens_per_s_per_user, 3), "ttft_ms": round(e.ttft_s * 1000, 2),

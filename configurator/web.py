@@ -64,7 +64,8 @@ def options(defaults: Any = None) -> dict[str, Any]:
 def make_app(defaults: Any = None) -> web.Application:
     """The page's application; ``defaults`` (the CLI's arguments) fill the form and carry --calibration,
     --profile and the search limits, which the page does not change."""
-    fixed = {k: getattr(defaults, k) for k in ("calibration", "profile", "max_batch", "max_batched_tokens", "max_tp")
+    fixed = {k: getattr(defaults, k) for k in ("calibration", "profile", "max_batch", "max_batched_tokens", "max_tp",
+                                               "gpus_per_node", "domain_gpus")
              if defaults is not None and getattr(defaults, k, None) is not None}
 
     async def index(_: web.Request) -> web.Response:
