@@ -39,6 +39,7 @@ from typing import Any, Protocol
 
 from disagg.perf import serving
 from disagg.perf.model import PerfModel
+from disagg.perf.parallel import group_startup
 from disagg.planner.decide import (HISTORY, Decision, Load, Memory, Observation, RoleModels, Target, decide, react,
                                    size_decode, size_prefill)
 
@@ -74,13 +75,26 @@ class SimConfig:
     # between decisions, a policy that reacts to queue growth (the planner's fast path) sees the queues this
     # often (the metrics' scrape interval: a real planner cannot see them sooner); 0: never
     fast_check: float = 15.0
+    # a replica as a group of pods (a multi-node layout): pods per replica of each role, and how much later
+    # than the first the last pod of a group is ready (image pull, weights); the group serves when its
+    # slowest pod does (disagg.perf.parallel.group_startup) and is added, counted and removed whole
+    prefill_pods: int = 1
+    decode_pods: int = 1
+    pod_startup_spread: float = 0.0
+
+    def group_startup(self, role: str) -> float:
+        """Seconds from asking for a replica of ``role`` to it serving: its slowest pod's start-up."""
+        pods = self.prefill_pods if role == "prefill" else self.decode_pods
+        spread = self.pod_startup_spread if pods > 1 else 0.0
+        return group_startup([self.startup + spread * i / max(pods - 1, 1) for i in range(pods)])
 
     def target(self, prefill: int, decode: int, ready: bool = True) -> Target:
         return Target(prefill=prefill, decode=decode, ttft_target=self.ttft_target, itl_target=self.itl_target,
                       percentile=self.percentile, prefill_tp=self.prefill_tp, decode_tp=self.decode_tp,
                       prefill_min=self.prefill_min, decode_min=self.decode_min, prefill_max=self.prefill_max,
                       decode_max=self.decode_max, gpu_budget=self.gpu_budget, interval=self.interval,
-                      cooldown=self.cooldown, startup=self.startup, predictor=self.predictor, ready=ready)
+                      cooldown=self.cooldown, startup=max(self.group_startup("prefill"), self.group_startup("decode")),
+                      predictor=self.predictor, ready=ready)
 
     def planning_models(self) -> tuple[PerfModel, PerfModel]:
         return (PerfModel.analytic(self.model, self.gpu, self.prefill_tp, self.link),
@@ -435,7 +449,7 @@ class Simulation:
     def _scale(self, role: str, n: int, now: float) -> None:
         live = self._live(role)
         for _ in range(n - len(live)):
-            self._add(role, now, self.cfg.startup)
+            self._add(role, now, self.cfg.group_startup(role))
         if n < len(live):
             # remove replicas still starting first, then the least loaded ready ones
             victims = sorted(live, key=lambda r: (r.ready_at <= now, len(r.active) + r.busy))

@@ -269,3 +269,20 @@ def test_a_bursts_hand_offs_queue_one_per_decode_replica(monkeypatch):
     four = first_tokens(4)
     assert four[-1] - four[0] == pytest.approx(handoff, abs=0.05)   # two waves of four
     assert four[3] - four[0] < 0.05 and four[4] - four[3] == pytest.approx(handoff, abs=0.05)
+
+
+def test_multi_pod_replicas_start_with_their_slowest_pod_and_count_whole_groups():
+    """A decode replica of 2 pods whose second pod is ready 60 s after the first: the group serves only then
+    (its slowest pod), the planner is told that start-up, and its GPUs are the group's (TP 16 over 2 pods)."""
+    cfg = replace(SMALL, decode_pods=2, decode_tp=16, pod_startup_spread=60.0, model="meta-llama/Llama-3.1-70B-Instruct")
+    assert cfg.group_startup("decode") == SMALL.startup + 60.0 and cfg.group_startup("prefill") == SMALL.startup
+    assert cfg.target(1, 1).startup == SMALL.startup + 60.0
+    assert cfg.target(1, 2).gpus(1, 2) == 1 + 2 * 16
+    trace = traces.poisson(2, 90, seed=7)
+    r = sm.simulate(trace, sm.StaticPolicy(1, 2), cfg)
+    sim_fast = sm.simulate(trace, sm.StaticPolicy(1, 2), replace(cfg, pod_startup_spread=0.0))
+    # the second decode group, asked for at the first interval, serves 60 s later than a one-pod one would
+    def first_ready(res, n):
+        return min(i.t for i in res.intervals if i.ready_decode >= n)
+    assert first_ready(r, 2) - first_ready(sim_fast, 2) >= 60.0 - SMALL.interval
+    assert r.gpu_seconds == pytest.approx(sim_fast.gpu_seconds, rel=0.05) and r.finished == r.arrived
