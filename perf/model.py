@@ -577,6 +577,25 @@ class PerfModel:
         eff = calibration.efficiency(hw) if calibration is not None else default_efficiency()
         return cls(shape, hw, tp, interconnect(link), eff, profile, calibration=calibration)
 
+    # -- what a replica is, as the serving model counts it ------------------------
+    @property
+    def gpus(self) -> int:
+        """GPUs of one replica (the TP group; a data-parallel replica, :class:`.parallel.DataParallelEngine`,
+        has more)."""
+        return self.tp
+
+    @property
+    def servers(self) -> int:
+        """Prompts one replica prefills side by side, each at :meth:`ttft`'s pace: one engine, one queue
+        server (a data-parallel replica: one per data-parallel rank)."""
+        return 1
+
+    @property
+    def data_parallel(self) -> bool:
+        """Whether a request's KV lives on one data-parallel rank (data-parallel attention), not split
+        over the tensor group."""
+        return False
+
     # -- kernels ----------------------------------------------------------
     def gemm_time(self, m: float, k: float, n: float) -> float:
         """One GEMM of ``m`` tokens through a ``k x n`` weight (one TP rank's shard): the calibration's fit

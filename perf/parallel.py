@@ -38,11 +38,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Sequence
 
 from disagg.api.parallelism import Layout
 
-from .model import Interconnect, ModelShape, PerfModel, gpu, interconnect
+from .model import Interconnect, ModelShape, PerfModel, Profile, gpu, interconnect
 
 # DeepEP moves a routed token's hidden state out in FP8 (1 byte a value, plus a scale per 128 values) and
 # back in BF16 (DeepSeek's inference system overview: "dispatch ... FP8 ... combine ... BF16").
@@ -372,6 +372,127 @@ class ReplicaModel:
     def moe_decode_speed(self, batch_per_gpu: float, context: float) -> float:
         """Output tokens/s each request sees."""
         return self.mtp_tokens / self.moe_decode_step(batch_per_gpu, context).total
+
+
+# GPU Feature Discovery's label naming one NVLink domain (a multi-node NVLink system's clique): a topology
+# constraint on it keeps a replica's all-to-all on NVLink. The configurator writes it; the planner reads it.
+NVLINK_DOMAIN_KEY = "nvidia.com/gpu.clique"
+
+
+@dataclass(frozen=True)
+class DataParallelEngine(PerfModel):
+    """A data-parallel-attention, expert-parallel replica (``layout.data`` ranks of ``layout.tensor`` GPUs,
+    ``layout.expert``) as the serving model (:mod:`.serving`), the planner and the simulator see a replica:
+    a :class:`.model.PerfModel` whose prefill, decode step and KV capacity are :class:`ReplicaModel`'s MoE
+    terms, so the queueing, Little's law, caps and corrections above it apply unchanged.
+
+    * **prefill**: each rank prefills its own prompts; the replica is :attr:`servers` = ``data`` servers of
+      one queue. A batch's prompts go to the least loaded rank, largest first, and the step is
+      :meth:`ReplicaModel.moe_step` at the busiest rank's tokens on every GPU: a prompt's time is the
+      step's with every rank as busy as it (the loaded step, what the queue's service time must be: the
+      expert layers run every rank in lock step);
+    * **decode**: ``concurrency`` requests spread over the ranks (at least one on the busiest); a step is
+      :meth:`ReplicaModel.moe_decode_step` at ``concurrency / data`` requests per rank;
+    * **KV capacity**: every GPU's memory less its dense weights and its share of the experts; a request's
+      KV lives on one rank (:attr:`data_parallel`), so a rank holds ``capacity / data``.
+
+    ``tp`` is a rank's tensor size (the KV transfer's per-rank charge reads it), :attr:`gpus` the replica's.
+    ``prefill_scale`` / ``decode_scale`` (the planner's corrections) scale the whole step."""
+
+    layout: Layout = Layout(data=2, expert=True)
+    fabric: Fabric = Fabric()
+    attention_flops: float = 0.0
+    redundant_experts: int = 0
+    overlap: bool = True
+    skew: float = EXPERT_SKEW
+
+    def __post_init__(self) -> None:
+        if not (self.shape.moe and self.layout.expert and self.layout.data > 1):
+            raise ValueError(f"{self.shape.name}: a data-parallel engine needs a mixture-of-experts model with "
+                             f"data > 1 and expert parallel ({self.layout})")
+        if self.tp != self.layout.tensor:
+            object.__setattr__(self, "tp", self.layout.tensor)
+
+    @property
+    def replica(self) -> ReplicaModel:
+        return ReplicaModel(self, self.layout, self.fabric, overlap=self.overlap,
+                            attention_flops=self.attention_flops, redundant_experts=self.redundant_experts,
+                            skew=self.skew)
+
+    @property
+    def gpus(self) -> int:
+        return self.layout.gpus_per_replica
+
+    @property
+    def servers(self) -> int:
+        return self.layout.data
+
+    @property
+    def data_parallel(self) -> bool:
+        return True
+
+    def prefill_time(self, batch: Sequence[tuple[float, float]]) -> float:
+        """One prefill step of ``batch`` ``(new, cached)`` prompts spread over the ranks (see the class)."""
+        if not batch or sum(n for n, _ in batch) <= 0:
+            return 0.0
+        ranks = self.layout.data
+        tokens, attended = [0.0] * ranks, [0.0] * ranks
+        for n, c in sorted(batch, reverse=True):
+            i = min(range(ranks), key=tokens.__getitem__)
+            tokens[i] += n
+            attended[i] += n * (c + (n + 1) / 2.0)   # each new token: the cached part and half the new one
+        busiest = max(range(ranks), key=tokens.__getitem__)
+        context = attended[busiest] / tokens[busiest]
+        return self.replica.moe_step(tokens[busiest], context, "prefill").total * self.prefill_scale
+
+    def decode_step_time(self, concurrency: float, context_total: float) -> float:
+        if concurrency <= 0:
+            return 0.0
+        per_rank = max(concurrency / self.layout.data, 1.0)
+        step = self.replica.moe_decode_step(per_rank, context_total / concurrency)
+        return step.total * self.decode_scale
+
+    def mixed_step_time(self, concurrency: float, context_total: float,
+                        prefill: Sequence[tuple[float, float]] = (), prefill_fraction: float = 1.0) -> float:
+        raise NotImplementedError("a data-parallel engine is priced for disaggregated prefill and decode only")
+
+    def kv_capacity_tokens(self) -> float:
+        return self.replica.kv_capacity_tokens()
+
+    def max_concurrency(self, context_tokens: float) -> int:
+        """Requests whose KV fits: whole requests on each rank, ``data`` ranks."""
+        per_rank = self.kv_capacity_tokens() / self.layout.data
+        return max(int(per_rank // max(context_tokens, 1.0)), 0) * self.layout.data
+
+    def max_concurrency_for_itl(self, itl_target: float, context_tokens: float, limit: int = 4096) -> int:
+        return super().max_concurrency_for_itl(itl_target, context_tokens, limit * self.layout.data)
+
+
+def role_engine(model_name: str, gpu_name: str, layout: Layout, link: str = "infiniband-ndr",
+                profile: Profile | None = None, nvlink_domain: int = 0, fabric: Fabric | None = None,
+                **kwargs: Any) -> PerfModel:
+    """The performance model of one replica of ``layout``: the planner's and the simulator's one way to
+    build it. A data-parallel expert-parallel layout of a mixture-of-experts model gets a
+    :class:`DataParallelEngine` (GEMMs at the weights' width: FP8 weights at the FP8 rate, attention at
+    BF16; its ``fabric`` by default: each pod a node, NVLink across ``nvlink_domain`` GPUs when a topology
+    constraint keeps the replica in one NVLink domain, else within a pod, the network between); any other
+    layout the one-engine :meth:`.model.PerfModel.analytic` at its tensor size, as before."""
+    from .model import model as shape_of
+
+    shape = shape_of(model_name)
+    if not (shape.moe and layout.expert and layout.data > 1):
+        return PerfModel.analytic(model_name, gpu_name, layout.tensor, link, profile=profile)
+    precision = "fp8" if shape.dtype_bytes == 1 else "bf16"
+    base = PerfModel.analytic(model_name, gpu_name, layout.tensor, link, profile=profile)
+    if precision == "fp8":
+        from .model import default_efficiency
+        base = replace(base, hw=gpu(gpu_name, "fp8"), calibration=None, eff=default_efficiency())
+    if fabric is None:
+        pod = layout.gpus_per_pod
+        domain = max(nvlink_domain, pod)
+        fabric = Fabric(pod, domain - domain % pod)
+    fields = {f: getattr(base, f) for f in ("shape", "hw", "tp", "link", "eff", "profile", "calibration")}
+    return DataParallelEngine(**fields, layout=layout, fabric=fabric, attention_flops=gpu(gpu_name).flops, **kwargs)
 
 
 def group_startup(pod_startups: list[float] | tuple[float, ...]) -> float:

@@ -145,10 +145,13 @@ def _lengths(mean: float, sigma: float) -> tuple[float, ...]:
 
 @dataclass(frozen=True)
 class PrefillWork:
-    """Per equally likely prompt of a mix: its prefill time alone and its KV transfer time."""
+    """Per equally likely prompt of a mix: its prefill time alone and its KV transfer time; ``servers``: the
+    prompts one replica prefills side by side (:attr:`.model.PerfModel.servers`: 1, or a data-parallel
+    replica's ranks), so ``replicas`` replicas are ``replicas x servers`` servers of one queue."""
 
     service: tuple[float, ...]
     transfer: tuple[float, ...]
+    servers: int = 1
 
     @property
     def mean(self) -> float:
@@ -170,7 +173,8 @@ def kv_transfer_time(prefill: PerfModel, tokens: float, decode_tp: int | None = 
     and the simulator all charge it here."""
     from .parallel import kv_transfer_seconds   # the per-rank charge between heterogeneous layouts
 
-    wire = kv_transfer_seconds(prefill.shape, tokens, prefill.tp, decode_tp or prefill.tp, prefill.link)
+    wire = kv_transfer_seconds(prefill.shape, tokens, prefill.tp, decode_tp or prefill.tp, prefill.link,
+                               data_parallel=prefill.data_parallel)
     measured = prefill.profile.handoff_base if prefill.profile is not None else None
     return wire if measured is None else max(measured, wire)
 
@@ -180,7 +184,7 @@ def prefill_work(model: PerfModel, mix: PromptMix, prefix_hit: float = 0.0,
     hit = min(max(prefix_hit, 0.0), 0.99)
     lengths = mix.lengths()
     return PrefillWork(tuple(model.ttft(n, n * hit) for n in lengths),
-                       tuple(kv_transfer_time(model, n, decode_tp) for n in lengths))
+                       tuple(kv_transfer_time(model, n, decode_tp) for n in lengths), model.servers)
 
 
 def prefill_ttft(work: PrefillWork, rate: float, replicas: int, percentile: float, first_step: float = 0.0) -> float:
@@ -189,7 +193,7 @@ def prefill_ttft(work: PrefillWork, rate: float, replicas: int, percentile: floa
     emits the first token) over the prompt mix; inf when the queue is unstable."""
     tail = 1.0 - percentile / 100.0
     own = sorted(s + x + first_step for s, x in zip(work.service, work.transfer))
-    c, theta = wait_tail(rate, work.mean, work.cv2, replicas)
+    c, theta = wait_tail(rate, work.mean, work.cv2, replicas * work.servers)
     if theta == 0.0:
         return math.inf
     n = len(own)
@@ -221,7 +225,7 @@ def least_prefill(work: PrefillWork, rate: float, ttft_target: float, percentile
     whose utilisation stays under :data:`PREFILL_MAX_UTILIZATION` (at ``capacity_service`` seconds a prompt
     when given and longer than the work's mean); ``limit`` when none does. With the TTFT they give."""
     service = max(work.mean, capacity_service or 0.0)
-    lo = max(1, math.ceil(rate * service / PREFILL_MAX_UTILIZATION - 1e-12)) if rate > 0 else 1
+    lo = max(1, math.ceil(rate * service / PREFILL_MAX_UTILIZATION / work.servers - 1e-12)) if rate > 0 else 1
     n = min(lo, limit)
     while n < limit and prefill_ttft(work, rate, n, percentile, first_step) > ttft_target:
         n += 1

@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from disagg.perf import serving
+from disagg.perf import parallel, serving
 from disagg.perf.model import OnlineCorrection, PerfModel
 
 from .predictors import get as get_predictor
@@ -274,6 +274,23 @@ class RoleModels:
     def corrected(self, prefill_scale: float = 1.0, decode_scale: float = 1.0) -> RoleModels:
         return RoleModels(self.prefill.corrected(prefill_scale, decode_scale),
                           self.decode.corrected(prefill_scale, decode_scale))
+
+    @classmethod
+    def from_spec(cls, spec: Any, model_name: str, gpu_name: str, profile: Any = None) -> RoleModels:
+        """Each role's model from its layout (:func:`disagg.perf.parallel.role_engine`): a data-parallel,
+        expert-parallel replica of a mixture-of-experts model is priced with the multi-node terms (its
+        all-to-all over NVLink across the replica when the deployment requires one NVLink domain per
+        group, ``scheduling.topology`` on :data:`~disagg.perf.parallel.NVLINK_DOMAIN_KEY`, else within a
+        pod); any other layout as one engine of its tensor size."""
+        topo = spec.scheduling.topology
+        one_domain = topo is not None and topo.key == parallel.NVLINK_DOMAIN_KEY and topo.mode == "required"
+
+        def one(role: Any) -> PerfModel:
+            lay = role.layout()
+            return parallel.role_engine(model_name, gpu_name, lay, profile=profile,
+                                        nvlink_domain=lay.gpus_per_replica if one_domain else 0)
+
+        return cls(one(spec.prefill), one(spec.decode))
 
 
 # ---------------------------------------------------------------- sizing (pure, monotone in load)
@@ -579,7 +596,8 @@ def learn_capacity(obs: Observation, target: Target, memory: Memory, model: Perf
         # replicas served is heavier than the window's arrivals the prediction is made for: it would read
         # as slower hardware (2-hour heavy-lognormal: 0.63 -> 0.99x static-peak's GPU-hours)
         if work.mean > 0 and uncached > 0 and work.cv2 <= CAPACITY_MAX_CV2:
-            scales["prefill"] = uncached / work.mean / obs.prefill_saturated_tokens
+            # a replica's capacity is its servers' (a data-parallel replica prefills one prompt per rank)
+            scales["prefill"] = uncached * work.servers / work.mean / obs.prefill_saturated_tokens
     if (obs.decode_saturated_tokens and obs.decode_saturated_tokens > 0 and obs.decode_saturated_batch
             and obs.decode_saturated_batch >= 1):
         ctx = obs.input_tokens_mean + obs.output_tokens_mean / 2.0
@@ -716,8 +734,8 @@ def _backlog(queue: float | None, rate: float, capacity: float, startup: float) 
 
 
 def _prefill_capacity(model: RoleModels, load: Load, replicas: int, percentile: float) -> float:
-    s = _work(model, load, percentile).mean
-    return replicas / s if s > 0 else math.inf
+    work = _work(model, load, percentile)
+    return replicas * work.servers / work.mean if work.mean > 0 else math.inf
 
 
 def _decode_capacity(model: RoleModels, load: Load, replicas: int, itl_target: float) -> float:

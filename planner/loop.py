@@ -249,9 +249,7 @@ class PlannerLoop:
         if problem is not None:
             return None, problem
         name, gpu = resolve_model_name(spec, profile), resolve_gpu(obj, spec, profile)
-        return RoleModels(perfmodel.PerfModel.analytic(name, gpu, spec.prefill.tensor_parallel_size, profile=profile),
-                          perfmodel.PerfModel.analytic(name, gpu, spec.decode.tensor_parallel_size,
-                                                       profile=profile)), None
+        return RoleModels.from_spec(spec, name, gpu, profile), None
 
     def _say_unplannable(self, meta: dict[str, Any], state: _State, problem: Unplannable | None) -> None:
         if self.metrics:

@@ -5,12 +5,12 @@ What it models (latencies from :mod:`disagg.perf.model`, optionally a
 
 * arrivals from a :class:`~disagg.simulator.traces.Trace`; the router holds one FIFO queue per
   role and hands work to ready replicas as they free up (so a new replica takes load at once);
-* prefill: batches of up to ``max_batch_tokens`` from the queue; cached
+* prefill: batches of up to ``max_batch_tokens`` (per data-parallel rank) from the queue; cached
   prefix blocks (a shared LRU sized by the prefill replicas' KV capacity, as a
   KV-aware router sees it) are not recomputed;
 * KV transfer to decode (bytes over the interconnect);
 * decode: continuous batching per replica (step time from the model for the batch
-  and its context), admission bounded by KV memory and ``max_num_seqs``;
+  and its context), admission bounded by KV memory and ``max_num_seqs`` (per data-parallel rank);
 * replicas start ``startup`` seconds after they are asked for; removed ones drain.
 
 Every ``interval`` the policy sees an :class:`~disagg.planner.decide.Observation`
@@ -39,7 +39,8 @@ from typing import Any, Protocol
 
 from disagg.perf import serving
 from disagg.perf.model import PerfModel
-from disagg.perf.parallel import group_startup
+from disagg.api.parallelism import Layout
+from disagg.perf.parallel import group_startup, role_engine
 from disagg.planner.decide import (HISTORY, Decision, Load, Memory, Observation, RoleModels, Target, decide, react,
                                    size_decode, size_prefill)
 
@@ -81,6 +82,18 @@ class SimConfig:
     prefill_pods: int = 1
     decode_pods: int = 1
     pod_startup_spread: float = 0.0
+    # data-parallel ranks of a replica (above 1: data-parallel attention with expert parallel, a
+    # mixture-of-experts model's wide-EP layout, priced by disagg.perf.parallel's terms; each rank of
+    # prefill_tp / decode_tp GPUs), and the NVLink domain its all-to-all stays inside (0: a pod)
+    prefill_data: int = 1
+    decode_data: int = 1
+    nvlink_domain: int = 0
+
+    def layout(self, role: str) -> Layout:
+        """One replica's layout of ``role`` (disagg.api.parallelism)."""
+        tp, data, pods = ((self.prefill_tp, self.prefill_data, self.prefill_pods) if role == "prefill"
+                          else (self.decode_tp, self.decode_data, self.decode_pods))
+        return Layout(tensor=tp, data=data, expert=data > 1, pods=pods)
 
     def group_startup(self, role: str) -> float:
         """Seconds from asking for a replica of ``role`` to it serving: its slowest pod's start-up."""
@@ -91,14 +104,18 @@ class SimConfig:
     def target(self, prefill: int, decode: int, ready: bool = True) -> Target:
         return Target(prefill=prefill, decode=decode, ttft_target=self.ttft_target, itl_target=self.itl_target,
                       percentile=self.percentile, prefill_tp=self.prefill_tp, decode_tp=self.decode_tp,
+                      prefill_gpus=self.layout("prefill").gpus_per_replica,
+                      decode_gpus=self.layout("decode").gpus_per_replica,
                       prefill_min=self.prefill_min, decode_min=self.decode_min, prefill_max=self.prefill_max,
                       decode_max=self.decode_max, gpu_budget=self.gpu_budget, interval=self.interval,
                       cooldown=self.cooldown, startup=max(self.group_startup("prefill"), self.group_startup("decode")),
                       predictor=self.predictor, ready=ready)
 
     def planning_models(self) -> tuple[PerfModel, PerfModel]:
-        return (PerfModel.analytic(self.model, self.gpu, self.prefill_tp, self.link),
-                PerfModel.analytic(self.model, self.gpu, self.decode_tp, self.link))
+        """Each role's model (:func:`disagg.perf.parallel.role_engine`, the planner's way): one engine of
+        its tensor size, or a data-parallel expert-parallel replica with the multi-node terms."""
+        return tuple(role_engine(self.model, self.gpu, self.layout(role), self.link, nvlink_domain=self.nvlink_domain)
+                     for role in ("prefill", "decode"))
 
 
 # ---------------------------------------------------------------- policies
@@ -231,7 +248,7 @@ class DynamoPolicy:
         """Tokens/s per GPU at the largest concurrency whose ITL meets ``itl`` and whose KV cache fits."""
         dm, ctx = self.decode_model, isl + osl / 2.0
         batch = max(min(dm.max_concurrency_for_itl(itl, ctx), dm.max_concurrency(isl + osl)), 1)
-        return batch / dm.itl(batch, ctx) / dm.tp
+        return batch / dm.itl(batch, ctx) / dm.gpus
 
     def plan(self, obs: Observation, target: Target, now: float) -> tuple[int, int]:
         if (obs.error or not obs.request_rate or obs.input_tokens_mean is None
@@ -248,17 +265,18 @@ class DynamoPolicy:
         self.history["osl"].append(osl)
         rate, isl_n, osl_n = self._next("rate"), max(self._next("isl"), 1.0), max(self._next("osl"), 1.0)
         pm = self.prefill_model
-        p_tput = isl_n / max(pm.ttft(isl_n), 1e-9) / pm.tp           # prompt tokens/s per GPU
-        p = math.ceil(rate * isl_n * min(1.0, self.p_correction) / p_tput / pm.tp - 1e-9)
+        p_tput = isl_n * pm.servers / max(pm.ttft(isl_n), 1e-9) / pm.gpus   # prompt tokens/s per GPU
+        p = math.ceil(rate * isl_n * min(1.0, self.p_correction) / p_tput / pm.gpus - 1e-9)
         itl = target.itl_target / self.d_correction if self.d_correction > 0 else target.itl_target
         d_tput = self._decode_throughput_per_gpu(itl, isl_n, osl_n)
-        d = math.ceil(rate * osl_n / d_tput / self.decode_model.tp - 1e-9)
+        d = math.ceil(rate * osl_n / d_tput / self.decode_model.gpus - 1e-9)
         p = min(max(p, target.floor_prefill), target.prefill_max)
         d = min(max(d, target.floor_decode), target.decode_max)
         if target.gpu_budget is not None and target.gpus(p, d) > target.gpu_budget:
             scale = target.gpu_budget / target.gpus(p, d)
             p = max(target.floor_prefill, round(p * scale))
-            d = max(target.floor_decode, (target.gpu_budget - p * target.prefill_tp) // target.decode_tp)
+            gp, gd = target.replica_gpus
+            d = max(target.floor_decode, (target.gpu_budget - p * gp) // gd)
         return p, d
 
 
@@ -488,7 +506,9 @@ class Simulation:
             return
         batch, tokens = [], 0
         queue = self.prefill_queue
-        while queue and (not batch or tokens + queue[0].r.input_tokens <= self.cfg.max_batch_tokens):
+        # a data-parallel replica takes a batch for each of its ranks (the model spreads it over them)
+        budget = self.cfg.max_batch_tokens * self.prefill_model.servers
+        while queue and (not batch or tokens + queue[0].r.input_tokens <= budget):
             req = queue.popleft()
             req.cached = self._cached_tokens(req)
             tokens += req.r.input_tokens - req.cached
@@ -512,7 +532,7 @@ class Simulation:
             while len(self.cache) > cap:
                 self.cache.popitem(last=False)
             self._at(self._handoff(now, serving.kv_transfer_time(self.prefill_model, req.r.input_tokens,
-                                                                 self.cfg.decode_tp)), "kv_done", req)
+                                                                 self.decode_model.tp)), "kv_done", req)
         rep.busy = False
         rep.running = 0
         self._start_prefill(rep, now)
@@ -561,7 +581,8 @@ class Simulation:
         cap = self.decode_model.kv_capacity_tokens()
         admitted = []
         queue = self.decode_queue
-        while rep.ready(now) and queue and len(rep.active) < self.cfg.max_num_seqs and (
+        seqs = self.cfg.max_num_seqs * self.decode_model.servers   # each data-parallel rank its own
+        while rep.ready(now) and queue and len(rep.active) < seqs and (
                 not rep.active or rep.reserved + queue[0].reserve <= cap):
             a = queue.popleft()
             a.admit = now
@@ -671,7 +692,7 @@ class Simulation:
         self._scale("decode", d, now)
         decisions = getattr(self.policy, "decisions", None)
         self.intervals.append(Interval(
-            t=now, prefill=p, decode=d, gpus=p * self.cfg.prefill_tp + d * self.cfg.decode_tp,
+            t=now, prefill=p, decode=d, gpus=target.gpus(p, d),
             request_rate=obs.request_rate or 0.0, ttft_p=obs.ttft, itl_p=obs.itl,
             attainment=self._acc_met / self._acc_done if self._acc_done else None,
             reason=decisions[-1].reason if decisions else "",
@@ -728,9 +749,10 @@ class Simulation:
                 self._react(t)
         end = self.now
         gpu_s = 0.0
-        for role, tp in (("prefill", cfg.prefill_tp), ("decode", cfg.decode_tp)):
+        for role in ("prefill", "decode"):
+            gpus = cfg.layout(role).gpus_per_replica     # a replica's whole group
             for r in self.replicas[role]:
-                gpu_s += ((r.end if r.end is not None else end) - r.start) * tp
+                gpu_s += ((r.end if r.end is not None else end) - r.start) * gpus
         return SimResult(self.policy.name, self.trace.name, cfg, self.intervals, self.ttft, self.itl, self.finished,
                          len(self.trace.requests), self.met, max(end_arrivals, cfg.interval), gpu_s)
 
