@@ -34,6 +34,9 @@ from disagg.perf import serving
 from disagg.perf.serving import queue_wait
 
 TP_SIZES = (1, 2, 4, 8, 16, 32, 64)
+# data-parallel ranks of one DP-attention, expert-parallel replica of a mixture-of-experts model (tensor 1 a
+# rank): within one node, then whole nodes (DeepSeek's EP32 prefill and EP144 decode, SGLang's EP32 and EP72)
+DATA_SIZES = (2, 4, 8, 16, 24, 32, 40, 48, 64, 72, 96, 128, 144, 192, 256)
 BATCHES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 CHUNKS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768)   # aggregated prefill chunk budgets tried
 
@@ -60,6 +63,7 @@ class Inputs:
     profile: str | None = None
     gpus_per_node: int = 8        # GPUs of one node: a pod takes at most these; a wider replica spans pods
     domain_gpus: int = 0          # GPUs of one NVLink domain (0: one node): tensor parallel never leaves it
+    max_data: int = 256           # most data-parallel ranks (= expert-parallel GPUs) of one MoE replica
 
     @property
     def domain(self) -> int:
@@ -77,8 +81,8 @@ class Inputs:
             problems.append("percentile must be in [50, 100)")
         if not 0 <= self.prefix_reuse < 1:
             problems.append("prefix-reuse must be in [0, 1)")
-        if self.max_batch < 1 or self.max_batched_tokens < 1 or self.max_tp < 1:
-            problems.append("max-batch, max-batched-tokens and max-tp must be at least 1")
+        if self.max_batch < 1 or self.max_batched_tokens < 1 or self.max_tp < 1 or self.max_data < 1:
+            problems.append("max-batch, max-batched-tokens, max-tp and max-data must be at least 1")
         if self.gpus_per_node < 1 or (self.domain_gpus and self.domain_gpus % self.gpus_per_node):
             problems.append("gpus-per-node must be at least 1 and domain-gpus whole nodes of them")
         if problems:
@@ -93,7 +97,7 @@ class Inputs:
             raise ValueError(f"unknown inputs: {', '.join(sorted(unknown))}")
         kinds = {"gpus": int, "isl": int, "osl": int, "ttft_ms": float, "itl_ms": float, "percentile": float,
                  "prefix_reuse": float, "max_batch": int, "max_batched_tokens": int, "max_tp": int,
-                 "gpus_per_node": int, "domain_gpus": int}
+                 "gpus_per_node": int, "domain_gpus": int, "max_data": int}
         out: dict[str, Any] = {}
         for k, v in d.items():
             if v is None or v == "":
@@ -127,6 +131,33 @@ def resolve_model(spec: str) -> tuple[pm.ModelShape, str]:
 
 
 @dataclass(frozen=True)
+class Role:
+    """One replica's layout for a role: ``tensor`` GPUs an engine; ``data`` > 1: that many data-parallel
+    engines with expert parallel (a mixture-of-experts model's DP attention + EP)."""
+
+    tensor: int
+    data: int = 1
+
+    @property
+    def gpus(self) -> int:
+        return self.tensor * self.data
+
+    def pods(self, gpus_per_node: int) -> int:
+        """Whole-node pods of one replica (one pod when it fits a node)."""
+        return max(1, -(-self.gpus // gpus_per_node))
+
+    def layout(self, gpus_per_node: int):  # -> disagg.api.parallelism.Layout
+        from disagg.api.parallelism import Layout
+
+        return Layout(tensor=self.tensor, data=self.data, expert=self.data > 1, pods=self.pods(gpus_per_node))
+
+    def label(self, gpus_per_node: int) -> str:
+        pods = self.pods(gpus_per_node)
+        base = f"TP{self.tensor}" if self.data == 1 else f"DP{self.data}xEP{self.gpus}"
+        return base if pods == 1 else f"{base}/{pods}pods"
+
+
+@dataclass(frozen=True)
 class Setup:
     """The resolved inputs: model shape, GPU, link and efficiencies, and a perf model per TP size."""
 
@@ -146,11 +177,14 @@ class Setup:
         shape, source = resolve_model(inputs.model)
         if inputs.precision == "fp8":
             shape = replace(shape, dtype_bytes=1)
-        hw = pm.gpu(inputs.gpu, inputs.precision)
+        # a checkpoint released in FP8 (DeepSeek-V3) runs its GEMMs at the FP8 rate whatever --precision says
+        hw = pm.gpu(inputs.gpu, "fp8" if shape.dtype_bytes == 1 else inputs.precision)
         link = pm.interconnect(inputs.interconnect)
         if link.name == "nvlink":  # KV moves over this GPU's own NVLink generation
             link = replace(link, bandwidth=hw.nvlink_bandwidth)
         notes = []
+        if shape.dtype_bytes == 1 and inputs.precision != "fp8":
+            notes.append(f"{shape.name} ships FP8 weights: GEMMs at {hw.name}'s FP8 rate")
         eff = pm.default_efficiency()
         # the planner's and the simulator's choice (perfmodel.planning_calibration): a file given, else the
         # measurements shipped for this GPU at this weight width, else the data sheet
@@ -192,6 +226,47 @@ class Setup:
             self.scales[tp] = (measured.ttft(isl) / at.ttft(isl), measured.itl(16, ctx) / at.itl(16, ctx))
         ps, ds = self.scales[tp]
         return base.corrected(ps, ds)
+
+    def engine(self, role: Role) -> pm.PerfModel:
+        """The performance model of one replica of ``role``: one engine of its tensor size, or a
+        data-parallel, expert-parallel replica (:class:`disagg.perf.parallel.DataParallelEngine`) on this
+        fabric: ``gpus_per_node`` GPUs a node (a pod), NVLink across ``domain`` GPUs, the network between
+        (the KV link when it is one, else InfiniBand NDR)."""
+        if role.data == 1:
+            return self.model(role.tensor)
+        from disagg.perf import parallel
+
+        net = self.link if self.link.name != "nvlink" else pm.interconnect("infiniband-ndr")
+        fabric = parallel.Fabric(self.inputs.gpus_per_node, self.inputs.domain, net)
+        base = self.model(role.tensor)
+        fields = {f: getattr(base, f) for f in ("shape", "hw", "tp", "link", "eff", "calibration")}
+        return parallel.DataParallelEngine(**fields, layout=role.layout(self.inputs.gpus_per_node), fabric=fabric,
+                                           attention_flops=pm.gpu(self.inputs.gpu).flops)
+
+    def data_sizes(self) -> list[int]:
+        """Data-parallel ranks (tensor 1 each, experts spread over all of them) of a mixture-of-experts
+        replica: within one node or whole nodes of it (each pod a node's GPUs, whole DP ranks each: what
+        admission takes), within the budget, leaving KV room on a rank for one full request. Empty for a
+        dense model."""
+        i = self.inputs
+        if not self.shape.moe:
+            return []
+        need = i.isl + i.osl
+        node = i.gpus_per_node
+        out = []
+        nvlink_kv = self.link.name == "nvlink"   # KV over NVLink: both roles' replicas inside one domain
+        for d in DATA_SIZES:
+            if d > min(i.gpus, i.max_data) or (d > node and d % node) or (nvlink_kv and d > i.domain):
+                continue
+            m = self.engine(Role(1, d))
+            if m.kv_capacity_tokens() / d >= need:
+                out.append(d)
+        return out
+
+    def roles(self) -> list[Role]:
+        """Every replica layout searched for a role: tensor parallel inside one NVLink domain
+        (:meth:`tp_sizes`), and for a mixture-of-experts model DP attention + EP (:meth:`data_sizes`)."""
+        return [Role(tp) for tp in self.tp_sizes()] + [Role(1, d) for d in self.data_sizes()]
 
     def tp_sizes(self) -> list[int]:
         """TP sizes whose shards divide the heads, stay inside one NVLink domain (a TP wider than a node spans
@@ -243,43 +318,64 @@ class Estimate:
     chunk_tokens: int = 0         # aggregated: prefill chunk budget a step (--max-num-batched-tokens)
     meets_slo: bool = False
     gpus_per_node: int = 8        # a replica wider than this spans whole-node pods (tensor parallel across them)
+    prefill_data: int = 1         # data-parallel ranks (expert parallel over them) of a prefill replica
+    decode_data: int = 1          # ... of a decode (or aggregated) replica; ``batch`` counts all its ranks'
 
-    def pods(self, tp: int) -> int:
-        """Pods of one replica of TP ``tp``: one, or whole nodes of ``gpus_per_node`` GPUs."""
-        return max(1, -(-tp // self.gpus_per_node)) if tp else 0
+    @property
+    def prefill_role(self) -> Role:
+        return Role(self.prefill_tp, self.prefill_data)
+
+    @property
+    def decode_role(self) -> Role:
+        return Role(self.decode_tp, self.decode_data)
+
+    def pods(self, tp: int, data: int = 1) -> int:
+        """Pods of one replica of TP ``tp`` x ``data`` ranks: one, or whole nodes of ``gpus_per_node`` GPUs."""
+        return Role(tp, data).pods(self.gpus_per_node) if tp else 0
 
     @property
     def prefill_pods(self) -> int:
-        return self.pods(self.prefill_tp)
+        return self.pods(self.prefill_tp, self.prefill_data)
 
     @property
     def decode_pods(self) -> int:
-        return self.pods(self.decode_tp)
+        return self.pods(self.decode_tp, self.decode_data)
+
+    @property
+    def prefill_gpus(self) -> int:
+        """GPUs of one prefill replica."""
+        return self.prefill_tp * self.prefill_data
+
+    @property
+    def decode_gpus(self) -> int:
+        return self.decode_tp * self.decode_data
+
+    @property
+    def expert_parallel(self) -> bool:
+        return max(self.prefill_data, self.decode_data) > 1
 
     @property
     def unit_gpus(self) -> int:
-        return self.prefill_tp * self.prefill_workers + self.decode_tp * self.decode_workers
+        return self.prefill_gpus * self.prefill_workers + self.decode_gpus * self.decode_workers
 
     @property
     def gpus(self) -> int:
         return self.unit_gpus * self.replicas
 
-    def _tp(self, tp: int) -> str:
-        pods = self.pods(tp)
-        return f"TP{tp}" if pods == 1 else f"TP{tp}/{pods}pods"
-
     @property
     def layout(self) -> str:
+        node = self.gpus_per_node
         if self.mode == "aggregated":
-            return f"{self.decode_workers * self.replicas}x {self._tp(self.decode_tp)} chunk {self.chunk_tokens}"
-        unit = (f"{self.prefill_workers}P({self._tp(self.prefill_tp)})+"
-                f"{self.decode_workers}D({self._tp(self.decode_tp)})")
+            return (f"{self.decode_workers * self.replicas}x {self.decode_role.label(node)} "
+                    f"chunk {self.chunk_tokens}")
+        unit = (f"{self.prefill_workers}P({self.prefill_role.label(node)})+"
+                f"{self.decode_workers}D({self.decode_role.label(node)})")
         return unit if self.replicas == 1 else f"{self.replicas}x {unit}"
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d.update(layout=self.layout, gpus=self.gpus, unit_gpus=self.unit_gpus, prefill_pods=self.prefill_pods,
-                 decode_pods=self.decode_pods)
+                 decode_pods=self.decode_pods, expert_parallel=self.expert_parallel)
         return d
 
 
@@ -336,23 +432,37 @@ def aggregated(setup: Setup, tp: int, batch: int, chunk: int | None = None) -> E
                     chunk_tokens=chunk, gpus_per_node=i.gpus_per_node)
 
 
+def _as_role(r: int | Role) -> Role:
+    return r if isinstance(r, Role) else Role(r)
+
+
 @dataclass(frozen=True)
 class _Prefill:
     tp: int
-    service: float        # seconds to prefill one prompt alone
+    service: float        # seconds to prefill one prompt alone (a data-parallel rank: with every rank as busy)
     transfer: float       # seconds to move its KV cache (set per decode TP)
     flops: float          # FLOPs of one prompt
+    data: int = 1         # data-parallel ranks of the replica: prompts it prefills side by side
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.data
+
+    @property
+    def role(self) -> Role:
+        return Role(self.tp, self.data)
 
 
 def disaggregated_ttft(setup: Setup, pre: _Prefill, workers: int, rate: float, first_step: float) -> float:
     """TTFT at the SLO percentile: wait for one of the unit's prefill workers (the router hands a prompt to
-    whichever is free: one queue, ``workers`` servers), prefill, KV transfer, first decode step."""
-    work = serving.PrefillWork((pre.service,), (pre.transfer,))  # one prompt length (--isl): no variance
+    whichever is free: one queue, ``workers`` servers, each data-parallel rank one), prefill, KV transfer,
+    first decode step."""
+    work = serving.PrefillWork((pre.service,), (pre.transfer,), pre.data)  # one prompt length: no variance
     return serving.prefill_ttft(work, rate, workers, setup.inputs.percentile, first_step)
 
 
-def disaggregated(setup: Setup, prefill_tp: int, prefill_workers: int, decode_tp: int, decode_workers: int,
-                  batch: int) -> Estimate | None:
+def disaggregated(setup: Setup, prefill_tp: int | Role, prefill_workers: int, decode_tp: int | Role,
+                  decode_workers: int, batch: int) -> Estimate | None:
     """One xPyD unit with ``batch`` requests per decode worker (None when it cannot serve them)."""
     pre = _prefill(setup, prefill_tp, decode_tp)
     dec = _decode(setup, decode_tp, batch)
@@ -361,62 +471,74 @@ def disaggregated(setup: Setup, prefill_tp: int, prefill_workers: int, decode_tp
     return _disagg_estimate(setup, pre, decode_tp, dec, prefill_workers, decode_workers, batch)
 
 
-def _prefill(setup: Setup, tp: int, decode_tp: int) -> _Prefill | None:
+def _prefill(setup: Setup, tp: int | Role, decode_tp: int | Role) -> _Prefill | None:
     i = setup.inputs
-    m = setup.model(tp)
-    if m.kv_capacity_tokens() < i.isl:
+    role, dec = _as_role(tp), _as_role(decode_tp)
+    m = setup.engine(role)
+    if m.kv_capacity_tokens() / role.data < i.isl:
         return None
     new, cached = i.isl * (1 - i.prefix_reuse), i.isl * i.prefix_reuse
-    return _Prefill(tp, m.ttft(i.isl, cached), serving.kv_transfer_time(m, i.isl, decode_tp),
-                    m.prefill_flops(new, cached))
+    return _Prefill(role.tensor, m.ttft(i.isl, cached), serving.kv_transfer_time(m, i.isl, dec.tensor),
+                    m.prefill_flops(new, cached), role.data)
 
 
-def _decode(setup: Setup, tp: int, batch: int) -> tuple[float, float, float] | None:
-    """(mean ITL, ITL at the percentile, HBM bytes per step) of a decode worker at ``batch``."""
+def _decode(setup: Setup, tp: int | Role, batch: int) -> tuple[float, float, float] | None:
+    """(mean ITL, ITL at the percentile, HBM bytes per GPU a step) of a decode worker at ``batch`` (all
+    its ranks' requests: a data-parallel replica runs at most ``max_batch`` on each rank)."""
     i = setup.inputs
-    m = setup.model(tp)
-    cap = min(m.max_concurrency(i.isl + i.osl), i.max_batch)
+    role = _as_role(tp)
+    m = setup.engine(role)
+    cap = min(m.max_concurrency(i.isl + i.osl), i.max_batch * role.data)
     if batch > cap:
         return None
     ctx = i.isl + i.osl / 2.0
     b_p = serving.batch_at_percentile(batch, i.percentile, cap)
-    return m.itl(batch, ctx), m.itl(b_p, ctx), _decode_bytes(m, batch, batch * ctx)
+    if role.data > 1:
+        weights = m.replica.weight_bytes_per_gpu() * role.gpus
+    else:
+        weights = m.shape.weight_bytes
+    reads = (weights + m.shape.kv_bytes_per_token * batch * ctx) / role.gpus
+    return m.itl(batch, ctx), m.itl(b_p, ctx), reads
 
 
-def _disagg_estimate(setup: Setup, pre: _Prefill, decode_tp: int, dec: tuple[float, float, float], x: int, y: int,
-                     batch: int) -> Estimate | None:
+def _disagg_estimate(setup: Setup, pre: _Prefill, decode_tp: int | Role, dec: tuple[float, float, float], x: int,
+                     y: int, batch: int) -> Estimate | None:
     i = setup.inputs
+    d = _as_role(decode_tp)
     itl, itl_p, reads = dec
     rate = y * batch / (i.osl * itl)
-    if rate / x * pre.service >= serving.PREFILL_MAX_UTILIZATION:
+    util = rate / (x * pre.data) * pre.service
+    if util >= serving.PREFILL_MAX_UTILIZATION:
         return None
     ttft = disaggregated_ttft(setup, pre, x, rate, itl)
-    unit = x * pre.tp + y * decode_tp
+    unit = x * pre.gpus + y * d.gpus
     if unit > i.gpus:
         return None
     k = i.gpus // unit
-    return Estimate("disaggregated", pre.tp, x, decode_tp, y, k, batch,
+    return Estimate("disaggregated", pre.tp, x, d.tensor, y, k, batch,
                     tokens_per_s_per_gpu=y * batch / itl / unit, tokens_per_s_per_user=1.0 / itl,
                     ttft_s=ttft, itl_s=itl_p, itl_mean_s=itl, request_rate=rate * k,
-                    prefill_utilization=rate / x * pre.service, kv_transfer_s=pre.transfer,
-                    prefill_flops_per_gpu=rate / x * pre.flops / pre.tp, decode_bytes_per_gpu=reads / itl / decode_tp,
-                    gpus_per_node=i.gpus_per_node)
+                    prefill_utilization=util, kv_transfer_s=pre.transfer,
+                    prefill_flops_per_gpu=rate / x * pre.flops / pre.gpus, decode_bytes_per_gpu=reads / itl,
+                    gpus_per_node=i.gpus_per_node, prefill_data=pre.data, decode_data=d.data)
 
 
-def least_prefill(setup: Setup, pre: _Prefill, decode_tp: int, dec: tuple[float, float, float], y: int,
+def least_prefill(setup: Setup, pre: _Prefill, decode_tp: int | Role, dec: tuple[float, float, float], y: int,
                   batch: int) -> Estimate | None:
     """The xPyD point with the fewest prefill workers whose TTFT meets the target (None if none fits)."""
     i = setup.inputs
+    d = _as_role(decode_tp)
     itl, _, _ = dec
     rate = y * batch / (i.osl * itl)
-    room = (i.gpus - y * decode_tp) // pre.tp
-    lo = max(1, math.ceil(rate * pre.service / serving.PREFILL_MAX_UTILIZATION - 1e-12))
+    room = (i.gpus - y * d.gpus) // pre.gpus
+    cap = serving.PREFILL_MAX_UTILIZATION
+    lo = max(1, math.ceil(rate * pre.service / (cap * pre.data) - 1e-12))
     if lo > room:
         return None
     target = i.ttft_ms / 1000.0
 
     def ok(x: int) -> bool:
-        return rate / x * pre.service < serving.PREFILL_MAX_UTILIZATION and disaggregated_ttft(setup, pre, x, rate, itl) <= target
+        return rate / (x * pre.data) * pre.service < cap and disaggregated_ttft(setup, pre, x, rate, itl) <= target
 
     if not ok(room):
         return None
@@ -427,7 +549,7 @@ def least_prefill(setup: Setup, pre: _Prefill, decode_tp: int, dec: tuple[float,
             hi = mid
         else:
             lo = mid + 1
-    return _disagg_estimate(setup, pre, decode_tp, dec, lo, y, batch)
+    return _disagg_estimate(setup, pre, d, dec, lo, y, batch)
 
 
 # ---------------------------------------------------------------- enumeration and frontier
@@ -453,23 +575,26 @@ def enumerate_aggregated(setup: Setup) -> list[Estimate]:
 
 
 def enumerate_disaggregated(setup: Setup) -> list[Estimate]:
-    """Every xPyD unit within the budget (least prefill workers meeting TTFT for each decode side)."""
+    """Every xPyD unit within the budget (least prefill workers meeting TTFT for each decode side), over
+    every replica layout of each role (:meth:`Setup.roles`: TP, and DP + EP for a mixture-of-experts
+    model; a data-parallel decode's batch is ``max_batch`` or fewer requests on each rank)."""
     i = setup.inputs
-    tps = setup.tp_sizes()
+    roles = setup.roles()
     out = []
-    for tp_d in tps:
-        decs = {b: _decode(setup, tp_d, b) for b in _batches(i.max_batch)}
-        for tp_p in tps:
-            if tp_p + tp_d > i.gpus:
+    for rd in roles:
+        batches = sorted({b * rd.data for b in _batches(i.max_batch)})
+        decs = {b: _decode(setup, rd, b) for b in batches}
+        for rp in roles:
+            if rp.gpus + rd.gpus > i.gpus:
                 continue
-            pre = _prefill(setup, tp_p, tp_d)
+            pre = _prefill(setup, rp, rd)
             if pre is None:
                 continue
-            for y in range(1, (i.gpus - tp_p) // tp_d + 1):
+            for y in range(1, (i.gpus - rp.gpus) // rd.gpus + 1):
                 for b, dec in decs.items():
                     if dec is None:
                         continue
-                    e = least_prefill(setup, pre, tp_d, dec, y, b)
+                    e = least_prefill(setup, pre, rd, dec, y, b)
                     if e is not None:
                         out.append(e)
     return out
@@ -548,9 +673,13 @@ def configure(inputs: Inputs) -> Result:
     pipeline = pipeline_note(setup)
     if pipeline:
         setup = replace(setup, notes=setup.notes + (pipeline,))
-    if not setup.tp_sizes():
+    expert = expert_note(setup)
+    if expert:
+        setup = replace(setup, notes=setup.notes + (expert,))
+    if not setup.roles():
+        moe = (f" nor as {inputs.max_data} or fewer data-parallel expert-parallel ranks" if setup.shape.moe else "")
         raise ValueError(f"{setup.shape.name} does not fit {inputs.gpus} x {setup.hw.name} at TP <= "
-                         f"{min(inputs.max_tp, inputs.domain)} (NVLink domains of {inputs.domain} GPUs) with room "
+                         f"{min(inputs.max_tp, inputs.domain)} (NVLink domains of {inputs.domain} GPUs){moe} with room "
                          f"for one {inputs.isl + inputs.osl}-token request" + (f"; {pipeline}" if pipeline else ""))
     ttft = inputs.ttft_ms / 1000.0
     agg_all = enumerate_aggregated(setup)
@@ -570,6 +699,23 @@ def configure(inputs: Inputs) -> Result:
     return Result(setup, fronts[0], fronts[1], overall, ba, bd, len(agg_all) + len(dis_all))
 
 
+def expert_note(setup: Setup) -> str | None:
+    """For a mixture-of-experts model: which data-parallel expert-parallel layouts were searched and what
+    they assume (disagg.perf.parallel's terms); None for a dense model."""
+    sizes = setup.data_sizes()
+    if not setup.shape.moe:
+        return None
+    i = setup.inputs
+    if not sizes:
+        return (f"{setup.shape.name} is a mixture of experts, but no data-parallel expert-parallel replica of at "
+                f"most {min(i.gpus, i.max_data)} GPUs leaves a rank KV room for one request")
+    return (f"{setup.shape.name} is a mixture of experts: DP attention + expert parallel replicas of "
+            f"{', '.join(map(str, sizes))} GPUs searched (tensor 1 a rank, whole-node pods of {i.gpus_per_node}; "
+            f"all-to-all over NVLink inside {i.domain}-GPU domains, the network beyond; DeepEP-style FP8 dispatch, "
+            "two overlapped micro-batches, expert skew 1.10: disagg.perf.parallel); aggregated layouts are dense "
+            "TP only")
+
+
 def pipeline_note(setup: Setup) -> str | None:
     """Where a replica must be wider than one NVLink domain (the weights and one request's KV do not fit
     the largest TP inside it): the layout that would serve it, pipeline stages over domains (DistServe's
@@ -580,7 +726,7 @@ def pipeline_note(setup: Setup) -> str | None:
     from disagg.perf import parallel
 
     i = setup.inputs
-    if setup.tp_sizes():
+    if setup.tp_sizes() or setup.data_sizes():
         return None
     need = setup.shape.weight_bytes + setup.shape.kv_bytes_per_token * (i.isl + i.osl)
     per_gpu = setup.hw.memory_bytes * setup.eff.memory_utilization

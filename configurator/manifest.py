@@ -21,10 +21,11 @@ import yaml
 from disagg.api import crd
 from disagg.api import v1alpha1 as api
 from disagg.api.names import MAX_NAME_LENGTH
+from disagg.perf.parallel import NVLINK_DOMAIN_KEY
 
 from .estimate import Estimate, Result
 
-TOPOLOGY_KEY = "nvidia.com/gpu.clique"   # one NVLink domain (GPU Feature Discovery's label)
+TOPOLOGY_KEY = NVLINK_DOMAIN_KEY           # one NVLink domain (GPU Feature Discovery's label)
 
 
 def default_name(result: Result, estimate: Estimate) -> str:
@@ -35,9 +36,18 @@ def default_name(result: Result, estimate: Estimate) -> str:
     return base[:MAX_NAME_LENGTH - len(suffix)].rstrip("-") + suffix
 
 
-def _role(replicas: int, tp: int, extra_args: list[str], pods: int = 1) -> dict[str, Any]:
+def _role(replicas: int, tp: int, extra_args: list[str], pods: int = 1, data: int = 1) -> dict[str, Any]:
     """A role of ``replicas`` replicas of TP ``tp``; wider than a node, each replica spans ``pods`` whole-node
-    pods with tensor parallel across them (``podsPerReplica``, ``parallelism.tensor``; never pipeline)."""
+    pods with tensor parallel across them (``podsPerReplica``, ``parallelism.tensor``; never pipeline).
+    ``data`` > 1: ``data`` data-parallel engines of TP ``tp`` with expert parallel (``parallelism.data``,
+    ``expert: true``), ``data / pods`` of them on each pod (dataLocal, derived)."""
+    if data > 1:
+        role: dict[str, Any] = {"replicas": replicas}
+        if pods > 1:
+            role["podsPerReplica"] = pods
+        role.update({"parallelism": {"tensor": tp, "data": data, "expert": True},
+                     "resources": {"limits": {api.GPU_RESOURCE: tp * data // pods}}, "extraArgs": extra_args})
+        return role
     if pods <= 1:
         return {"replicas": replicas, "tensorParallelSize": tp,
                 "resources": {"limits": {api.GPU_RESOURCE: tp}}, "extraArgs": extra_args}
@@ -52,7 +62,8 @@ def manifest(result: Result, estimate: Estimate, name: str | None = None, namesp
     i = result.inputs
     setup = result.setup
     e = estimate
-    b_max = math.ceil(e.batch + 2 * math.sqrt(e.batch))        # room for the batch's fluctuation
+    b_rank = e.batch / e.decode_data                            # vLLM's --max-num-seqs is per engine (DP rank)
+    b_max = math.ceil(b_rank + 2 * math.sqrt(b_rank))          # room for the batch's fluctuation
     engine_args = ["--max-model-len", str(i.isl + i.osl)]
     if i.precision == "fp8":
         engine_args += ["--quantization", "fp8", "--kv-cache-dtype", "fp8"]
@@ -67,8 +78,9 @@ def manifest(result: Result, estimate: Estimate, name: str | None = None, namesp
         # one prompt per prefill step (first come, first served: what the TTFT estimate assumes)
         budget = max(256, math.ceil(i.isl / 256) * 256)
         prefill = _role(e.prefill_workers * e.replicas, e.prefill_tp, ["--max-num-batched-tokens", str(budget)],
-                        e.prefill_pods)
-        decode = _role(e.decode_workers * e.replicas, e.decode_tp, ["--max-num-seqs", str(b_max)], e.decode_pods)
+                        e.prefill_pods, e.prefill_data)
+        decode = _role(e.decode_workers * e.replicas, e.decode_tp, ["--max-num-seqs", str(b_max)], e.decode_pods,
+                       e.decode_data)
         gang = {"minPrefill": e.prefill_workers, "minDecode": e.decode_workers}
         router = {"disaggregation": "always"}
     spec: dict[str, Any] = {
@@ -81,10 +93,14 @@ def manifest(result: Result, estimate: Estimate, name: str | None = None, namesp
         "slo": {"ttftMs": i.ttft_ms, "itlMs": i.itl_ms, "percentile": i.percentile},
         "planner": {"enabled": False, "gpuBudget": i.gpus},
     }
+    widest = max(e.prefill_gpus if e.mode == "disaggregated" else 0, e.decode_gpus)
     if (e.mode == "disaggregated" and setup.link.name == "nvlink") or max(e.prefill_pods, e.decode_pods) > 1:
-        # KV moves over NVLink only inside one NVLink domain, and tensor parallel across pods pays only inside
-        # one: the gang (each multi-pod replica, the operator's per-replica PodGroup) must be placed in one
-        spec["scheduling"]["topology"] = {"key": TOPOLOGY_KEY, "mode": "required"}
+        # KV moves over NVLink only inside one NVLink domain, and tensor parallel (or an expert all-to-all priced
+        # over NVLink) across pods pays only inside one: the gang (each multi-pod replica, the operator's
+        # per-replica PodGroup) must be placed in one. A data-parallel expert-parallel replica wider than a
+        # domain was priced with its all-to-all over the network beyond the domain: packed where it can be.
+        mode = "required" if widest <= i.domain else "preferred"
+        spec["scheduling"]["topology"] = {"key": TOPOLOGY_KEY, "mode": mode}
     meta: dict[str, Any] = {"name": name or default_name(result, e)}
     if namespace:
         meta["namespace"] = namespace

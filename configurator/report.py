@@ -9,8 +9,8 @@ from pathlib import Path
 
 from .estimate import Estimate, Result, frontier_value
 
-CSV_COLUMNS = ["mode", "layout", "prefill_tp", "prefill_pods", "prefill_workers", "decode_tp", "decode_pods",
-               "decode_workers", "replicas", "gpus",
+CSV_COLUMNS = ["mode", "layout", "prefill_tp", "prefill_data", "prefill_pods", "prefill_workers", "decode_tp",
+               "decode_data", "decode_pods", "decode_workers", "expert_parallel", "replicas", "gpus",
                "batch", "chunk_tokens", "tokens_per_s_per_gpu", "tokens_per_s_per_user", "ttft_ms", "itl_ms",
                "itl_mean_ms", "request_rate", "prefill_utilization", "kv_transfer_ms", "meets_slo", "best"]
 
@@ -18,9 +18,10 @@ USER_SPEEDS = (10, 20, 30, 50, 75, 100, 125, 150)   # tokens/s/user at which the
 
 
 def _row(e: Estimate, best: Estimate | None) -> dict[str, object]:
-    return {"mode": e.mode, "layout": e.layout, "prefill_tp": e.prefill_tp, "prefill_pods": e.prefill_pods,
-            "prefill_workers": e.prefill_workers, "decode_tp": e.decode_tp, "decode_pods": e.decode_pods,
-            "decode_workers": e.decode_workers, "replicas": e.replicas, "gpus": e.gpus,
+    return {"mode": e.mode, "layout": e.layout, "prefill_tp": e.prefill_tp, "prefill_data": e.prefill_data,
+            "prefill_pods": e.prefill_pods, "prefill_workers": e.prefill_workers, "decode_tp": e.decode_tp,
+            "decode_data": e.decode_data, "decode_pods": e.decode_pods, "decode_workers": e.decode_workers,
+            "expert_parallel": e.expert_parallel, "replicas": e.replicas, "gpus": e.gpus,
             "batch": e.batch, "chunk_tokens": e.chunk_tokens,
             "tokens_per_s_per_gpu": round(e.tokens_per_s_per_gpu, 3),
             "tokens_per_s_per_user": round(e.tokens_per_s_per_user, 3), "ttft_ms": round(e.ttft_s * 1000, 2),
@@ -63,15 +64,16 @@ def table(result: Result) -> str:
     lines += [f"note: {n}" for n in s.notes]
     lines.append("Pareto frontiers (layouts meeting the TTFT target; * also meets ITL; <= best): "
                  "tokens/s/user, output tokens/s/GPU, layout, batch, TTFT/ITL ms at the percentile")
-    head = f"{'user':>6} {'/GPU':>7}  {'layout':<28} {'b':>4} {'TTFT':>5} {'ITL':>6}  "
-    lines.append(f"{'aggregated':<62}| disaggregated")
+    w = max([28] + [len(e.layout) for e in result.aggregated + result.disaggregated])   # multi-node layouts
+    head = f"{'user':>6} {'/GPU':>7}  {'layout':<{w}} {'b':>5} {'TTFT':>5} {'ITL':>6}  "
+    lines.append(f"{'aggregated':<{len(head)}}| disaggregated")
     lines.append(head + "| " + head)
 
     def cell(e: Estimate | None) -> str:
         if e is None:
             return " " * len(head)
         mark = "<=" if e == result.best else ("* " if e.meets_slo else "  ")
-        return (f"{e.tokens_per_s_per_user:6.1f} {e.tokens_per_s_per_gpu:7.1f}  {e.layout:<28.28} {e.batch:>4} "
+        return (f"{e.tokens_per_s_per_user:6.1f} {e.tokens_per_s_per_gpu:7.1f}  {e.layout:<{w}} {e.batch:>5} "
                 f"{e.ttft_s * 1000:5.0f} {e.itl_s * 1000:6.1f}{mark}")
 
     for a, d in zip_longest(result.aggregated[::-1], result.disaggregated[::-1]):
