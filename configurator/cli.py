@@ -33,6 +33,8 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs of one node (a pod takes at most these)")
     p.add_argument("--domain-gpus", type=int, default=0,
                    help="GPUs of one NVLink domain (0: one node; an NVL72 rack: 72); tensor parallel stays inside it")
+    p.add_argument("--max-data", type=int, default=256,
+                   help="most data-parallel ranks (= expert-parallel GPUs) of one replica of a mixture-of-experts model")
     p.add_argument("--calibration", help="kernel calibration file (bench/gpu_kernels_calibrate.py) for this GPU")
     p.add_argument("--profile", help="measured profile (disagg profile) that replaces the analytic estimate")
     p.add_argument("--out", default="configure-out", help="directory for frontier.csv, frontier.png, "
@@ -50,7 +52,7 @@ def inputs_from_args(args: Any) -> Inputs:
                   itl_ms=args.itl_ms, percentile=args.percentile, interconnect=args.interconnect,
                   prefix_reuse=args.prefix_reuse, precision=args.precision, max_batch=args.max_batch,
                   max_batched_tokens=args.max_batched_tokens, max_tp=args.max_tp, calibration=args.calibration,
-                  gpus_per_node=args.gpus_per_node, domain_gpus=args.domain_gpus,
+                  gpus_per_node=args.gpus_per_node, domain_gpus=args.domain_gpus, max_data=args.max_data,
                   profile=args.profile)
 
 

@@ -116,7 +116,8 @@ def to_yaml(result: Result, estimate: Estimate, **kwargs: Any) -> str:
         f"# disagg configure: {result.setup.shape.name} on {e.gpus} x {result.setup.hw.name} "
         f"(budget {i.gpus}), ISL {i.isl} / OSL {i.osl}, prefix reuse {i.prefix_reuse:.0%}, "
         f"KV over {result.setup.link.name}",
-        f"# layout {e.layout}, {e.batch} requests per decode worker: estimated "
+        f"# layout {e.layout}, {e.batch} requests per decode worker"
+        + (f" ({e.batch / e.decode_data:g} per data-parallel rank)" if e.decode_data > 1 else "") + ": estimated "
         f"{e.tokens_per_s_per_gpu:.1f} output tokens/s/GPU, {e.tokens_per_s_per_user:.1f} tokens/s/user,",
         f"# TTFT p{i.percentile:g} {e.ttft_s * 1000:.0f} ms (target {i.ttft_ms:g}), ITL p{i.percentile:g} "
         f"{e.itl_s * 1000:.1f} ms (target {i.itl_ms:g}), {e.request_rate:.2f} requests/s"

@@ -65,7 +65,7 @@ def make_app(defaults: Any = None) -> web.Application:
     """The page's application; ``defaults`` (the CLI's arguments) fill the form and carry --calibration,
     --profile and the search limits, which the page does not change."""
     fixed = {k: getattr(defaults, k) for k in ("calibration", "profile", "max_batch", "max_batched_tokens", "max_tp",
-                                               "gpus_per_node", "domain_gpus")
+                                               "gpus_per_node", "domain_gpus", "max_data")
              if defaults is not None and getattr(defaults, k, None) is not None}
 
     async def index(_: web.Request) -> web.Response:
