@@ -12,15 +12,17 @@ REPO = Path(__file__).resolve().parent.parent
 def _crds(args: argparse.Namespace) -> int:
     from disagg.api import crd
 
-    directory = Path(args.dir)
+    directory, templates = Path(args.dir), Path(args.chart_templates)
     if args.check:
-        stale = [name for name, content in crd.render().items()
-                 if not (directory / name).exists() or (directory / name).read_text() != content]
-        if stale:
-            print(f"{directory}: out of date with disagg/api: {', '.join(stale)}; run `make crds`", file=sys.stderr)
-            return 1
-        return 0
-    for path in crd.write(directory):
+        failed = 0
+        for where, rendered in ((directory, crd.render()), (templates, crd.render_chart_templates())):
+            stale = [name for name, content in rendered.items()
+                     if not (where / name).exists() or (where / name).read_text() != content]
+            if stale:
+                print(f"{where}: out of date with disagg/api: {', '.join(stale)}; run `make crds`", file=sys.stderr)
+                failed = 1
+        return failed
+    for path in [*crd.write(directory), *crd.write_chart_templates(templates)]:
         print(f"wrote {path}")
     return 0
 
@@ -93,8 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="disagg", description="Disaggregated LLM serving on Kubernetes.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("crds", help="write crds/ from the API models (or --check for drift)")
+    p = sub.add_parser("crds", help="write crds/ and the chart's InferencePool CRD from the API models (or --check "
+                                    "for drift)")
     p.add_argument("--dir", default=str(REPO / "crds"))
+    p.add_argument("--chart-templates", default=str(REPO / "charts" / "disagg" / "templates"),
+                   help="where the chart's generated templates go (the InferencePool CRD)")
     p.add_argument("--check", action="store_true", help="exit 1 if crds/ differs from the models")
     p.set_defaults(func=_crds)
 

@@ -143,3 +143,32 @@ class DD:
             c = self.condition(ctype)
             return c if c and c["status"] == status and (reason is None or c["reason"] == reason) else None
         return wait_for(check, timeout, f"{ctype}={status} {reason or ''} on {self.name} (status: {self.status()})")
+
+
+# ---------------------------------------------------------------- the chart's InferencePool CRD
+
+INFERENCE_POOL_CRD = "crd/inferencepools.inference.networking.k8s.io"
+
+
+def chart_inference_pool_crd() -> str:
+    """The InferencePool CRD as the chart installs it (helm template, inferencePool.installCRD=true)."""
+    import subprocess
+    from pathlib import Path
+
+    from disagg.e2e.localcluster import binaries
+
+    chart = Path(__file__).resolve().parent.parent / "charts" / "disagg"
+    return subprocess.run([str(binaries() / "helm"), "template", "disagg", str(chart), "--set",
+                           "inferencePool.installCRD=true", "--show-only", "templates/inferencepool-crd.yaml"],
+                          check=True, capture_output=True, text=True).stdout
+
+
+def install_inference_pool_crd(cluster) -> None:
+    """The chart's InferencePool CRD on the cluster, Established (a no-op when it is there)."""
+    cluster.kubectl("apply", "--server-side", "-f", "-", input=chart_inference_pool_crd())
+    cluster.kubectl("wait", "--for=condition=Established", "--timeout=120s", INFERENCE_POOL_CRD)
+
+
+def remove_inference_pool_crd(cluster) -> None:
+    """No InferencePool API on the cluster (every pool of it goes with it)."""
+    cluster.kubectl("delete", INFERENCE_POOL_CRD, "--ignore-not-found", "--wait=true", "--timeout=120s")

@@ -13,6 +13,7 @@ from typing import Any
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
+from disagg.api import inferencepool as pools
 from disagg.api import kube
 from disagg.api.names import LABEL_DEPLOYMENT, LABEL_GANG, LABEL_GROUP
 
@@ -31,7 +32,11 @@ PLURALS = {
     (gangs.WORKLOAD_API, "Workload"): "workloads", (gangs.WORKLOAD_API, "PodGroup"): "podgroups",
     (gangs.COMPOSITE_API, "CompositePodGroup"): "compositepodgroups",
     (gangs.COSCHEDULING_API, "PodGroup"): "podgroups", (gangs.VOLCANO_API, "PodGroup"): "podgroups",
+    (pools.API_VERSION, pools.KIND): pools.PLURAL,
 }
+# Kinds whose API a cluster may lack (a CRD nobody installed) or the operator's role may lack (an older
+# chart's): applying one then fails nothing else; apply() reports it instead (the status says so).
+OPTIONAL_KINDS = {(pools.API_VERSION, pools.KIND)}
 GANG_KINDS = [(gangs.WORKLOAD_API, "PodGroup"), (gangs.COMPOSITE_API, "CompositePodGroup"),
               (gangs.WORKLOAD_API, "Workload"), (gangs.COSCHEDULING_API, "PodGroup"),
               (gangs.VOLCANO_API, "PodGroup")]
@@ -118,28 +123,43 @@ def _snake(kind: str) -> str:
     return "".join(f"_{c.lower()}" if c.isupper() else c for c in kind).lstrip("_")
 
 
-def apply(clients: Clients, manifests: list[dict[str, Any]], owner_uid: str) -> list[str]:
+def apply(clients: Clients, manifests: list[dict[str, Any]], owner_uid: str,
+          unavailable: dict[str, int] | None = None) -> list[str]:
     """Apply each manifest unless the live object already has its hash and nobody else has changed
-    its spec since. Returns the kinds written, one entry per write."""
+    its spec since. Returns the kinds written, one entry per write. A manifest of an OPTIONAL_KINDS kind
+    the API server does not serve (404) or the operator may not write (403) is skipped, its kind and the
+    status code put in ``unavailable``."""
     written = []
     for m in manifests:
-        meta = m["metadata"]
-        live = clients.get(m["apiVersion"], m["kind"], meta["namespace"], meta["name"])
-        if live is not None:
-            owners = [o for o in live["metadata"].get("ownerReferences") or [] if o.get("controller")]
-            if owners and owners[0]["uid"] != owner_uid:
-                mine = (meta.get("ownerReferences") or [{}])[0]
-                if (owners[0].get("kind"), owners[0].get("name")) == (mine.get("kind"), mine.get("name")):
-                    raise PredecessorChild(f"{m['kind']} {meta['name']} still belongs to the deleted "
-                                           f"{owners[0]['kind']} of this name; waiting for its garbage collection")
-                raise ChildConflict(f"{m['kind']} {meta['name']} is controlled by {owners[0]['kind']} "
-                                    f"{owners[0]['name']}, not by this DisaggDeployment")
-            same = (live["metadata"].get("annotations") or {}).get(HASH_ANNOTATION) == meta["annotations"][HASH_ANNOTATION]
-            if same and not drifted_by(live["metadata"]):
-                continue
-        clients.apply(m)
-        written.append(m["kind"])
+        try:
+            if _apply_one(clients, m, owner_uid):
+                written.append(m["kind"])
+        except ApiException as e:
+            if (m["apiVersion"], m["kind"]) not in OPTIONAL_KINDS or e.status not in (403, 404):
+                raise
+            if unavailable is not None:
+                unavailable[m["kind"]] = e.status
     return written
+
+
+def _apply_one(clients: Clients, m: dict[str, Any], owner_uid: str) -> bool:
+    """Apply one manifest (see apply); True when it was written."""
+    meta = m["metadata"]
+    live = clients.get(m["apiVersion"], m["kind"], meta["namespace"], meta["name"])
+    if live is not None:
+        owners = [o for o in live["metadata"].get("ownerReferences") or [] if o.get("controller")]
+        if owners and owners[0]["uid"] != owner_uid:
+            mine = (meta.get("ownerReferences") or [{}])[0]
+            if (owners[0].get("kind"), owners[0].get("name")) == (mine.get("kind"), mine.get("name")):
+                raise PredecessorChild(f"{m['kind']} {meta['name']} still belongs to the deleted "
+                                       f"{owners[0]['kind']} of this name; waiting for its garbage collection")
+            raise ChildConflict(f"{m['kind']} {meta['name']} is controlled by {owners[0]['kind']} "
+                                f"{owners[0]['name']}, not by this DisaggDeployment")
+        same = (live["metadata"].get("annotations") or {}).get(HASH_ANNOTATION) == meta["annotations"][HASH_ANNOTATION]
+        if same and not drifted_by(live["metadata"]):
+            return False
+    clients.apply(m)
+    return True
 
 
 def drifted_by(meta: dict[str, Any]) -> str | None:
@@ -161,8 +181,14 @@ def drifted_by(meta: dict[str, Any]) -> str | None:
 
 def delete_owned(clients: Clients, api_version: str, kind: str, namespace: str, name: str, owner_uid: str) -> bool:
     """Delete a child this DisaggDeployment controls and no longer renders (its NetworkPolicy once the
-    operator's networkPolicy option is off); True when one was deleted."""
-    live = clients.get(api_version, kind, namespace, name)
+    operator's networkPolicy option is off, its InferencePool back in proxy mode); True when one was deleted.
+    A kind whose API the cluster does not serve has nothing to delete (the get answers 404: None)."""
+    try:
+        live = clients.get(api_version, kind, namespace, name)
+    except ApiException as e:
+        if e.status == 403 and (api_version, kind) in OPTIONAL_KINDS:
+            return False   # an optional API the operator may not read: it cannot have made one
+        raise
     owners = [o for o in (live or {}).get("metadata", {}).get("ownerReferences") or [] if o.get("controller")]
     if not owners or owners[0]["uid"] != owner_uid:
         return False

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,12 +16,13 @@ import kopf
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
+from disagg.api import inferencepool as pools
 from disagg.api import kube
 from disagg.api.contract import KV_REVISION_GENERATION_LABEL, KV_REVISION_LABEL
 from disagg.api.names import (GROUP, LABEL_DEPLOYMENT, LABEL_GANG, LABEL_GROUP, LABEL_GROUP_POD, LABEL_HEADLESS,
                                LABEL_MANAGED_BY, LABEL_ROLE, MANAGED_BY,
                                ROLE_DECODE, ROLE_PREFILL)
-from disagg.api.v1alpha1 import GPU_RESOURCE, KIND, PLURAL, VERSION, DisaggDeployment
+from disagg.api.v1alpha1 import GPU_RESOURCE, KIND, PLURAL, VERSION, ConditionType, DisaggDeployment
 
 from . import capacity, children, groups, render
 from . import gang as gangs
@@ -33,6 +35,9 @@ log = logging.getLogger("disagg.operator")
 # A gang unplaced for this long gets its capacity explained (free GPUs per domain).
 CAPACITY_AFTER_SECONDS = 5
 TRIM_SECONDS = 60
+# How often the status loop tries again to create a picker-mode deployment's InferencePool whose API was
+# missing (its CRD installed later): one request each time.
+POOL_RETRY_SECONDS = 30
 
 
 # kopf's own HTTP connections (watches, its patches, events): at most this many besides the watches.
@@ -105,6 +110,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     memo.drift_seen = {}  # (kind, namespace, child) -> its generation (uid once deleted) last restored
     # (namespace, name) -> gang of a deployment created while this operator runs: nothing older to prune
     memo.created_gangs = {}
+    memo.pools = {}  # (namespace, name) -> statuses.PoolState of a picker-mode deployment
     metrics.serve()
     memory.start_tracing()  # opt-in (operator/memory.py)
     # freed heap pages back to the system once a minute: bursts (fleet lists, many deployments created
@@ -160,8 +166,9 @@ def reconcile(body: kopf.Body, uid: str, name: str, namespace: str, memo: kopf.M
     manifests, gang = _render(dd, uid, list(pods_by_deployment.get(key, [])),
                               list(deployments_by_deployment.get(key, [])), memo)
     generation = body["metadata"].get("generation", 0)
+    unavailable: dict[str, int] = {}
     try:
-        written = children.apply(clients, manifests, uid)
+        written = children.apply(clients, manifests, uid, unavailable)
     except children.PredecessorChild as e:
         # deleted and created again under the same name: the old children go within seconds, and
         # waiting the 30 s of a real conflict made a re-creation 10x slower than for plain Deployments
@@ -189,10 +196,13 @@ def reconcile(body: kopf.Body, uid: str, name: str, namespace: str, memo: kopf.M
                                                                  render.names(name)[role], uid):
             kopf.info(body, reason="DeploymentDeleted", message=f"deleted the {role} Deployment: its replicas now "
                                                                 "span several pods, run as groups")
-    if not render.network_policy_enabled() and children.delete_owned(
-            clients, "networking.k8s.io/v1", "NetworkPolicy", namespace, render.names(name)["network-policy"], uid):
-        kopf.info(body, reason="NetworkPolicyDeleted", message="deleted the workers' NetworkPolicy: the operator's "
-                                                               "networkPolicy option is off")
+    was_picker = key in memo.pools or any(c.get("type") == ConditionType.INFERENCE_POOL_APPLIED
+                                          for c in (body.get("status") or {}).get("conditions") or [])
+    if dd.spec.router.picker_settings():
+        memo.pools[key] = pool_state(dd, unavailable.get(pools.KIND))
+    else:
+        memo.pools.pop(key, None)
+    _prune(clients, body, dd, uid, manifests, was_picker)
     metrics.reconciles.labels("applied" if written else "unchanged").inc()
     for kind in written:
         metrics.child_writes.labels(kind).inc()
@@ -212,6 +222,64 @@ def reconcile(body: kopf.Body, uid: str, name: str, namespace: str, memo: kopf.M
         for gone in children.prune_gangs(clients, namespace, name, keep, gang.name) or []:
             kopf.info(body, reason="GangObjectDeleted", message=f"deleted {gone}: no pod of it remains")
     _wake(memo, namespace, name)
+
+
+def pool_state(dd: DisaggDeployment, unavailable: int | None) -> statuses.PoolState:
+    """A picker-mode deployment's InferencePool after an apply: ``unavailable``, the API server's answer
+    when its kind could not be written (404: the API is not served; 403: the operator may not)."""
+    name = render.names(dd.metadata.name)["inference-pool"]
+    meanwhile = (f"meanwhile the deployment serves on its Service (its routers in picker mode), and the operator "
+                 f"creates InferencePool {name} once it can")
+    if unavailable == 404:
+        return statuses.PoolState(None, "InferencePoolCRDMissing", f"the InferencePool API ({pools.API_VERSION}) is "
+                                  f"not installed on this cluster: install its CRD (the disagg chart's "
+                                  f"inferencePool.installCRD=true, or the Gateway API Inference Extension's own); "
+                                  f"{meanwhile}", time.monotonic() + POOL_RETRY_SECONDS)
+    if unavailable is not None:
+        return statuses.PoolState(None, "InferencePoolForbidden", f"the API server forbade the operator to write "
+                                  f"InferencePool {name} (HTTP {unavailable}): its role lacks the rule on "
+                                  f"inferencepools ({pools.GROUP}) the disagg chart's RBAC grants, or an admission "
+                                  f"policy refused it; {meanwhile}", time.monotonic() + POOL_RETRY_SECONDS)
+    return statuses.PoolState(name)
+
+
+def _prune(clients: children.Clients, body: kopf.Body, dd: DisaggDeployment, uid: str,
+           manifests: list[dict[str, Any]], was_picker: bool) -> None:
+    """Delete what the deployment had rendered and no longer renders (render.PRUNABLE): its NetworkPolicies
+    once the operator's networkPolicy option is off, its InferencePool and picker policies back in proxy
+    mode. The picker's are only looked for where the deployment was in picker mode (memo, or its status
+    says so), so a proxy deployment's reconcile costs no extra request."""
+    name, namespace = dd.metadata.name, dd.metadata.namespace
+    rendered = {(m["kind"], m["metadata"]["name"]) for m in manifests}
+    policy_off = not render.network_policy_enabled()
+    for api_version, kind, which in render.PRUNABLE:
+        child = render.names(name)[which]
+        if (kind, child) in rendered or (which in render.PICKER_ONLY and not was_picker):
+            continue
+        if not children.delete_owned(clients, api_version, kind, namespace, child, uid):
+            continue
+        if kind == pools.KIND:
+            why = f"deleted InferencePool {child}: spec.router.mode is proxy"
+        elif which == "network-policy":
+            why = "deleted the workers' NetworkPolicy: the operator's networkPolicy option is off"
+        else:
+            why = (f"deleted NetworkPolicy {child}, which admitted the gateway's pods: "
+                   + ("the operator's networkPolicy option is off" if policy_off else "spec.router.mode is proxy"))
+        # kopf.event, not kopf.info: info events fall under the posting level (WARNING, startup())
+        kopf.event(body, type="Normal", reason=f"{kind}Deleted", message=why)
+
+
+def retry_pool(clients: children.Clients, dd: DisaggDeployment, uid: str, pool: statuses.PoolState) -> None:
+    """Try again to create a picker-mode deployment's missing InferencePool (its CRD may have been installed
+    since), at most every POOL_RETRY_SECONDS; updates ``pool`` (InferencePoolApplied turning True is the
+    event that says so)."""
+    if pool.name or time.monotonic() < pool.retry_at:
+        return
+    manifest = render.stamp(render.inference_pool(dd, uid))
+    unavailable: dict[str, int] = {}
+    children.apply(clients, [manifest], uid, unavailable)
+    fresh = pool_state(dd, unavailable.get(pools.KIND))
+    pool.name, pool.reason, pool.message, pool.retry_at = fresh.name, fresh.reason, fresh.message, fresh.retry_at
 
 
 def _render(dd: DisaggDeployment, uid: str, pods: list[statuses.PodView],
@@ -394,7 +462,7 @@ async def status_loop(name: str, namespace: str, body: kopf.Body, memo: kopf.Mem
                 # kopf's live body (kept current by the DisaggDeployment watch) instead of a GET per refresh
                 snapshot = {k: body.get(k) for k in ("apiVersion", "kind", "metadata", "spec", "status")}
                 settled, events = await asyncio.to_thread(refresh, memo.clients, namespace, name, pods, deps, applied,
-                                                           memo.fleet, snapshot, state)
+                                                           memo.fleet, snapshot, state, memo.pools.get(key))
             except ApiException as e:
                 if e.status == 404:
                     deleted = True
@@ -417,6 +485,7 @@ async def status_loop(name: str, namespace: str, body: kopf.Body, memo: kopf.Mem
             memo.applied.pop(key, None)
             memo.revisions.pop(key, None)
             memo.created_gangs.pop(key, None)
+            memo.pools.pop(key, None)
             for drift in [k for k in memo.drift_seen if k[1] == namespace and k[2].startswith(f"{name}-")]:
                 memo.drift_seen.pop(drift, None)
         metrics.observe_status(namespace, name, None)
@@ -452,9 +521,11 @@ class LoopState:
 def refresh(clients: children.Clients, namespace: str, name: str, pods: list[statuses.PodView],
             deps: list[tuple[str, statuses.DeploymentView]],
             applied: tuple[int, str | None] | None, fleet: Fleet, obj: dict[str, Any] | None = None,
-            state: LoopState | None = None) -> tuple[bool, list[tuple[str, str, str]]]:
+            state: LoopState | None = None, pool: statuses.PoolState | None = None,
+            ) -> tuple[bool, list[tuple[str, str, str]]]:
     """Recompute and (if changed) write status. Returns (settled, events). `obj`: the DisaggDeployment as
-    kopf last saw it (else it is read); `state`: the loop's memory across refreshes."""
+    kopf last saw it (else it is read); `state`: the loop's memory across refreshes; `pool`: a picker-mode
+    deployment's InferencePool as last applied (a missing one is tried again here)."""
     if obj is None or not obj.get("metadata"):
         obj = clients.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
     state = state or LoopState()
@@ -473,8 +544,10 @@ def refresh(clients: children.Clients, namespace: str, name: str, pods: list[sta
                  for r in (ROLE_PREFILL, ROLE_DECODE)}
     if any(render.multi_pod(dd, r) for r in (ROLE_PREFILL, ROLE_DECODE)) or any(p.group for p in pods):
         pods, deps, events, restarts = _run_groups(clients, dd, obj["metadata"].get("uid", ""), pods, deps, applied)
+    if pool is not None and dd.spec.router.picker_settings() and obj["metadata"].get("uid"):
+        retry_pool(clients, dd, obj["metadata"]["uid"], pool)
     obs = statuses.Observed(pods=pods, deployments={role: view for role, view in deps},
-                            group_pods_scheduled=scheduled, group_restarts=restarts)
+                            group_pods_scheduled=scheduled, group_restarts=restarts, inference_pool=pool)
     if applied:
         obs.applied_generation, obs.apply_error = applied
     gang = dd.spec.scheduling.gang

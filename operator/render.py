@@ -12,6 +12,7 @@ import os
 from typing import Any
 
 from disagg.api import contract, parallelism
+from disagg.api import inferencepool as pools
 from disagg.api.names import (
     DISK_OFFLOAD_PATH,
     LABEL_DEPLOYMENT,
@@ -40,6 +41,7 @@ from disagg.api.v1alpha1 import (
     DisaggDeployment,
     GangBackend,
     RoleSpec,
+    PickerSpec,
     RouterAuth,
     Toleration,
     TopologyMode,
@@ -57,7 +59,7 @@ ROUTER_IMAGE_ENV, ROUTER_PULL_POLICY_ENV = "DISAGG_ROUTER_IMAGE", "DISAGG_ROUTER
 def router_image() -> tuple[str, str | None]:
     """(image, pull policy or None for the cluster's default) of router pods."""
     return os.environ.get(ROUTER_IMAGE_ENV) or CONTROL_PLANE_IMAGE, os.environ.get(ROUTER_PULL_POLICY_ENV) or None
-HTTP_PORT = 8000
+HTTP_PORT = contract.HTTP_PORT
 NIXL_PORT = 5600
 KV_EVENTS_PORT = 5557
 
@@ -92,11 +94,27 @@ def names(dd_name: str) -> dict[str, str]:
         ROLE_ROUTER: child_name(dd_name, ROLE_ROUTER),
         "service": dd_name,  # the endpoint users call
         "network-policy": child_name(dd_name, "workers"),  # what it guards
+        # spec.router.mode picker: the InferencePool (the gateway's backend) and the two policies that admit
+        # the gateway's pods to the decode workers' serving port and to the routers' picker port
+        "inference-pool": dd_name,
+        "gateway-policy": child_name(dd_name, "gateway"),
+        "router-policy": child_name(dd_name, ROLE_ROUTER),
     }
 
 
 def selector(dd_name: str, role: str) -> dict[str, str]:
     return {LABEL_DEPLOYMENT: dd_name, LABEL_ROLE: role}
+
+
+def serving_selector(dd: DisaggDeployment, role: str) -> dict[str, str]:
+    """The pods of a role that serve its API: every pod of a one-pod role; of a multi-pod role, each replica's
+    leader (index 0), since its other pods run the engine's ranks headless (the role's Service selects them
+    all, and the router's discovery leaves out the headless ones: a label selector of matchLabels alone, as
+    the InferencePool's is, can only name the leaders)."""
+    out = selector(dd.metadata.name, role)
+    if multi_pod(dd, role):
+        out[LABEL_GROUP_POD] = "0"
+    return out
 
 
 def _owner(dd: DisaggDeployment, uid: str) -> dict[str, Any]:
@@ -452,6 +470,9 @@ def worker_deployment(dd: DisaggDeployment, uid: str, role: str, gang: gangs.Gan
     }
 
 
+# The router's endpoint picker port (spec.router.mode picker), on its container and its Service.
+PICKER_PORT_NAME = "grpc"
+
 # The router needs no GPU: keep it off GPU nodes when others exist (a preference: spec.router's
 # nodeSelector and tolerations decide where it may run, this only ranks those nodes).
 _OFF_GPU_NODES = {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
@@ -518,6 +539,11 @@ def router_deployment(dd: DisaggDeployment, uid: str) -> dict[str, Any]:
         # gateway have dropped it from the Service, then stops accepting and lets its streams finish
         "lifecycle": {"preStop": {"sleep": {"seconds": contract.ENDPOINT_GRACE_SECONDS}}},
     }
+    picker = r.picker_settings()
+    if picker:
+        # also the endpoint picker of the deployment's InferencePool: Envoy's ext_proc (and gRPC health) there
+        container["args"] += ["--mode", "picker", "--grpc-port", str(picker.port)]
+        container["ports"].append({"name": PICKER_PORT_NAME, "containerPort": picker.port})
     res = {k: {kk: str(vv) for kk, vv in v.items()}
            for k, v in (("requests", r.resources.requests), ("limits", r.resources.limits)) if v}
     if res:
@@ -564,6 +590,11 @@ def services(dd: DisaggDeployment, uid: str) -> list[dict[str, Any]]:
         "spec": {"selector": selector(dd.metadata.name, ROLE_ROUTER),
                  "ports": [{"name": "http", "port": 80, "targetPort": "http"}]},
     }]
+    picker = dd.spec.router.picker_settings()
+    if picker:
+        # the InferencePool's endpointPickerRef names this port (its service port); gRPC in cleartext
+        out[0]["spec"]["ports"].append({"name": PICKER_PORT_NAME, "port": picker.port, "targetPort": PICKER_PORT_NAME,
+                                        "appProtocol": "kubernetes.io/h2c"})
     for role in (ROLE_PREFILL, ROLE_DECODE):
         out.append({
             "apiVersion": "v1", "kind": "Service",
@@ -622,6 +653,61 @@ def network_policy(dd: DisaggDeployment, uid: str) -> dict[str, Any]:
     }
 
 
+def _gateway_peers(picker: PickerSpec) -> list[dict[str, Any]]:
+    """The gateway's pods: every pod in the namespaces spec.router.picker.gatewayNamespaceSelector matches
+    (``{}``: every namespace; a gateway's Envoy pods live wherever the platform put them)."""
+    return [{"namespaceSelector": picker.gateway_namespace_selector.manifest()}]
+
+
+def picker_network_policies(dd: DisaggDeployment, uid: str) -> list[dict[str, Any]]:
+    """In picker mode the gateway's Envoy pods send each request to the decode pod the router picked, and ask
+    the router's picker port which: two policies admit them there and nowhere else. ``<name>-gateway``: the
+    decode pods that serve (the InferencePool's members) admit the gateway's pods on vLLM's HTTP port; added
+    to ``<name>-workers``, which keeps every other port of theirs as closed as in proxy mode. ``<name>-router``:
+    the router pods, which no policy selects in proxy mode, become selected, so it admits what reached them
+    before from anywhere (the OpenAI API port, which clients call, and the metrics ports) and the picker port
+    from the gateway's pods only. Nothing else is opened. [] in proxy mode."""
+    picker = dd.spec.router.picker_settings()
+    if picker is None:
+        return []
+    name, n, r = dd.metadata.name, names(dd.metadata.name), dd.spec.router
+    peers = _gateway_peers(picker)
+    gateway = {
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": _meta(dd, uid, n["gateway-policy"], ROLE_DECODE),
+        "spec": {"podSelector": {"matchLabels": serving_selector(dd, ROLE_DECODE)}, "policyTypes": ["Ingress"],
+                 "ingress": [{"from": peers, "ports": _tcp(HTTP_PORT)}]},
+    }
+    router = {
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": _meta(dd, uid, n["router-policy"], ROLE_ROUTER),
+        "spec": {"podSelector": {"matchLabels": selector(name, ROLE_ROUTER)}, "policyTypes": ["Ingress"],
+                 "ingress": [
+                     # no `from`: any source, as with no policy (clients; whoever scrapes the metrics)
+                     {"ports": _tcp(HTTP_PORT, *(contract.ROUTER_METRICS_PORT + i for i in range(r.processes)))},
+                     {"from": peers, "ports": _tcp(picker.port)}]},
+    }
+    return [gateway, router]
+
+
+def inference_pool(dd: DisaggDeployment, uid: str) -> dict[str, Any] | None:
+    """The deployment's InferencePool (inference.networking.k8s.io/v1) in picker mode, else None: its members
+    are the decode pods that serve (:func:`serving_selector`, the pods the router's discovery routes to), on
+    vLLM's HTTP port, and its endpoint picker is the routers' picker port on the deployment's Service. A
+    gateway's HTTPRoute names it as a backend (group inference.networking.k8s.io, kind InferencePool)."""
+    picker = dd.spec.router.picker_settings()
+    if picker is None:
+        return None
+    n = names(dd.metadata.name)
+    pool = pools.InferencePool.model_validate({
+        "metadata": _meta(dd, uid, n["inference-pool"]),
+        "spec": {"selector": {"matchLabels": serving_selector(dd, ROLE_DECODE)},
+                 "targetPorts": [{"number": HTTP_PORT}],
+                 "endpointPickerRef": {"group": "", "kind": "Service", "name": n["service"],
+                                       "port": {"number": picker.port}, "failureMode": picker.failure_mode}}})
+    return pool.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
 def router_rbac(dd: DisaggDeployment, uid: str) -> list[dict[str, Any]]:
     """The router discovers workers from the role Services' EndpointSlices, and each worker's KV revision
     from its pod's labels: it lists both, in its namespace, and nothing else (tests/test_rbac.py audits the
@@ -640,13 +726,23 @@ def router_rbac(dd: DisaggDeployment, uid: str) -> list[dict[str, Any]]:
     ]
 
 
+# What a deployment may have had rendered and no longer renders (the operator's networkPolicy option turned
+# off, spec.router.mode back to proxy): (apiVersion, kind, names() key), deleted by the reconcile.
+PRUNABLE = [("networking.k8s.io/v1", "NetworkPolicy", "network-policy"),
+            ("networking.k8s.io/v1", "NetworkPolicy", "gateway-policy"),
+            ("networking.k8s.io/v1", "NetworkPolicy", "router-policy"),
+            (pools.API_VERSION, pools.KIND, "inference-pool")]
+PICKER_ONLY = {"gateway-policy", "router-policy", "inference-pool"}
+
+
 def endpoint(dd: DisaggDeployment) -> str:
     return f"http://{names(dd.metadata.name)['service']}.{dd.metadata.namespace}.svc:80/v1"
 
 
 def children(dd: DisaggDeployment, uid: str, generation: int | None = None,
              hold: bool = False) -> tuple[list[dict[str, Any]], gangs.Gang]:
-    """Every child manifest, gang objects first (pods reference them), each stamped with its content hash.
+    """Every child manifest, gang objects first (pods reference them), the InferencePool last (picker mode),
+    each stamped with its content hash.
     ``generation`` orders the workers' KV revision (:func:`revision_generation`; default: this one);
     ``hold``: a rollout to a new KV revision waits for its first ready pair (:mod:`.revisions`)."""
     gang = gangs.render(dd.metadata.name, dd.spec)
@@ -658,11 +754,22 @@ def children(dd: DisaggDeployment, uid: str, generation: int | None = None,
     out += services(dd, uid)
     if network_policy_enabled():
         out.append(network_policy(dd, uid))
+        out += picker_network_policies(dd, uid)
     # a role of multi-pod replicas has no Deployment: the status loop runs its groups (operator/groups.py)
     out += [worker_deployment(dd, uid, role, gang, generation, hold) for role in (ROLE_PREFILL, ROLE_DECODE)
             if not multi_pod(dd, role)]
     out.append(router_deployment(dd, uid))
+    pool = inference_pool(dd, uid)
+    if pool is not None:
+        # last: its API may be missing (its CRD not installed), which fails nothing else (children.apply)
+        out.append(pool)
     for obj in out:
-        digest = hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
-        obj["metadata"].setdefault("annotations", {})[HASH_ANNOTATION] = digest
+        stamp(obj)
     return out, gang
+
+
+def stamp(obj: dict[str, Any]) -> dict[str, Any]:
+    """A child manifest with its content hash (HASH_ANNOTATION), which apply compares with the live object's."""
+    digest = hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+    obj["metadata"].setdefault("annotations", {})[HASH_ANNOTATION] = digest
+    return obj

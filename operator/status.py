@@ -16,7 +16,8 @@ from typing import Any
 from disagg.api.names import ROLE_DECODE, ROLE_PREFILL, ROLE_ROUTER, ROLES
 from disagg.api.v1alpha1 import ConditionType, DisaggDeployment, GangBackend, Phase
 
-OWNED = (ConditionType.READY, ConditionType.GANG_SCHEDULED, ConditionType.PROGRESSING, ConditionType.DEGRADED)
+OWNED = (ConditionType.READY, ConditionType.GANG_SCHEDULED, ConditionType.PROGRESSING, ConditionType.DEGRADED,
+         ConditionType.INFERENCE_POOL_APPLIED)
 # Container waiting reasons that mean "will not start without a change".
 FAULTS = ("ImagePullBackOff", "ErrImagePull", "CrashLoopBackOff", "CreateContainerConfigError",
           "CreateContainerError", "InvalidImageName", "RunContainerError")
@@ -57,6 +58,17 @@ class DeploymentView:
 
 
 @dataclass
+class PoolState:
+    """A picker-mode deployment's InferencePool as the operator last applied it: its name once it exists,
+    else why it does not (reason, message: its API is not served, or the operator may not write it)."""
+
+    name: str | None = None
+    reason: str = ""
+    message: str = ""
+    retry_at: float = 0.0   # when the status loop tries again to create a missing one (time.monotonic)
+
+
+@dataclass
 class Observed:
     pods: list[PodView] = field(default_factory=list)
     deployments: dict[str, DeploymentView] = field(default_factory=dict)
@@ -68,6 +80,7 @@ class Observed:
     group_pods_scheduled: dict[str, int] = field(default_factory=dict)
     group_restarts: dict[str, int] = field(default_factory=dict)
     apply_error: str | None = None          # why applying the current generation failed
+    inference_pool: PoolState | None = None  # picker mode: the InferencePool (None: not applied yet)
 
 
 def _fault_detail(dd: DisaggDeployment, reason: str, message: str | None) -> str:
@@ -122,6 +135,11 @@ def compute(dd: DisaggDeployment, generation: int, previous: dict[str, Any] | No
                             "podsScheduled": obs.group_pods_scheduled.get(role, 0),
                             "groupRestarts": before + obs.group_restarts.get(role, 0)}
 
+    picker = spec.router.picker_settings()
+    pool = obs.inference_pool if picker else None
+    if pool and pool.name:
+        roles[ROLE_ROUTER]["inferencePool"] = pool.name
+
     faults = sorted((p.role, p.name, p.waiting_reason, p.waiting_message) for p in obs.pods
                     if p.waiting_reason in FAULTS and not p.terminating)
     gang = spec.scheduling.gang
@@ -157,6 +175,8 @@ def compute(dd: DisaggDeployment, generation: int, previous: dict[str, Any] | No
     elif faults:
         deg = (True, faults[0][2], "; ".join(f"{reason} on {role} pod {name}{_fault_detail(dd, reason, message)}"
                                              for role, name, reason, message in faults))
+    elif pool and not pool.name:   # picker mode without its InferencePool: no gateway can route to it
+        deg = (True, pool.reason, pool.message)
     else:
         short = [f"{r} {roles[r]['ready']}/{roles[r]['desired']} ready" for r in ROLES
                  if roles[r]["ready"] < roles[r]["desired"]]
@@ -198,6 +218,13 @@ def compute(dd: DisaggDeployment, generation: int, previous: dict[str, Any] | No
         rd = (True, "Serving", f"prefill {roles[ROLE_PREFILL]['summary']}, decode {roles[ROLE_DECODE]['summary']}, "
                                f"router {roles[ROLE_ROUTER]['summary']} ready")
     conds.append(_condition(prev_conds, ConditionType.READY, *rd, generation, now))
+
+    # InferencePoolApplied, in picker mode once the operator has applied (or tried to apply) the pool
+    if pool and picker:
+        ip = (True, "Applied", f"InferencePool {pool.name} selects the decode pods that serve; its endpoint picker "
+                               f"is Service {dd.metadata.name} port {picker.port} (failureMode "
+                               f"{picker.failure_mode})") if pool.name else (False, pool.reason, pool.message)
+        conds.append(_condition(prev_conds, ConditionType.INFERENCE_POOL_APPLIED, *ip, generation, now))
 
     kept = [c for c in previous.get("conditions") or [] if c["type"] not in OWNED]
     if rd[0] and not deg[0]:

@@ -60,6 +60,20 @@ INVALID = [
     ("planner-prometheus-url", {"spec.planner.prometheusUrl": "http://169.254.169.254/"},
      "spec.planner.prometheusUrl"),
     ("planner-prometheus-not-a-name", {"spec.planner.prometheus": "http://prom:9090"}, "spec.planner.prometheus"),
+    # spec.router.mode picker (the router as a gateway's endpoint picker) and its settings
+    ("router-mode-unknown", {"spec.router.mode": "sidecar"}, "spec.router.mode"),
+    ("router-picker-in-proxy-mode", {"spec.router.picker": {"port": 9003}}, "spec.router.picker"),
+    ("router-picker-on-the-http-port", {"spec.router.mode": "picker", "spec.router.picker": {"port": 8000}},
+     "spec.router.picker.port"),
+    ("router-picker-on-a-metrics-port", {"spec.router.mode": "picker", "spec.router.processes": 2,
+                                         "spec.router.picker": {"port": 9201}}, "spec.router.picker.port"),
+    ("router-picker-privileged-port", {"spec.router.mode": "picker", "spec.router.picker": {"port": 443}},
+     "spec.router.picker.port"),
+    ("router-picker-failure-mode", {"spec.router.mode": "picker", "spec.router.picker": {"failureMode": "Open"}},
+     "spec.router.picker.failureMode"),
+    ("router-picker-selector-without-values", {"spec.router.mode": "picker", "spec.router.picker": {
+        "gatewayNamespaceSelector": {"matchExpressions": [{"key": "team", "operator": "In"}]}}},
+     "spec.router.picker.gatewayNamespaceSelector.matchExpressions[0].values"),
 ]
 
 
@@ -189,6 +203,18 @@ def test_valid_example_is_accepted_with_defaults(cluster, crd_installed, namespa
     assert spec["router"]["policy"] == "kv-aware" and spec["kvTransfer"]["backends"] == ["UCX"]
     # what the server stored parses back into the models
     api.DisaggDeployment.model_validate({k: v for k, v in got.items() if k != "status"})
+
+
+def test_picker_settings_stay_absent_unless_written(cluster, crd_installed, namespace):
+    """spec.router.picker has no default (so admission can refuse it outside picker mode): a proxy deployment
+    is stored without it, a picker deployment that leaves it out too (the models fill in its defaults)."""
+    for mode in ("proxy", "picker"):
+        doc = invalid({"metadata.name": f"m-{mode}", "spec.router.mode": mode})
+        cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(doc))
+        got = yaml.safe_load(cluster.kubectl("get", "dd", f"m-{mode}", "-n", namespace, "-o", "yaml").stdout)
+        assert got["spec"]["router"]["mode"] == mode and "picker" not in got["spec"]["router"]
+        stored = api.DisaggDeployment.model_validate({k: v for k, v in got.items() if k != "status"})
+        assert (stored.spec.router.picker_settings() == api.PickerSpec()) is (mode == "picker")
 
 
 def test_explain_prints_the_descriptions(cluster, crd_installed):

@@ -69,6 +69,7 @@ def norm(rules: list[dict]) -> list[dict]:
 
 def test_helm_lint_is_clean(helm):
     for args in ([], ["--set", "operator.enabled=false"], ["--set", "gangBackends.volcano=true"],
+                 ["--set", "inferencePool.installCRD=true"],
                  ["--set", "planner.enabled=false"],
                  ["--set", "operator.watchNamespaces={a,b}", "--set", "planner.defaultPrometheus=main", "--set-json",
                   'planner.prometheusEndpoints=[{"name": "main", "url": "https://p:9090", '
@@ -84,6 +85,26 @@ def test_chart_crds_equal_crds_dir():
     assert ours == source, "charts/disagg/crds/ differs from crds/: cp crds/* charts/disagg/crds/"
 
 
+def test_inference_pool_crd_is_generated_from_the_models_and_installed_only_when_asked(helm):
+    """The InferencePool v1 CRD is a template generated from disagg/api/inferencepool.py (`disagg crds`),
+    rendered only with inferencePool.installCRD=true (Helm's crds/ cannot be conditional), under the v1
+    API's own names, with the chart's labels, kept on uninstall. (tests/test_operator_inferencepool.py applies it
+    to the API server, with the pools the operator renders.)"""
+    from disagg.api import crd
+
+    for name, content in crd.render_chart_templates().items():
+        assert (CHART / "templates" / name).read_text() == content, f"templates/{name} drifted: run `make crds`"
+    assert "CustomResourceDefinition" not in kinds(render(helm))
+    (ours,) = [o for o in render(helm, "--set", "inferencePool.installCRD=true", "--set", "commonLabels.team=ml")
+               if o["kind"] == "CustomResourceDefinition"]
+    generated = crd.inference_pool_crd()
+    assert ours["metadata"]["name"] == "inferencepools.inference.networking.k8s.io"
+    assert ours["spec"] == generated["spec"] and ours["spec"]["versions"][0]["name"] == "v1"
+    assert ours["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert ours["metadata"]["labels"]["app.kubernetes.io/part-of"] == "disagg"
+    assert ours["metadata"]["labels"]["team"] == "ml"
+
+
 def test_dashboards_are_what_the_generator_writes():
     out = subprocess.run([sys.executable, str(CHART / "dashboards" / "generate.py"), "--check"],
                          capture_output=True, text=True, cwd=REPO)
@@ -94,6 +115,7 @@ def test_values_schema_refuses_unknown_and_bad_values(helm):
     for bad, says in ((["--set", "operatr.enabled=false"], "operatr"),
                       (["--set", "monitoring.prometheusRule.slo.ttftSeconds=0.3"], "ttftSeconds"),
                       (["--set", "image.pullPolicy=Sometimes"], "pullPolicy"),
+                      (["--set", "inferencePool.installCRD=maybe"], "installCRD"),
                       (["--set", "monitoring.podMonitors.interval=soon"], "interval")):
         out = subprocess.run([str(helm), "template", "x", str(CHART), *bad], capture_output=True, text=True)
         assert out.returncode != 0 and says in out.stderr, (bad, out.stderr)
@@ -498,6 +520,29 @@ def test_examples_cover_small_large_and_planned():
     assert large, "no example with TP on each side and a topology key"
     planned = [s for s in specs.values() if s.get("planner", {}).get("enabled") and s.get("slo")]
     assert planned, "no example with the planner on and SLOs"
+
+
+def test_the_gateway_example_routes_to_the_pool_the_operator_renders_for_its_deployment():
+    """examples/gateway/ (a Gateway and an HTTPRoute: their CRDs, the Gateway API's, are not on the local
+    cluster) routes to the InferencePool the operator renders for examples/behind-a-gateway.yaml, from a
+    Gateway in a namespace whose pods that deployment's NetworkPolicies admit."""
+    from disagg.api.v1alpha1 import DisaggDeployment
+    from disagg.operator import render as operator
+
+    dd = DisaggDeployment.model_validate({**yaml.safe_load((REPO / "examples" / "behind-a-gateway.yaml").read_text()),
+                                          "metadata": {"name": "qwen-gateway", "namespace": "serving"}})
+    pool = operator.inference_pool(dd, "uid")
+    docs = {d["kind"]: d for d in yaml.safe_load_all((REPO / "examples" / "gateway" / "inference-gateway.yaml")
+                                                     .read_text())}
+    assert set(docs) == {"Gateway", "HTTPRoute"}
+    gateway, route = docs["Gateway"], docs["HTTPRoute"]
+    (backend,) = [b for rule in route["spec"]["rules"] for b in rule["backendRefs"]]
+    assert (backend["group"], backend["kind"], backend["name"]) == (
+        pool["apiVersion"].split("/")[0], pool["kind"], pool["metadata"]["name"])
+    (parent,) = route["spec"]["parentRefs"]
+    assert (parent["name"], parent["namespace"]) == (gateway["metadata"]["name"], gateway["metadata"]["namespace"])
+    selector = dd.spec.router.picker.gateway_namespace_selector.manifest()
+    assert selector == {"matchLabels": {"kubernetes.io/metadata.name": gateway["metadata"]["namespace"]}}
 
 
 @pytest.mark.cluster

@@ -310,3 +310,115 @@ def test_ipc_lock_is_the_one_capability_rdma_workers_may_get():
         assert caps == ({"drop": ["ALL"], "add": ["IPC_LOCK"]} if name != "demo-router" else {"drop": ["ALL"]})
         assert off[name]["spec"]["template"]["spec"]["containers"][0]["securityContext"]["capabilities"] == \
             {"drop": ["ALL"]}
+
+
+# ---------------------------------------------------------------- spec.router.mode picker (issue 30)
+
+
+def _picker_children(**router):
+    objs, _ = render.children(_dd(router={"mode": "picker", **router}), "uid")
+    return _by_kind(objs)
+
+
+def test_picker_mode_runs_the_router_as_endpoint_picker_on_a_named_port_of_its_service():
+    """The router's arguments gain --mode picker --grpc-port, which its own entrypoint accepts; the port is
+    named grpc on the container and on the deployment's Service (h2c: gRPC in cleartext), where the
+    InferencePool's endpointPickerRef points."""
+    from disagg.router.__main__ import _parser
+
+    by = _picker_children(picker={"port": 9100})
+    (router,) = [d for d in by["Deployment"] if d["metadata"]["name"] == "demo-router"]
+    (container,) = router["spec"]["template"]["spec"]["containers"]
+    args = _parser().parse_args(container["args"])
+    assert (args.mode, args.grpc_port) == ("picker", 9100)
+    assert {"name": "grpc", "containerPort": 9100} in container["ports"]
+    (svc,) = [s for s in by["Service"] if s["metadata"]["name"] == "demo"]
+    assert svc["spec"]["ports"] == [{"name": "http", "port": 80, "targetPort": "http"},
+                                    {"name": "grpc", "port": 9100, "targetPort": "grpc",
+                                     "appProtocol": "kubernetes.io/h2c"}]
+    # the picker mode's defaults where spec.router.picker is left out
+    by = _picker_children()
+    (router,) = [d for d in by["Deployment"] if d["metadata"]["name"] == "demo-router"]
+    assert router["spec"]["template"]["spec"]["containers"][0]["args"][-4:] == \
+        ["--mode", "picker", "--grpc-port", "9002"]
+
+
+@pytest.mark.parametrize("decode,leaders_only", [({"replicas": 2}, False),
+                                                  ({"replicas": 1, "podsPerReplica": 2, "tensorParallelSize": 2},
+                                                   True)])
+def test_the_inference_pool_selects_the_decode_pods_that_serve_and_picks_through_the_router(decode, leaders_only):
+    """One InferencePool (v1), named and owned like every child; its members are the decode pods that serve
+    vLLM's API (a multi-pod replica's leader only, as the router's discovery has it), on vLLM's port; its
+    endpoint picker is the router Service's picker port, with the spec's failure mode."""
+    from disagg.api import inferencepool as pools
+    from disagg.api.names import LABEL_DEPLOYMENT, LABEL_GROUP_POD, LABEL_HEADLESS, LABEL_ROLE
+
+    dd = _dd(decode=decode, router={"mode": "picker", "picker": {"port": 9003, "failureMode": "FailOpen"}})
+    objs, gang = render.children(dd, "uid")
+    (pool,) = _by_kind(objs)["InferencePool"]
+    assert objs[-1] is pool, "applied last: a missing CRD fails nothing before it"
+    pools.InferencePool.model_validate(pool)
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1" and pool["metadata"]["name"] == "demo"
+    assert pool["metadata"]["ownerReferences"][0]["uid"] == "uid" and render.HASH_ANNOTATION in \
+        pool["metadata"]["annotations"]
+    assert pool["spec"]["targetPorts"] == [{"number": render.HTTP_PORT}]
+    assert pool["spec"]["endpointPickerRef"] == {"group": "", "kind": "Service", "name": "demo",
+                                                 "port": {"number": 9003}, "failureMode": "FailOpen"}
+    match = pool["spec"]["selector"]["matchLabels"]
+    # the pods this selects: decode pods as rendered (a Deployment's template, or each pod of a group)
+    pods = [d["spec"]["template"] for d in _by_kind(objs)["Deployment"]]   # the one-pod roles and the router
+    if leaders_only:
+        pods += [render.worker_pod_template(dd, "decode", gang, rank=(0, i)) for i in range(2)]
+    selected = [p for p in pods if match.items() <= p["metadata"]["labels"].items()]
+    assert selected and all(p["metadata"]["labels"][LABEL_ROLE] == "decode" for p in selected)
+    assert not any(LABEL_HEADLESS in p["metadata"]["labels"] for p in selected)
+    assert len(selected) == 1 and (LABEL_GROUP_POD in match) is leaders_only
+    assert match[LABEL_DEPLOYMENT] == "demo"
+
+
+def test_picker_mode_opens_the_decode_port_and_the_picker_port_to_the_gateways_namespaces_only(monkeypatch):
+    """Two policies beside the workers' own: the decode pods that serve admit the gateway's pods (every pod of
+    the namespaces gatewayNamespaceSelector matches) on vLLM's port only; the routers, selected now, admit
+    those on the picker port and still anyone on their API and metrics ports. Nothing else changes."""
+    from disagg.api.names import LABEL_ROLE
+
+    monkeypatch.delenv(render.NETWORK_POLICY_ENV, raising=False)
+    monkeypatch.delenv(render.NETWORK_POLICY_PROMETHEUS_ENV, raising=False)
+    gateways = {"matchLabels": {"kubernetes.io/metadata.name": "gateway-system"}}
+    objs, _ = render.children(_dd(router={"mode": "picker", "processes": 2, "maxInFlight": 8, "picker": {
+        "gatewayNamespaceSelector": gateways}}), "uid")
+    policies = {p["metadata"]["name"]: p["spec"] for p in _by_kind(objs)["NetworkPolicy"]}
+    proxy = {p["metadata"]["name"]: p["spec"] for p in _by_kind(render.children(_dd(), "uid")[0])["NetworkPolicy"]}
+    assert policies["demo-workers"] == proxy["demo-workers"], "the workers' own policy is as in proxy mode"
+    assert set(policies) == {"demo-workers", "demo-gateway", "demo-router"}
+    gateway, router = policies["demo-gateway"], policies["demo-router"]
+    assert gateway["podSelector"]["matchLabels"] == render.serving_selector(_dd(), "decode")
+    assert gateway["ingress"] == [{"from": [{"namespaceSelector": gateways}],
+                                   "ports": [{"protocol": "TCP", "port": render.HTTP_PORT}]}]
+    assert router["podSelector"]["matchLabels"][LABEL_ROLE] == "router"
+    assert router["ingress"] == [
+        {"ports": [{"protocol": "TCP", "port": p} for p in (render.HTTP_PORT, contract.ROUTER_METRICS_PORT,
+                                                            contract.ROUTER_METRICS_PORT + 1)]},
+        {"from": [{"namespaceSelector": gateways}], "ports": [{"protocol": "TCP", "port": 9002}]}]
+    # the default: every namespace's pods (a gateway's pods live wherever the platform put them)
+    objs, _ = render.children(_dd(router={"mode": "picker"}), "uid")
+    (gateway,) = [p for p in _by_kind(objs)["NetworkPolicy"] if p["metadata"]["name"] == "demo-gateway"]
+    assert gateway["spec"]["ingress"][0]["from"] == [{"namespaceSelector": {}}]
+    monkeypatch.setenv(render.NETWORK_POLICY_ENV, "false")
+    assert "NetworkPolicy" not in _by_kind(render.children(_dd(router={"mode": "picker"}), "uid")[0])
+
+
+def test_proxy_mode_renders_nothing_of_the_picker():
+    objs, _ = render.children(_dd(), "uid")
+    by = _by_kind(objs)
+    assert "InferencePool" not in by
+    assert {p["metadata"]["name"] for p in by["NetworkPolicy"]} == {"demo-workers"}
+    (router,) = [d for d in by["Deployment"] if d["metadata"]["name"] == "demo-router"]
+    (container,) = router["spec"]["template"]["spec"]["containers"]
+    assert "--mode" not in container["args"] and "grpc" not in {p["name"] for p in container["ports"]}
+    (svc,) = [s for s in by["Service"] if s["metadata"]["name"] == "demo"]
+    assert [p["name"] for p in svc["spec"]["ports"]] == ["http"]
+    # and what the reconcile deletes when a deployment leaves picker mode is what picker mode rendered
+    picker = {(o["kind"], o["metadata"]["name"]) for o in render.children(_dd(router={"mode": "picker"}), "uid")[0]}
+    prunable = {(kind, render.names("demo")[which]) for _, kind, which in render.PRUNABLE if which in render.PICKER_ONLY}
+    assert prunable == picker - {(o["kind"], o["metadata"]["name"]) for o in objs}

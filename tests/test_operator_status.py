@@ -69,3 +69,33 @@ def test_a_warning_is_an_event_from_its_first_value():
                            waiting_message='secret "hf-token" not found')
     _, events = statuses.compute(dd, 1, {}, statuses.Observed(pods=[pod]), "s.n.svc:80")
     assert [(kind, reason) for kind, reason, _ in events] == [("Warning", "CreateContainerConfigError")]
+
+
+def test_picker_mode_says_whether_its_inference_pool_exists():
+    """spec.router.mode picker: InferencePoolApplied and status.router.inferencePool once the pool exists;
+    while its CRD is missing, False with the reason (and Degraded says it, posted as a warning), every role
+    otherwise reported as ever; in proxy mode neither appears."""
+    dd = _dd(router={"mode": "picker"})
+    everyone = [_pod(role, 0, "n1", True) for role in ("prefill", "decode", "router")]
+    missing = statuses.PoolState(None, "InferencePoolCRDMissing", "install it (inferencePool.installCRD=true)")
+    status, events = statuses.compute(dd, 1, {}, statuses.Observed(pods=everyone, inference_pool=missing), "e")
+    conds = {c["type"]: c for c in status["conditions"]}
+    assert conds["InferencePoolApplied"]["status"] == "False"
+    assert conds["InferencePoolApplied"]["reason"] == conds["Degraded"]["reason"] == "InferencePoolCRDMissing"
+    assert conds["Ready"]["status"] == "True" and status["phase"] == "Degraded"
+    assert "inferencePool" not in status["router"] and status["router"]["ready"] == 1
+    assert [(kind, reason) for kind, reason, _ in events] == [("Warning", "InferencePoolCRDMissing")]
+    assert "installCRD" in events[0][2]
+
+    status2, events = statuses.compute(dd, 1, status, statuses.Observed(pods=everyone,
+                                                                        inference_pool=statuses.PoolState("s")), "e")
+    conds = {c["type"]: c for c in status2["conditions"]}
+    assert conds["InferencePoolApplied"]["status"] == "True" and conds["Degraded"]["status"] == "False"
+    assert status2["router"]["inferencePool"] == "s" and status2["phase"] == "Ready"
+    assert "Service s port 9002 (failureMode FailClose)" in conds["InferencePoolApplied"]["message"]
+    assert ("Normal", "Applied") in [(kind, reason) for kind, reason, _ in events]
+
+    proxy, _ = statuses.compute(_dd(), 1, status2, statuses.Observed(pods=everyone,
+                                                                      inference_pool=statuses.PoolState("s")), "e")
+    assert "InferencePoolApplied" not in {c["type"] for c in proxy["conditions"]}
+    assert "inferencePool" not in proxy["router"] and statuses.changed(status2, proxy)

@@ -6,7 +6,8 @@ once watching all namespaces (ClusterRoles) and once with operator.watchNamespac
 The operator runs in this process under a token of the chart's operator ServiceAccount and the planner loop
 under the planner's, through a scenario that makes each do everything it does: create, drift-revert and
 re-gang a deployment, the other gang backends, a gang that does not fit (the capacity lists), the
-NetworkPolicy switched off, a planner decision with a profile ConfigMap. Then, per account, the grants
+NetworkPolicy switched off, a deployment in picker mode (its InferencePool, under the chart's CRD) switched
+back to proxy mode, a planner decision with a profile ConfigMap. Then, per account, the grants
 (API group, resource, verb) are compared with the audit log:
 
 - a grant never used fails the test (remove it, or exercise it);
@@ -35,10 +36,12 @@ import pytest
 import yaml
 from kubernetes import client, config
 
+from disagg.api import inferencepool as pools
+from disagg.api.names import LABEL_DEPLOYMENT
 from disagg.api.v1alpha1 import DisaggDeployment
 from disagg.e2e.localcluster import binaries, nodepools
 from disagg.e2e.operator_fixture import AUDITED_NAMESPACE, running_operator, token_kubeconfig
-from disagg.e2e.testing import DD, GROUP, PLURAL, VERSION, dd_manifest, wait_for
+from disagg.e2e.testing import DD, GROUP, PLURAL, VERSION, dd_manifest, install_inference_pool_crd, wait_for
 from disagg.operator import render
 from disagg.perf import model as perfmodel
 from disagg.perf.profile import configmap
@@ -165,6 +168,13 @@ def operator_scenario(api_client, namespace: str) -> None:
     client.CoreV1Api(api_client).delete_namespaced_pod("wide-prefill-0-1", namespace, grace_period_seconds=0)
     wait_for(lambda: {p.metadata.name for p in wide.pods("prefill")} == {"wide-prefill-1-0", "wide-prefill-1-1"},
              120, "the replica recreated whole")
+    # picker mode: the deployment's InferencePool created (server-side apply), then deleted back in proxy mode
+    gateway = DD(api_client, namespace, dd_manifest("gw", router={"mode": "picker"}))
+    pools_now = lambda: {p["metadata"]["name"] for p in custom.list_namespaced_custom_object(  # noqa: E731
+        pools.GROUP, pools.VERSION, namespace, pools.PLURAL)["items"]}
+    wait_for(lambda: "gw" in pools_now(), 60, "the InferencePool of a picker-mode deployment")
+    gateway.patch_spec({"router": {"mode": "proxy"}})
+    wait_for(lambda: "gw" not in pools_now(), 60, "the InferencePool deleted back in proxy mode")
     # a gang that cannot be placed: the capacity view lists nodes and bound pods cluster-wide
     DD(api_client, namespace, dd_manifest("too-big", decode={"replicas": 1, "tensorParallelSize": 16,
                                                              "resources": {"limits": {"nvidia.com/gpu": 16}}})
@@ -255,6 +265,16 @@ def refusals(operator_api, namespace: str) -> dict[str, str]:
         "a Role beyond discovery": lambda: rbac.create_namespaced_role(namespace, {
             "metadata": {"name": "wider", **owned},
             "rules": [{"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["create"]}]}),
+        "an InferencePool with another endpoint picker": lambda: client.CustomObjectsApi(
+            operator_api).create_namespaced_custom_object(pools.GROUP, pools.VERSION, namespace, pools.PLURAL, {
+                "apiVersion": pools.API_VERSION, "kind": pools.KIND, "metadata": {"name": "main", **owned},
+                "spec": {"selector": {"matchLabels": {LABEL_DEPLOYMENT: "main"}}, "targetPorts": [{"number": 8000}],
+                         "endpointPickerRef": {"name": "elsewhere", "port": {"number": 9002}}}}),
+        "an InferencePool of another deployment's pods": lambda: client.CustomObjectsApi(
+            operator_api).create_namespaced_custom_object(pools.GROUP, pools.VERSION, namespace, pools.PLURAL, {
+                "apiVersion": pools.API_VERSION, "kind": pools.KIND, "metadata": {"name": "main", **owned},
+                "spec": {"selector": {"matchLabels": {LABEL_DEPLOYMENT: "other"}}, "targetPorts": [{"number": 8000}],
+                         "endpointPickerRef": {"name": "main", "port": {"number": 9002}}}}),
     }
     out = {}
     for what, attempt in attempts.items():
@@ -275,6 +295,7 @@ def test_every_grant_is_used_and_nothing_is_denied(mode, cluster, api_client, cr
     watched = [namespace] if mode == "watch-namespaces" else []
     values = ["--set", f"operator.watchNamespaces={{{namespace}}}"] if watched else []
     objs = chart_rbac(release, *values)
+    install_inference_pool_crd(cluster)   # the chart's (inferencePool.installCRD): picker mode's pools
     core = client.CoreV1Api(api_client)
     if not any(n.metadata.name == AUDITED_NAMESPACE for n in core.list_namespace().items):
         core.create_namespace({"metadata": {"name": AUDITED_NAMESPACE}})

@@ -43,6 +43,8 @@ KV_EVENTS_TOPIC = "kv-events"
 # Where a worker's vLLM answers requests to resend KV event batches a router missed (its KV events'
 # replay_endpoint; container and Service port "kv-replay"): a router heals its prefix index from it.
 KV_REPLAY_PORT = 5558
+# The port workers and routers serve HTTP on (vLLM's OpenAI API; the router's), in their pods.
+HTTP_PORT = 8000
 # HTTP paths the pods' probes use: vLLM's health (its engine is alive and serving), the router's
 # readiness (it can serve: a healthy decode worker) and its liveness (the process answers).
 WORKER_HEALTH_PATH = "/health"

@@ -71,6 +71,8 @@ def _structural(node: Any) -> Any:
     if node.get("type") == "object" and "properties" in node:
         node.pop("additionalProperties", None)
         for prop in node["properties"].values():
+            if prop.pop(api.NO_DEFAULT, False):
+                continue    # stays absent unless written (a CEL rule tells whether it was)
             # A nested object whose fields all have defaults gets `default: {}`,
             # so the API server fills in its defaults when the user omits it.
             if prop.get("type") == "object" and "properties" in prop and "default" not in prop \
@@ -79,10 +81,15 @@ def _structural(node: Any) -> Any:
     return node
 
 
-def openapi_schema(model: type = api.DisaggDeployment) -> dict[str, Any]:
+def structural(model: type) -> dict[str, Any]:
+    """A model's JSON schema as a Kubernetes structural schema."""
     raw = model.model_json_schema(by_alias=True, mode="validation")
     defs = raw.pop("$defs", {})
-    schema = _structural(_resolve(raw, defs))
+    return _structural(_resolve(raw, defs))
+
+
+def openapi_schema(model: type = api.DisaggDeployment) -> dict[str, Any]:
+    schema = structural(model)
     props = schema["properties"]
     # apiVersion, kind and metadata are the API server's; only describe them.
     props["apiVersion"] = {"type": "string", "description": "serving.disagg.dev/v1alpha1"}
@@ -148,6 +155,65 @@ def write(directory: Path) -> list[Path]:
     directory.mkdir(parents=True, exist_ok=True)
     written = []
     for name, content in render().items():
+        path = directory / name
+        path.write_text(content)
+        written.append(path)
+    return written
+
+
+# ---------------------------------------------------------------- the InferencePool CRD of the chart
+
+# Where the chart keeps it: a template, not crds/, since Helm installs crds/ unconditionally and this one
+# only with inferencePool.installCRD (a cluster whose gateway brought the Inference Extension's own CRD
+# must not get a second).
+INFERENCE_POOL_TEMPLATE = "inferencepool-crd.yaml"
+CHART_TEMPLATES = Path(__file__).resolve().parent.parent.parent / "charts" / "disagg" / "templates"
+
+
+def inference_pool_crd() -> dict[str, Any]:
+    """The InferencePool v1 CRD (inference.networking.k8s.io), from disagg.api.inferencepool."""
+    from . import inferencepool as pool
+
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": pool.CRD_NAME, "annotations": {
+            # *.k8s.io is a protected group: the API server takes a CRD of it only with the approval of its API,
+            # the one the Inference Extension's own CRD carries (this is that API, the fields disagg writes)
+            "api-approved.kubernetes.io": pool.API_APPROVAL,
+            # kept on helm uninstall: deleting a CRD deletes every object of it, in every namespace, which
+            # may be other releases' or other tools' pools too
+            "helm.sh/resource-policy": "keep"}},
+        "spec": {
+            "group": pool.GROUP,
+            "scope": "Namespaced",
+            "names": {"kind": pool.KIND, "listKind": f"{pool.KIND}List", "plural": pool.PLURAL,
+                      "singular": pool.SINGULAR, "shortNames": pool.SHORT_NAMES},
+            "versions": [{
+                "name": pool.VERSION,
+                "served": True,
+                "storage": True,
+                "schema": {"openAPIV3Schema": pool.crd_schema()},
+                "subresources": {"status": {}},
+            }],
+        },
+    }
+
+
+def render_chart_templates() -> dict[str, str]:
+    """File name -> content of each chart template generated from the models."""
+    body = yaml.safe_dump(inference_pool_crd(), sort_keys=False, width=120)
+    # the chart's labels on it, like every object the chart renders
+    body = body.replace("metadata:\n", "metadata:\n  labels:\n    {{- include \"disagg.labels\" . | nindent 4 }}\n", 1)
+    assert "{{" not in yaml.safe_dump(inference_pool_crd()), "a template delimiter in the generated CRD"
+    text = ("{{- /* Generated from disagg/api/inferencepool.py by `disagg crds`; do not edit by hand. */}}\n"
+            "{{- if .Values.inferencePool.installCRD }}\n" + body + "{{- end }}\n")
+    return {INFERENCE_POOL_TEMPLATE: text}
+
+
+def write_chart_templates(directory: Path = CHART_TEMPLATES) -> list[Path]:
+    written = []
+    for name, content in render_chart_templates().items():
         path = directory / name
         path.write_text(content)
         written.append(path)

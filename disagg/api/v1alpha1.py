@@ -41,6 +41,12 @@ def _validations(*rules: dict[str, Any]) -> dict[str, Any]:
     return {"x-kubernetes-validations": list(rules)}
 
 
+# On an optional object field whose own fields all have defaults: the CRD gives it no `default: {}` (which
+# the generator gives such objects so their defaults apply), so it stays absent unless written and a CEL
+# rule can tell whether it was (disagg.api.crd reads and drops the marker).
+NO_DEFAULT = "x-disagg-no-default"
+
+
 class _Model(BaseModel):
     """camelCase on the wire, snake_case in Python; unknown fields refused."""
 
@@ -79,6 +85,18 @@ class Disaggregation(StrEnum):
     NEVER = "never"
 
 
+class RouterMode(StrEnum):
+    PROXY = "proxy"
+    PICKER = "picker"
+
+
+class PickerFailureMode(StrEnum):
+    """What a gateway does when the endpoint picker does not answer (the InferencePool's failureMode)."""
+
+    FAIL_OPEN = "FailOpen"
+    FAIL_CLOSE = "FailClose"
+
+
 class Predictor(StrEnum):
     LAST_VALUE = "last-value"
     MOVING_AVERAGE = "moving-average"
@@ -100,6 +118,8 @@ class ConditionType(StrEnum):
     DEGRADED = "Degraded"
     SLO_MET = "SLOMet"
     PLANNER_ACTIVE = "PlannerActive"  # written by the planner: False when it holds for want of metrics
+    # spec.router.mode picker: whether the deployment's InferencePool exists (False: its CRD is missing)
+    INFERENCE_POOL_APPLIED = "InferencePoolApplied"
 
 
 # ---------------------------------------------------------------- spec
@@ -434,6 +454,69 @@ class RouterAuth(_Model):
 
 
 ROUTER_PROCESSES_MAX = 16
+PICKER_DEFAULT_PORT = 9002
+
+
+LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
+_SELECTOR_VALUES = "values must be given with In and NotIn, and only with them"
+
+
+class LabelSelectorRequirement(_Model):
+    model_config = ConfigDict(json_schema_extra=_validations(
+        cel("(self.operator == 'In' || self.operator == 'NotIn') == (has(self.values) && size(self.values) > 0)",
+            _SELECTOR_VALUES, field_path=".values"),
+    ))
+
+    key: str = Field(min_length=1, max_length=316, description="Label key the requirement applies to.")
+    operator: str = Field(json_schema_extra={"enum": ["In", "NotIn", "Exists", "DoesNotExist"]},
+                          description="In, NotIn, Exists or DoesNotExist.")
+    values: list[Annotated[str, Field(max_length=63, pattern=LABEL_VALUE)]] = Field(
+        default_factory=list, max_length=64,
+        description="Values for In and NotIn (non-empty there); empty for Exists and DoesNotExist.")
+
+    @model_validator(mode="after")
+    def _check(self) -> LabelSelectorRequirement:
+        if (self.operator in ("In", "NotIn")) != bool(self.values):
+            raise ValueError(f"values: {_SELECTOR_VALUES}")
+        return self
+
+
+class LabelSelector(_Model):
+    """A Kubernetes label selector; empty selects everything."""
+
+    match_labels: dict[str, Annotated[str, Field(max_length=63, pattern=LABEL_VALUE)]] = Field(
+        default_factory=dict, max_length=64, description="Labels that must all be present with these values.")
+    match_expressions: list[LabelSelectorRequirement] = Field(
+        default_factory=list, max_length=32, description="Requirements that must all hold.")
+
+    def manifest(self) -> dict[str, Any]:
+        """As a Kubernetes LabelSelector: only what is set (``{}`` selects everything)."""
+        return self.model_dump(by_alias=True, exclude_defaults=True, mode="json")
+
+
+PICKER_PORT_CLASH = (f"picker.port must differ from the router's HTTP port ({contract.HTTP_PORT}) and its "
+                     f"metrics ports ({contract.ROUTER_METRICS_PORT} + the index of each of its processes)")
+PICKER_NEEDS_PICKER_MODE = ("picker applies only with mode: picker (the router as a gateway's endpoint picker); "
+                            "set spec.router.mode to picker or remove spec.router.picker")
+
+
+class PickerSpec(_Model):
+    port: int = Field(PICKER_DEFAULT_PORT, ge=1024, le=65535,
+                      description="Port of the router's endpoint picker (Envoy's ext_proc protocol over gRPC, with "
+                                  "gRPC health), on its pods and as the port named grpc of its Service, which the "
+                                  "InferencePool names as its endpoint picker.")
+    failure_mode: PickerFailureMode = Field(
+        PickerFailureMode.FAIL_CLOSE,
+        description="What the gateway does when the picker does not answer (the InferencePool's "
+                    "endpointPickerRef.failureMode): FailClose refuses the request, FailOpen sends it to a decode "
+                    "pod of the gateway's own choosing, which then prefills it itself (no prefill worker, no "
+                    "prefix-aware choice).")
+    gateway_namespace_selector: LabelSelector = Field(
+        default_factory=LabelSelector,
+        description="Namespaces whose pods (the gateway's Envoy proxies) the deployment's NetworkPolicies admit "
+                    "to the decode workers' serving port and to the picker port. Empty (the default): every "
+                    "namespace, since a gateway's pods live wherever the platform put them; for example "
+                    "{matchLabels: {kubernetes.io/metadata.name: gateway-system}} for one namespace.")
 
 
 class RouterSpec(_Model):
@@ -441,7 +524,24 @@ class RouterSpec(_Model):
         cel("!has(self.processes) || !has(self.maxInFlight) || self.maxInFlight >= self.processes",
             "maxInFlight must be at least processes: each router process admits its share of it",
             field_path=".maxInFlight"),
+        cel("!has(self.picker) || (has(self.mode) && self.mode == 'picker')", PICKER_NEEDS_PICKER_MODE,
+            field_path=".picker", reason="FieldValueForbidden"),
+        cel(f"!has(self.picker) || !has(self.picker.port) || (self.picker.port != {contract.HTTP_PORT} && "
+            f"(self.picker.port < {contract.ROUTER_METRICS_PORT} || self.picker.port >= "
+            f"{contract.ROUTER_METRICS_PORT} + (has(self.processes) ? self.processes : 1)))",
+            PICKER_PORT_CLASH, field_path=".picker.port"),
     ))
+
+    mode: RouterMode = Field(
+        RouterMode.PROXY,
+        description="proxy: the router's Service carries the streams (clients call it; it calls the prefill and "
+                    "decode workers). picker: the router also serves as the endpoint picker of an InferencePool "
+                    "(the operator creates it, named after the deployment) for a Gateway API Inference Extension "
+                    "gateway, which then carries the streams to the decode pods the router picks, after the "
+                    "router had the prompt prefilled; its Service keeps serving the OpenAI API as in proxy mode.")
+    picker: PickerSpec | None = Field(
+        None, json_schema_extra={NO_DEFAULT: True},
+        description="Endpoint picker settings, with mode picker only (defaults apply when it is omitted there).")
 
     replicas: int = Field(1, ge=1, le=64, description="Router replicas behind the deployment's Service.")
     processes: int = Field(
@@ -524,7 +624,18 @@ class RouterSpec(_Model):
         if self.max_in_flight < self.processes:
             raise ValueError(f"maxInFlight ({self.max_in_flight}) must be at least processes ({self.processes}): "
                              "each router process admits its share of it")
+        if self.picker is not None and self.mode != RouterMode.PICKER:
+            raise ValueError(f"picker: {PICKER_NEEDS_PICKER_MODE}")
+        if self.picker is not None and (self.picker.port == contract.HTTP_PORT or contract.ROUTER_METRICS_PORT
+                                        <= self.picker.port < contract.ROUTER_METRICS_PORT + self.processes):
+            raise ValueError(f"picker.port ({self.picker.port}): {PICKER_PORT_CLASH}")
         return self
+
+    def picker_settings(self) -> PickerSpec | None:
+        """The endpoint picker's settings in picker mode (its defaults where picker is omitted), else None."""
+        if self.mode != RouterMode.PICKER:
+            return None
+        return self.picker or PickerSpec()
 
 
 class GangSpec(_Model):
@@ -680,7 +791,8 @@ class DisaggDeploymentSpec(_Model):
 # ---------------------------------------------------------------- status
 
 class Condition(_Model):
-    type: str = Field(max_length=316, description="Ready, GangScheduled, Progressing, Degraded, SLOMet or PlannerActive.")
+    type: str = Field(max_length=316, description="Ready, GangScheduled, Progressing, Degraded, SLOMet, PlannerActive "
+                                                  "or InferencePoolApplied.")
     status: str = Field(json_schema_extra={"enum": ["True", "False", "Unknown"]}, description="True, False or Unknown.")
     reason: str = Field(max_length=1024, description="CamelCase reason for the last transition.")
     message: str = Field("", max_length=32768, description="Human-readable details, with the numbers involved.")
@@ -725,16 +837,24 @@ class PlannerStatus(_Model):
                                          description="Predicted load for the next interval.")
 
 
+class RouterStatus(RoleStatus):
+    inference_pool: str | None = Field(None, max_length=253,
+                                       description="The InferencePool (inference.networking.k8s.io/v1) whose "
+                                                   "endpoint picker these routers are, while it exists (mode "
+                                                   "picker).")
+
+
 class DisaggDeploymentStatus(_Model):
     observed_generation: int | None = Field(None, ge=0, description="Generation this status describes.")
     phase: Phase = Field(Phase.PENDING, description="Summary of the conditions.")
     conditions: list[Condition] = Field(default_factory=list, max_length=16,
                                         json_schema_extra={"x-kubernetes-list-type": "map",
                                                            "x-kubernetes-list-map-keys": ["type"]},
-                                        description="Ready, GangScheduled, Progressing, Degraded, SLOMet, PlannerActive.")
+                                        description="Ready, GangScheduled, Progressing, Degraded, SLOMet, "
+                                                    "PlannerActive, InferencePoolApplied.")
     prefill: RoleStatus = Field(default_factory=RoleStatus, description="Prefill replicas.")
     decode: RoleStatus = Field(default_factory=RoleStatus, description="Decode replicas.")
-    router: RoleStatus = Field(default_factory=RoleStatus, description="Router replicas.")
+    router: RouterStatus = Field(default_factory=RouterStatus, description="Router replicas.")
     endpoint: str = Field("", max_length=2048, description="OpenAI-compatible base URL inside the cluster.")
     latency: LatencyStatus = Field(default_factory=LatencyStatus, description="Observed latency.")
     planner: PlannerStatus | None = Field(None, description="The planner's last decision.")

@@ -41,6 +41,11 @@
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
   verbs: [get, list, watch, create, patch, delete]
+# The InferencePool of a deployment in picker mode (spec.router.mode): server-side apply, deleted when it
+# goes back to proxy mode. An optional API: where its CRD is missing the deployment says so in a condition.
+- apiGroups: [inference.networking.k8s.io]
+  resources: [inferencepools]
+  verbs: [get, create, patch, delete]
 # What the router Role grants must be held by whoever creates it (RBAC's escalation check).
 - apiGroups: [discovery.k8s.io]
   resources: [endpointslices]
