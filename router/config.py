@@ -55,6 +55,10 @@ class RouterConfig(BaseModel):
     max_prefill_active: int = Field(8, ge=1, description="Active prefills per prefill worker above which "
                                                          "prefill counts as saturated (conditional mode).")
     decode_attempts: int = Field(2, ge=1, description="Decode workers tried before the first token.")
+    prefix_prediction_s: float = Field(30, ge=0, description="kv-aware: how long a prefix counts as held by the "
+                                                            "worker it was just sent to, before (and beside) "
+                                                            "that worker's KV events (router/decision.py); "
+                                                            "0: only the events count.")
     health_interval_s: float = Field(2, gt=0, description="How often each worker's /health is checked.")
     kv_events_topic: str = Field(KV_EVENTS_TOPIC, description="ZMQ topic of the workers' KV events.")
     worker_ca_file: str | None = Field(None, description="PEM file of the certificate authorities the workers' "

@@ -9,6 +9,7 @@ picker in front of the workers) decides exactly as the router does. Carrying the
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from disagg.api import metrics as m
@@ -20,6 +21,16 @@ from .config import RouterConfig
 from .errors import NoWorkers
 from .index import PrefixIndex, block_keys
 from .pool import Pool, Worker
+
+# A request's prefix counts as held by the worker it was sent to from the decision on, not only once that
+# worker's KV events arrive (after its prefill): a session's next turn, sent while the last is still being
+# prefilled, then follows it instead of going wherever the load says (the Gateway API Inference
+# Extension's reference picker routes on its own decisions alone; bench/picker_vs_reference_epp.py). The
+# predictions expire after a TTL (the real events have long replaced them by then), and at most
+# MAX_PREDICTED_BLOCKS are kept (the oldest go first). RouterConfig.prefix_prediction_s sets the TTL (0: off). A predicted prefix counts as cached (Plan.cached_tokens,
+# and conditional disaggregation's uncached length): by the time the engine schedules the later request,
+# the earlier one has computed those blocks into its prefix cache, or is computing them.
+MAX_PREDICTED_BLOCKS = 1_000_000
 
 
 @dataclass
@@ -78,6 +89,11 @@ class Decider:
         # the worker refuses an over-long prompt or a bad one itself, and a migration tokenizes then
         self.needs_ids = not (spec.policy in ("round-robin", "least-loaded")
                               and spec.disaggregation == Disaggregation.NEVER)
+        self.kv_aware = spec.policy == "kv-aware"
+        self.prediction_ttl_s = config.prefix_prediction_s
+        self.predicted = {role: PrefixIndex() for role in (ROLE_PREFILL, ROLE_DECODE)}
+        self._predictions: deque[tuple[float, str, str, list[int]]] = deque()   # (expiry, role, worker, keys)
+        self._predicted_blocks = 0
 
     def pick(self, role: str, keys: list[int], exclude: set[str] = frozenset(),
              workers: list[Worker] | None = None) -> tuple[Worker, int]:
@@ -87,9 +103,13 @@ class Decider:
         if not workers:
             raise NoWorkers(f"no healthy {role} workers are available")
         t0 = time.perf_counter()
-        overlap = self.index[role].match(keys) if self.config.spec.policy == "kv-aware" else {}
+        overlap: dict[str, int] = {}
+        if self.kv_aware:
+            overlap = self._with_predictions(role, keys, self.index[role].match(keys))
         d = self.policy.choose([policies.Candidate(w.name, w.active) for w in workers],
                                policies.Request(blocks=len(keys), overlap=overlap))
+        if self.kv_aware and keys and self.prediction_ttl_s > 0:
+            self._predict(role, d.worker, keys)
         self._routing_seconds[role].observe(time.perf_counter() - t0)
         decisions = self._decisions.get((role, d.worker))
         if decisions is None:
@@ -99,6 +119,31 @@ class Decider:
         if d.load_bounded:
             self.metrics.load_bounded.labels(role).inc()
         return self.pool.workers[role][d.worker], d.overlap_blocks
+
+    def _with_predictions(self, role: str, keys: list[int], held: dict[str, int]) -> dict[str, int]:
+        """``held`` (the KV events' overlap per worker), raised where a recent decision sent the same
+        prefix to a worker whose events have not come yet."""
+        now = time.monotonic()
+        q = self._predictions
+        while q and (q[0][0] <= now or self._predicted_blocks > MAX_PREDICTED_BLOCKS):
+            _, r, worker, old = q.popleft()
+            self.predicted[r].removed(worker, old)
+            self._predicted_blocks -= len(old)
+        if not q:
+            return held
+        guessed = self.predicted[role].match(keys)
+        if not guessed:
+            return held
+        merged = dict(held)
+        for worker, n in guessed.items():
+            if n > merged.get(worker, 0):
+                merged[worker] = n
+        return merged
+
+    def _predict(self, role: str, worker: str, keys: list[int]) -> None:
+        self.predicted[role].add_keys(worker, keys)
+        self._predictions.append((time.monotonic() + self.prediction_ttl_s, role, worker, keys))
+        self._predicted_blocks += len(keys)
 
     def plan(self, token_ids: list[int], exclude: set[str] = frozenset(),
              revision: str | None | pairing.Unset = pairing.UNSET) -> Plan:
@@ -139,7 +184,9 @@ class Decider:
         return None
 
     def forget(self, w: Worker) -> None:
-        """Drops the decision counts of a worker that left, so /metrics stops listing it."""
+        """Drops the decision counts and predicted prefixes of a worker that left, so /metrics stops
+        listing it and no request follows it."""
+        self.predicted[w.role].cleared(w.name)
         try:
             self.metrics.decisions.remove(self.config.spec.policy, w.role, w.name)
         except KeyError:        # never chosen

@@ -20,12 +20,13 @@ from disagg.workers.local import metric_sum, parse_metrics
 PROMPT = list(range(100))      # 6 full blocks of 16
 
 
-def _decider(prefill, decode, **spec) -> Decider:
-    """``prefill``/``decode``: (url, revision, generation) each."""
+def _decider(prefill, decode, prediction_s: float = 0, **spec) -> Decider:
+    """``prefill``/``decode``: (url, revision, generation) each. ``prediction_s``: the prefix predictions'
+    TTL (off unless a test is about them: the others plan many times over one index)."""
     def eps(ws):
         return [{"url": u, "revision": rev, "revision_generation": gen} for u, rev, gen in ws]
     cfg = RouterConfig(model="tiny", tokenizer="unused", block_size=16, spec={"disaggregation": "always", **spec},
-                       prefill=eps(prefill), decode=eps(decode))
+                       prefill=eps(prefill), decode=eps(decode), prefix_prediction_s=prediction_s)
     return Decider(cfg, Pool.static(cfg), {ROLE_PREFILL: PrefixIndex(), ROLE_DECODE: PrefixIndex()}, RouterMetrics())
 
 
@@ -83,6 +84,27 @@ def test_a_retry_goes_to_an_untried_decode_of_the_failed_ones_revision():
     assert d.another_decode(d0, PROMPT, [d0.name, d1.name]) is d0
     d0.healthy = d1.healthy = False
     assert d.another_decode(d0, PROMPT, [d0.name]) is None
+
+
+def test_a_prefix_follows_the_worker_it_was_sent_to_before_that_workers_kv_events_arrive(monkeypatch):
+    """A session's next turn, planned while the last is still prefilling (no KV event yet), goes where the
+    last went, its prefix counted as cached there; predictions expire and leave with their worker."""
+    from disagg.router import decision
+
+    d = _decider(_workers("p0"), _workers("d0", "d1", "d2"), prediction_s=30)
+    first = d.plan(PROMPT)
+    for i in range(4):
+        nxt = d.plan(PROMPT + [1000 + i] * 20)
+        assert (nxt.decode, nxt.prefill) == (first.decode, first.prefill)
+        assert nxt.cached_tokens == 96                    # the 6 full blocks the first one computes there
+    clock = [decision.time.monotonic() + 31]
+    monkeypatch.setattr(decision.time, "monotonic", lambda: clock[0])
+    d.plan(list(range(500, 600)))                          # any decision expires the old predictions
+    assert not d.predicted[ROLE_DECODE].match(block_keys(PROMPT, 16))
+    d.plan(PROMPT)
+    holder = d.pool.workers[ROLE_DECODE][d.plan(PROMPT).decode.name]
+    d.forget(holder)
+    assert holder.name not in d.predicted[ROLE_DECODE].match(block_keys(PROMPT, 16))
 
 
 def test_conditional_disaggregation_keeps_a_cached_or_short_prompt_on_its_decode():

@@ -214,10 +214,12 @@ def test_a_prompt_everyone_shares_stays_within_the_skew_bound(workers, start_rou
     # maxLoadSkew 2: a worker takes a request only while its load is at most 2 x (the least load + 1),
     # so once all are in flight the busiest holds at most 2 x (the other's load + 1) + 1 (the bound's
     # definition in router/policies/builtin.py; a decode retry re-decides one request, hence the slack).
-    # The cached worker still gets the larger share, and the router counts the decisions the bound made.
+    # Both workers serve it, and the router counts the decisions the bound made. (Once the bound sends one
+    # to the other worker, that worker counts as holding the prefix too, router/decision.py's predictions,
+    # so the two may then share it evenly: the hot prefix is on both.)
     bounded, overridden, retries = _shares(workers, start_router, skew=2, seed=4)
     assert max(bounded) <= 2 * (min(bounded) + 1) + 1 + retries, (bounded, retries)
-    assert min(bounded) >= 1 and max(bounded) > min(bounded) and overridden >= 1, (bounded, overridden)
+    assert min(bounded) >= 1 and overridden >= 1, (bounded, overridden)
 
 
 class Alternating:
@@ -344,33 +346,6 @@ def test_two_router_replicas_behind_one_address_route_by_prefix(workers, tiny_mo
         stop_all(replicas)
 
 
-def test_sigterm_drains_in_flight_requests(workers):
-    """The worker entrypoint forwards SIGTERM to vLLM, which stops taking work, finishes what is in
-    flight (within drain_seconds) and exits cleanly."""
-    import threading
-
-    proc, _ = workers[0]
-    client = OpenAI(base_url=f"{proc.url}/v1", api_key="unused", max_retries=0)
-    stream = client.completions.create(model="tiny", prompt="drain me", max_tokens=300, temperature=0,
-                                       stream=True, stream_options={"include_usage": True},
-                                       extra_body={"ignore_eos": True})
-    first = next(iter(stream))
-    result = {}
-
-    def finish():
-        result["chunks"] = [first] + list(stream)
-
-    reader = threading.Thread(target=finish)
-    reader.start()
-    os.kill(proc.proc.pid, signal.SIGTERM)          # the supervisor only, as the kubelet does
-    reader.join(timeout=120)
-    assert proc.proc.wait(timeout=120) == 0
-    text = "".join(c.choices[0].text for c in result["chunks"] if c.choices)
-    finish_reasons = [c.choices[0].finish_reason for c in result["chunks"] if c.choices]
-    # all 300 tokens (a slow stream may carry several tokens in one chunk)
-    assert finish_reasons[-1] == "length" and result["chunks"][-1].usage.completion_tokens == 300 and text
-
-
 def test_through_envoy_the_picker_sends_a_shared_prefix_to_the_worker_that_holds_it(workers, start_router,
                                                                                    tmp_path):
     """Picker mode behind a real Envoy, the same two engines: the first request of a long prefix lands on
@@ -403,3 +378,31 @@ def test_through_envoy_the_picker_sends_a_shared_prefix_to_the_worker_that_holds
             computed = _computed_prefill_tokens(workers) - before
             prefix_tokens = len(prefix.split())
             assert computed < 4 * prefix_tokens / 2, (computed, prefix_tokens)
+
+
+# last in the module: it stops one of the module's workers
+def test_sigterm_drains_in_flight_requests(workers):
+    """The worker entrypoint forwards SIGTERM to vLLM, which stops taking work, finishes what is in
+    flight (within drain_seconds) and exits cleanly."""
+    import threading
+
+    proc, _ = workers[0]
+    client = OpenAI(base_url=f"{proc.url}/v1", api_key="unused", max_retries=0)
+    stream = client.completions.create(model="tiny", prompt="drain me", max_tokens=300, temperature=0,
+                                       stream=True, stream_options={"include_usage": True},
+                                       extra_body={"ignore_eos": True})
+    first = next(iter(stream))
+    result = {}
+
+    def finish():
+        result["chunks"] = [first] + list(stream)
+
+    reader = threading.Thread(target=finish)
+    reader.start()
+    os.kill(proc.proc.pid, signal.SIGTERM)          # the supervisor only, as the kubelet does
+    reader.join(timeout=120)
+    assert proc.proc.wait(timeout=120) == 0
+    text = "".join(c.choices[0].text for c in result["chunks"] if c.choices)
+    finish_reasons = [c.choices[0].finish_reason for c in result["chunks"] if c.choices]
+    # all 300 tokens (a slow stream may carry several tokens in one chunk)
+    assert finish_reasons[-1] == "length" and result["chunks"][-1].usage.completion_tokens == 300 and text

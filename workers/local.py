@@ -180,7 +180,8 @@ def worker(name: str, settings: WorkerSettings, python: str, log_dir: Path) -> L
     argv = [sys.executable, "-P", "-m", "disagg.workers", "serve", "--python", python]
     # the entrypoint reads DISAGG_* and builds the vLLM command itself
     build(settings, python)  # validates the settings here, before a process starts
-    return LocalProcess(name, argv, env, f"http://127.0.0.1:{settings.port}", log_dir,
+    host = settings.host if settings.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+    return LocalProcess(name, argv, env, f"http://{host}:{settings.port}", log_dir,
                         stall_restart_s=ENGINE_STALL_S)
 
 
