@@ -26,8 +26,8 @@ CPU seconds per 1,000 requests (its process's user+system time, all threads; env
 process and the picker's together). Ratios against vllm-router in the same run: added TTFT p50 (over
 direct) and tokens/s. For envoy-picker also the picker's decision p99 at that level, from the router's
 histogram `disagg_router_picker_decision_seconds{kind="plan"}` (body to destination: parse, plan; not
-the gRPC stream around it): its buckets are coarse (10 us .. 5 ms), so the p99 is given as the bucket that
-holds it, a bound `lo < p99 <= hi`, from the histogram's counts over that level alone.
+the gRPC stream around it): its buckets are coarse (10 us up, each 2-2.5x the last), so the p99 is given as
+the bucket that holds it, a bound `lo < p99 <= hi`, from the histogram's counts over that level alone.
 Everything shares this machine's cores: a router that burns more CPU slows the upstreams and the
 client too, which is how it would crowd a node.
 
