@@ -41,7 +41,8 @@ def placement() -> dict[str, Any]:
 
 def chart_values(control_plane_image: str) -> list[str]:
     """`helm install` values: the operator pod from the locally built image, never pulled, on the real
-    node; the planner off (no Prometheus endpoint in this cluster's chart values)."""
+    node; the planner off (no Prometheus endpoint in this cluster's chart values); the InferencePool CRD
+    installed (a deployment in picker mode gets its pool, which the suite's Envoy reads as a gateway would)."""
     repository, _, tag = control_plane_image.rpartition(":")
     p = placement()
     label_key, label_value = next(iter(p["nodeSelector"].items()))
@@ -53,7 +54,7 @@ def chart_values(control_plane_image: str) -> list[str]:
             "--set", f"operator.tolerations[0].operator={tol['operator']}",
             "--set-string", f"operator.tolerations[0].value={tol['value']}",
             "--set", f"operator.tolerations[0].effect={tol['effect']}",
-            "--set", "planner.enabled=false"]
+            "--set", "planner.enabled=false", "--set", "inferencePool.installCRD=true"]
 
 
 def helm(cluster, *args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -100,10 +101,12 @@ def remove_model(api: client.ApiClient, namespace: str) -> None:
 
 
 def deployment(name: str, source: str, worker_image: str, prefill: int = 1, decode: int = 1,
-               disaggregation: str = "always", prefill_layout: dict[str, Any] | None = None) -> dict[str, Any]:
+               disaggregation: str = "always", prefill_layout: dict[str, Any] | None = None,
+               router_mode: str = "proxy") -> dict[str, Any]:
     """The tiny model as a DisaggDeployment whose every pod lands on the real node. spec.kvTransfer is left at
     its defaults: what a user applies unchanged to a CPU cluster must serve. ``prefill_layout``: the prefill
-    replica's podsPerReplica and parallelism (replicas larger than one pod), instead of one pod at TP 1."""
+    replica's podsPerReplica and parallelism (replicas larger than one pod), instead of one pod at TP 1.
+    ``router_mode``: spec.router.mode (picker: also the endpoint picker of an InferencePool)."""
     p = placement()
     role = {"tensorParallelSize": 1, **p}
     spec: dict[str, Any] = {
@@ -113,7 +116,7 @@ def deployment(name: str, source: str, worker_image: str, prefill: int = 1, deco
         "prefill": {"replicas": prefill, "minReplicas": 0 if prefill == 0 else 1,
                     **({**p, **prefill_layout} if prefill_layout else role)},
         "decode": {"replicas": decode, **role},
-        "router": {"replicas": 1, "disaggregation": disaggregation, **p},
+        "router": {"replicas": 1, "disaggregation": disaggregation, "mode": router_mode, **p},
         "scheduling": {"gang": {"minPrefill": min(prefill, 1), "minDecode": 1}},
     }
     return {"apiVersion": "serving.disagg.dev/v1alpha1", "kind": "DisaggDeployment",

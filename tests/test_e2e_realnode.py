@@ -8,6 +8,9 @@ Dockerfile builds (BuildKit, no Docker daemon): what a user runs, nothing config
   probes, all as the operator renders them;
 - the official `openai` client through the deployment's Service: chat and completions, streamed and
   not, on the remote_prefill path, with NIXL bytes moved between the two pods;
+- the same through a gateway: the deployment runs its router in picker mode, the chart installed the
+  InferencePool CRD, and an Envoy reads the operator's InferencePool as a gateway would, asks the router
+  pod's endpoint picker for each request and carries the decode pod's stream itself;
 - a real Prometheus discovers the pods through the chart's monitors (Kubernetes service discovery
   against this API server, relabelled as the Prometheus Operator would) and every dashboard panel
   has data;
@@ -127,7 +130,7 @@ def serving_ns(api, release, real, tiny_model):
 
 @pytest.fixture(scope="module")
 def pd(api, serving_ns, images):
-    dd = DD(api, NS, realnode.deployment(PD, serving_ns, images["worker-cpu"]))
+    dd = DD(api, NS, realnode.deployment(PD, serving_ns, images["worker-cpu"], router_mode="picker"))
     try:
         dd.wait_phase("Ready", timeout=900)
     except AssertionError as e:   # the operator's and the pods' logs are gone once the cluster is down
@@ -149,6 +152,10 @@ def _delete(api, dd: DD) -> None:
         if e.status != 404:
             raise
     wait_for(lambda: not dd.pods(), 300, f"{dd.name}'s pods gone")
+
+
+def _route(headers) -> dict[str, str]:
+    return {k.lower(): v for k, v in headers.items() if k.lower().startswith("x-disagg-")}
 
 
 def _pod_url(pod: client.V1Pod, port: int = 8000) -> str:
@@ -180,36 +187,70 @@ def test_pods_run_the_built_images_and_are_ready_through_their_probes(api, pd, i
 
 
 def test_openai_client_chat_and_completions_take_the_remote_prefill_path(api, pd):
+    dd, url = pd
+    _served_on_the_remote_prefill_path(dd, url)
+
+
+def _nixl_bytes(decode: client.V1Pod) -> float:
+    return metric_sum(scrape(_pod_url(decode, contract.WORKER_METRICS_PORT)), m.VLLM_NIXL_BYTES_TRANSFERRED + "_sum")
+
+
+def _served_on_the_remote_prefill_path(dd: DD, url: str) -> list[dict]:
+    """Chat and completions, streamed and not, through ``url`` with the official client: every one on the
+    remote_prefill path, and NIXL bytes moved to the decode pod. Returns each answer's route headers."""
     import openai
 
-    dd, url = pd
     decode = dd.pods("decode")[0]
-    before = metric_sum(scrape(_pod_url(decode, contract.WORKER_METRICS_PORT)), m.VLLM_NIXL_BYTES_TRANSFERRED + "_sum")
+    before = _nixl_bytes(decode)
     oa = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=300)
-    paths = []
+    paths, routes = [], []
     raw = oa.chat.completions.with_raw_response.create(
         model=realnode.SERVED_MODEL, messages=[{"role": "user", "content": PROMPT + "chat"}], max_tokens=8,
         temperature=0)
     paths.append(raw.headers.get("x-disagg-path"))
+    routes.append(_route(raw.headers))
     assert raw.parse().choices[0].message.content is not None
     raw = oa.completions.with_raw_response.create(model=realnode.SERVED_MODEL, prompt=PROMPT + "completion",
                                                   max_tokens=8, temperature=0)
     paths.append(raw.headers.get("x-disagg-path"))
+    routes.append(_route(raw.headers))
     assert raw.parse().choices[0].text is not None
     with oa.chat.completions.with_streaming_response.create(
             model=realnode.SERVED_MODEL, messages=[{"role": "user", "content": PROMPT + "stream"}], max_tokens=8,
             temperature=0, stream=True) as r:
         paths.append(r.headers.get("x-disagg-path"))
+        routes.append(_route(r.headers))
         chunks = [c for c in r.parse() if c.choices]
     assert chunks
     with oa.completions.with_streaming_response.create(model=realnode.SERVED_MODEL, prompt=PROMPT + "stream2",
                                                        max_tokens=8, temperature=0, stream=True) as r:
         paths.append(r.headers.get("x-disagg-path"))
+        routes.append(_route(r.headers))
         assert [c for c in r.parse() if c.choices]
     assert paths == [m.PATH_REMOTE_PREFILL] * 4, paths
-    moved = wait_for(lambda: (v := metric_sum(scrape(_pod_url(decode, contract.WORKER_METRICS_PORT)), m.VLLM_NIXL_BYTES_TRANSFERRED + "_sum"))
-                     > before and v, 60, "NIXL bytes counted on the decode pod")
+    moved = wait_for(lambda: (v := _nixl_bytes(decode)) > before and v, 60, "NIXL bytes counted on the decode pod")
     assert moved > before
+    return routes
+
+
+def test_through_envoy_and_the_picker_the_decode_pod_streams_to_the_client(api, pd, tmp_path):
+    """The deployment in picker mode behind a gateway: Envoy (on this host, as e2e/gateway.py configures it)
+    reads the InferencePool the operator wrote as a gateway would (its picker Service, its decode pods at
+    its target port, its failure mode), asks the router pod's picker for each request, and carries the
+    decode pod's answer itself; the picker ran the prefill on the prefill pod, and NIXL moved the KV."""
+    from disagg.e2e.gateway import Envoy, pool_endpoints
+    from disagg.workers.local import free_port
+
+    dd, _ = pd
+    pool = wait_for(lambda: pool_endpoints(api, NS, PD), 60, "the deployment's InferencePool")
+    decode = dd.pods("decode")[0]
+    assert pool.endpoints == [f"{decode.status.pod_ip}:{contract.HTTP_PORT}"]
+    with Envoy(tmp_path / "envoy", port=free_port(), admin_port=free_port(), picker=pool.picker,
+               pool=pool.endpoints, failure_mode=pool.failure_mode) as envoy:
+        routes = _served_on_the_remote_prefill_path(dd, f"{envoy.url}/v1")
+        # Envoy opened the decode pod itself, once per request: the streams never passed the router
+        assert envoy.stats("cluster.picked.upstream_rq_completed")["cluster.picked.upstream_rq_completed"] == 4
+    assert {r["x-disagg-decode"] for r in routes} == {_pod_url(decode)}
 
 
 def test_the_deployment_serves_under_its_enforced_network_policy(api, pd, enforced):
@@ -219,7 +260,9 @@ def test_the_deployment_serves_under_its_enforced_network_policy(api, pd, enforc
 
     dd, url = pd
     policies = client.NetworkingV1Api(api).list_namespaced_network_policy(NS).items
-    assert [p.metadata.name for p in policies if p.metadata.name.startswith(PD)] == [f"{PD}-workers"]
+    # picker mode adds the gateway's way in: to the decode port, and to the router's picker port
+    assert sorted(p.metadata.name for p in policies if p.metadata.name.startswith(PD)) == [
+        f"{PD}-gateway", f"{PD}-router", f"{PD}-workers"]
     chains = wait_for(lambda: (c := netpol.own_chains()) and any("KUBE-POD-FW-" in x for x in c) and c, 60,
                       "kube-router's chains for the policy and the pods it guards")
     assert any("KUBE-NWPLCY-" in c and not c.endswith("KUBE-NWPLCY-DEFAULT") for c in chains), chains
