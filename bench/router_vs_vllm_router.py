@@ -17,7 +17,7 @@ can take: levels 1 and 8 by default), one client process, streaming completions.
   256/1,000/2,000 streams: tokens/s and TTFT within the run-to-run noise either way, but with 2 the picker
   fell further behind, 504/503s at 1,000 streams too, with 1 only at 2,000: one more busy thread competing
   with the picker, the upstreams and the client). Envoy waits `--picker-message-timeout` for each of the
-  picker's answers (default the gateway configuration's 2 s; then it answers 504 itself, counted as errors);
+  picker's answers (default the gateway configuration's 30 s; then it answers 504 itself, counted as errors);
   when a level has errors its ext_proc counters are printed.
 
 Reported per level and target: TTFT p50/p99, tokens/s (all streams' tokens over the level's wall
@@ -256,7 +256,7 @@ def main() -> None:
                     help="Envoy's worker threads (envoy-picker): default 1 on 2 cores or fewer, else 2")
     ap.add_argument("--picker-message-timeout", type=float,
                     help="seconds Envoy waits for each of the picker's answers before it answers 504 itself "
-                         "(ext_proc message_timeout; default the gateway configuration's, 2)")
+                         "(ext_proc message_timeout; default the gateway configuration's, 30)")
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--priority", type=int, default=-10,
                     help="nice value of this process and all it starts (as root): on a machine shared with "

@@ -66,10 +66,13 @@ def _breakers() -> dict:
 
 
 def envoy_config(*, port: int, admin_port: int, picker: str, pool: list[str], failure_mode: str = FAIL_CLOSE,
-                 body_mode: str = BUFFERED, host: str = "127.0.0.1", message_timeout_s: float = 2,
+                 body_mode: str = BUFFERED, host: str = "127.0.0.1", message_timeout_s: float = 30,
                  max_message_timeout_s: float = 300, max_body_bytes: int = 8 * 2**20) -> dict:
     """Envoy's bootstrap for a gateway on ``host:port`` whose picker is ``picker`` (ip:port) and whose pool
-    is ``pool`` (ip:port of each endpoint: the fail-open route's targets)."""
+    is ``pool`` (ip:port of each endpoint: the fail-open route's targets). ``message_timeout_s``: how long
+    Envoy waits for each picker answer; a picker that is gone fails at once (connection refused), so this
+    bounds only a picker that hangs or is swamped (2 s timed out requests still queued in gRPC at 2,000
+    streams on two cores; the Inference Extension's own Envoy Gateway manifests wait 1,000 s)."""
     if failure_mode not in (FAIL_OPEN, FAIL_CLOSE):
         raise ValueError(f"failure_mode must be {FAIL_OPEN} or {FAIL_CLOSE}, not {failure_mode!r}")
     streamed = body_mode == STREAMED
@@ -106,6 +109,8 @@ def envoy_config(*, port: int, admin_port: int, picker: str, pool: list[str], fa
     hcm = {
         "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "gateway",
+        # no x-request-id made per request (a UUID from the system's random source): nothing here reads it
+        "generate_request_id": False,
         "route_config": {"virtual_hosts": [{"name": "pool", "domains": ["*"], "routes": routes}]},
         # before the route is first chosen: a filter removing it later would leave a route chosen by it
         "early_header_mutation_extensions": [{"name": "envoy.http.early_header_mutation.header_mutation",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import sys
 
@@ -149,15 +150,22 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             print(e, file=sys.stderr)
             return 2
-    # a deep accept backlog: a burst of a thousand clients connecting at once must not be refused
-    # uvloop: the relay's cost is mostly the event loop's socket reads and writes (the profile at 1,000
-    # streams, bench/router_vs_vllm_router.py), which libuv does in C
+    if args.mode == "picker":
+        # thousands of live streams, each a task and gRPC objects: the cyclic GC walking them was 15% of
+        # the picker's samples at 1,000 streams (py-spy); what exists at start-up is never garbage, and
+        # collections can be rarer (bench/results/envoy-picker-2026-12-04.md: -10% CPU per request)
+        gc.set_threshold(50_000, 20, 100)
     try:
         app = make_app(config, discovery=discovery, reuse_port=args.reuse_port,
                        picker_port=args.grpc_port if args.mode == "picker" else None)
     except OSError as e:         # the API keys file: a router told to authenticate never starts open
         print(f"cannot read {e.filename}: {e.strerror}", file=sys.stderr)
         return 2
+    if args.mode == "picker":
+        gc.freeze()
+    # a deep accept backlog: a burst of a thousand clients connecting at once must not be refused
+    # uvloop: the relay's cost is mostly the event loop's socket reads and writes (the profile at 1,000
+    # streams, bench/router_vs_vllm_router.py), which libuv does in C
     # shutdown_timeout: aiohttp stops accepting at SIGTERM, then lets in-flight streams run this long
     web.run_app(app, host=config.host, port=config.port, access_log=None, shutdown_timeout=args.drain_seconds,
                 print=None, backlog=4096, reuse_port=args.reuse_port or None,

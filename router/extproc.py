@@ -210,9 +210,15 @@ class Health:
 async def serve(picker: Picker, host: str, port: int, reuse_port: bool = False) -> grpc.aio.Server:
     """The ext_proc and health services, started on ``host:port`` (0: any free port; ``server.port``).
     ``reuse_port``: several router processes on one port (spec.router.processes), as the HTTP port."""
+    # gRPC core's backlog protection cancels streams that arrive faster than the server's accept loop takes
+    # them (1,000 pending, then random drops): at 2,000 streams Envoy saw resets its FailClose turned into
+    # 503s (bench/results/envoy-picker-2026-12-04.md). Admission sheds with a 429 that says why; gRPC must
+    # not shed first.
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", picker.router.config.spec.max_body_bytes
                                        + 65536),
                                       ("grpc.max_concurrent_streams", 0x7FFFFFFF),
+                                      ("grpc.server.max_pending_requests", 1 << 20),
+                                      ("grpc.server.max_pending_requests_hard_limit", 1 << 20),
                                       ("grpc.so_reuseport", int(reuse_port))])
     pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(picker), server)
     h = Health(picker)
