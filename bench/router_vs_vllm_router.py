@@ -331,7 +331,7 @@ def main() -> None:
                              if args.picker_message_timeout else {}))
             envoy.start()     # (assigned first: stopped in finally whatever start does)
             urls[PICKER] = [envoy.url]
-            pids[PICKER] = [*pids[PICKER], envoy._proc.pid]    # Envoy's process (all its threads) and the picker's
+            pids[PICKER] = [*pids[PICKER], envoy.process.proc.pid]    # Envoy's process (all its threads) and the picker's
         picker_url = procs[PICKER][0].url if PICKER in procs else None
         for t in targets:   # warm every path (connections, the tokenizer, vllm-router's pools)
             asyncio.run(level(urls[t], 8, 1, args.tokens, []))
@@ -348,10 +348,10 @@ def main() -> None:
                 if t not in table[n]:
                     before = decision_buckets(picker_url) if t == PICKER else {}
                     stats0 = envoy.stats() if t == PICKER else {}
-                    envoy_cpu0 = cpu_seconds(envoy._proc.pid) if t == PICKER else 0.0
+                    envoy_cpu0 = cpu_seconds(envoy.process.proc.pid) if t == PICKER else 0.0
                     table[n][t] = asyncio.run(level(urls[t], n, rounds, args.tokens, pids[t]))
                     if t == PICKER:
-                        table[n][t].envoy_cpu = cpu_seconds(envoy._proc.pid) - envoy_cpu0
+                        table[n][t].envoy_cpu = cpu_seconds(envoy.process.proc.pid) - envoy_cpu0
                         table[n][t].decision_p99 = quantile_bound(before, decision_buckets(picker_url), .99)
                         if table[n][t].errors:   # what Envoy says went wrong: ext_proc's and the clusters' counters
                             grew = {k: v - stats0.get(k, 0) for k, v in envoy.stats().items()

@@ -19,10 +19,7 @@ its selected pods and target port). :class:`Envoy` runs the binary from the cach
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
-import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -161,49 +158,36 @@ def pool_endpoints(api, namespace: str, name: str) -> PoolEndpoints:
 
 
 class Envoy:
-    """An Envoy process on loopback with :func:`envoy_config`'s configuration (keyword arguments)."""
+    """An Envoy process on loopback with :func:`envoy_config`'s configuration (keyword arguments); its
+    process, log and stop are a :class:`~disagg.workers.local.LocalProcess`'s, ready when its admin port
+    says so."""
 
     def __init__(self, directory: Path, *, concurrency: int = 2, binary: Path | None = None, **config) -> None:
+        from disagg.workers.local import LocalProcess
+
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.binary = binary or envoy_binary()
-        self.concurrency = concurrency
         self.config = envoy_config(**config)
         self.port = config["port"]
         self.admin_port = config["admin_port"]
-        self._proc: subprocess.Popen | None = None
+        path = self.dir / "envoy.yaml"
+        path.write_text(yaml.safe_dump(self.config, sort_keys=False))
+        # a dynamic base id: several Envoys on one machine (parallel test runs) never share hot-restart memory
+        self.process = LocalProcess("envoy", [str(binary or envoy_binary()), "-c", str(path), "--concurrency",
+                                              str(concurrency), "--use-dynamic-base-id", "--log-level", "warn"],
+                                    {}, f"http://127.0.0.1:{self.admin_port}", self.dir)
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 60) -> Envoy:
-        path = self.dir / "envoy.yaml"
-        path.write_text(yaml.safe_dump(self.config, sort_keys=False))
-        log = (self.dir / "envoy.log").open("ab")
-        # a dynamic base id: several Envoys on one machine (parallel test runs) never share hot-restart memory
-        self._proc = subprocess.Popen(
-            [str(self.binary), "-c", str(path), "--concurrency", str(self.concurrency), "--use-dynamic-base-id",
-             "--log-level", "warn"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                raise RuntimeError(f"envoy exited with {self._proc.returncode}: {self.tail()}")
-            if self.ready():
-                return self
-            time.sleep(0.1)
-        raise RuntimeError(f"envoy not ready after {timeout:.0f}s: {self.tail()}")
-
-    def ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}/ready", timeout=1) as r:
-                return r.status == 200
-        except OSError:
-            return False
+        self.process.start().wait_ready(timeout, path="/ready")
+        return self
 
     def stats(self, prefix: str = "") -> dict[str, int]:
         """Envoy's counters and gauges (admin /stats), those starting with ``prefix``."""
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}/stats?format=text", timeout=5) as r:
+        with urllib.request.urlopen(f"{self.process.url}/stats?format=text", timeout=5) as r:
             text = r.read().decode()
         out = {}
         for line in text.splitlines():
@@ -213,18 +197,10 @@ class Envoy:
         return out
 
     def stop(self) -> None:
-        if self._proc and self._proc.poll() is None:
-            os.killpg(self._proc.pid, signal.SIGTERM)
-            try:
-                self._proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self._proc.pid, signal.SIGKILL)
-                self._proc.wait()
-        self._proc = None
+        self.process.stop()
 
     def tail(self, lines: int = 30) -> str:
-        path = self.dir / "envoy.log"
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+        return self.process.tail(lines)
 
     def __enter__(self) -> Envoy:
         return self.start()
