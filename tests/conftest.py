@@ -174,3 +174,54 @@ class Routers:
 def routers() -> Routers:
     """:class:`Routers`: start a router in front of test upstreams."""
     return Routers()
+
+
+@pytest.fixture
+def open_files():
+    """Sockets for 2,000 concurrent streams: the client's, and in whatever this process starts (a router,
+    Envoy, an upstream: they inherit the limit) one towards the client and one towards the upstream each. A
+    shell's default soft limit (1,024) is too low; the hard limit allows it."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 4 * 2000 + 1024
+    if soft != resource.RLIM_INFINITY and soft < want:
+        assert hard == resource.RLIM_INFINITY or hard >= want, f"open files: hard limit {hard} < {want}"
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    yield
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.fixture
+def stream_burst(open_files):
+    """``stream_burst(base_url, clients, max_tokens, deadline_s)``: that many streamed chat completions
+    started at once with the official async client, one connection each; each one's text, or its
+    exception."""
+    import asyncio
+
+    import httpx2
+    from openai import AsyncOpenAI, DefaultAsyncHttpx2Client
+
+    def burst(base_url: str, clients: int, max_tokens: int, deadline_s: float) -> list:
+        async def main():
+            http = DefaultAsyncHttpx2Client(limits=httpx2.Limits(max_connections=clients + 10), timeout=deadline_s)
+            client = AsyncOpenAI(base_url=base_url, api_key="unused", http_client=http, max_retries=0)
+            started = asyncio.Event()
+
+            async def one(i: int) -> str:
+                await started.wait()
+                stream = await client.chat.completions.create(
+                    model="tiny", messages=[{"role": "user", "content": f"client {i}"}], stream=True,
+                    max_tokens=max_tokens)
+                return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+            tasks = [asyncio.create_task(one(i)) for i in range(clients)]
+            started.set()
+            try:
+                return await asyncio.gather(*tasks, return_exceptions=True)
+            finally:
+                await http.aclose()
+
+        return asyncio.run(main())
+
+    return burst

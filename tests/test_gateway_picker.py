@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import resource
 import time
 import urllib.error
 import urllib.request
 from contextlib import contextmanager
 
-import httpx2
 import pytest
-from openai import AsyncOpenAI, DefaultAsyncHttpx2Client, OpenAI
+from openai import OpenAI
 
 from disagg.api import metrics as m
 from disagg.e2e.gateway import BUFFERED, FAIL_CLOSE, FAIL_OPEN, STREAMED, Envoy
@@ -189,41 +187,11 @@ def test_with_the_picker_stopped_the_pools_failure_mode_holds(routers, gateway, 
             assert status == 503, answer
 
 
-@pytest.fixture
-def open_files():
-    """Sockets for 2,000 streams in the client, and in Envoy and the upstream (started from here)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = 4 * CLIENTS + 1024
-    if soft != resource.RLIM_INFINITY and soft < want:
-        assert hard == resource.RLIM_INFINITY or hard >= want, f"open files: hard limit {hard} < {want}"
-        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-    yield
-    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-
-
-def test_two_thousand_concurrent_streams_through_envoy_and_the_picker(routers, gateway, tmp_path, open_files):
+def test_two_thousand_concurrent_streams_through_envoy_and_the_picker(routers, gateway, tmp_path, stream_burst):
     """The deadlines are generous (a loaded 2-core machine); no performance is asserted (bench/ measures it)."""
     decode = routers.upstream(tmp_path, "decode", 8, 0.02)
     with gateway([decode], health_interval_s=DEADLINE_S) as (envoy, r):
-        async def main():
-            http = DefaultAsyncHttpx2Client(limits=httpx2.Limits(max_connections=CLIENTS + 10), timeout=DEADLINE_S)
-            client = AsyncOpenAI(base_url=f"{envoy.url}/v1", api_key="unused", http_client=http, max_retries=0)
-            started = asyncio.Event()
-
-            async def one(i: int) -> str:
-                await started.wait()
-                stream = await client.chat.completions.create(
-                    model="tiny", messages=[{"role": "user", "content": f"client {i}"}], stream=True, max_tokens=8)
-                return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
-
-            tasks = [asyncio.create_task(one(i)) for i in range(CLIENTS)]
-            started.set()
-            try:
-                return await asyncio.gather(*tasks, return_exceptions=True)
-            finally:
-                await http.aclose()
-
-        results = asyncio.run(main())
+        results = stream_burst(f"{envoy.url}/v1", CLIENTS, 8, DEADLINE_S)
         errors = [x for x in results if isinstance(x, BaseException)]
         assert not errors, f"{len(errors)} of {CLIENTS} failed, first: {errors[0]!r}"
         assert all(t == "tok " * 8 for t in results)

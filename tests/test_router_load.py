@@ -13,12 +13,7 @@ an unreachable worker, not a fault under test."""
 
 from __future__ import annotations
 
-import asyncio
-import resource
-
-import httpx2
 import pytest
-from openai import AsyncOpenAI, DefaultAsyncHttpx2Client
 
 from disagg.api import metrics as m
 from disagg.workers.local import metric_sum, scrape
@@ -27,20 +22,6 @@ CLIENTS = 2000
 TOKENS = 8
 # a deadline for the whole burst, client and router alike: minutes, not the seconds a quiet machine needs
 DEADLINE_S = 600
-
-
-@pytest.fixture
-def open_files():
-    """Sockets for every stream: the client's 2,000, and in the router (started from here, inheriting the
-    limit) 2,000 towards clients plus 2,000 towards the upstream. A shell's default soft limit (1,024)
-    is too low; the hard limit allows it."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = 3 * CLIENTS + 1024
-    if soft != resource.RLIM_INFINITY and soft < want:
-        assert hard == resource.RLIM_INFINITY or hard >= want, f"open files: hard limit {hard} < {want}"
-        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-    yield
-    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 @pytest.fixture
@@ -55,28 +36,8 @@ def routed(routers, tiny_model, tmp_path, open_files):
         yield r
 
 
-def test_two_thousand_concurrent_streaming_clients(routed):
-    async def main():
-        http = DefaultAsyncHttpx2Client(limits=httpx2.Limits(max_connections=CLIENTS + 10),
-                                        timeout=DEADLINE_S)
-        client = AsyncOpenAI(base_url=f"{routed.url}/v1", api_key="unused", http_client=http, max_retries=0)
-        started = asyncio.Event()
-
-        async def one(i: int) -> str:
-            await started.wait()
-            stream = await client.chat.completions.create(
-                model="tiny", messages=[{"role": "user", "content": f"client {i}"}], stream=True,
-                max_tokens=TOKENS)
-            return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
-
-        tasks = [asyncio.create_task(one(i)) for i in range(CLIENTS)]
-        started.set()
-        try:
-            return await asyncio.gather(*tasks, return_exceptions=True)
-        finally:
-            await http.aclose()
-
-    results = asyncio.run(main())
+def test_two_thousand_concurrent_streaming_clients(routed, stream_burst):
+    results = stream_burst(f"{routed.url}/v1", CLIENTS, TOKENS, DEADLINE_S)
     errors = [r for r in results if isinstance(r, BaseException)]
     assert not errors, f"{len(errors)} clients failed, first: {errors[0]!r}"
     assert all(r == "tok " * TOKENS for r in results)
