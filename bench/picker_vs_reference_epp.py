@@ -414,6 +414,10 @@ def main() -> int:
     ap.add_argument("--block-tokens", type=int, default=32, help="tokens per 512-token block of the trace")
     ap.add_argument("--max-out", type=int, default=16, help="cap on output tokens (scaled like the input)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-load-skew", type=float,
+                    help="our picker's spec.router.maxLoadSkew (default the API's, 2): at a handful of requests "
+                         "in flight the bound sends a session's turn away from its cached worker as soon as that "
+                         "worker holds 3 and the other none")
     ap.add_argument("--keep", action="store_true", help="keep the logs directory")
     ap.add_argument("--markdown", type=Path, help="also write the results table here")
     args = ap.parse_args()
@@ -464,7 +468,8 @@ def main() -> int:
 
         grpc_port, rport = free_port(), free_port()
         cfg = {"model": "tiny", "tokenizer": model, "block_size": 32, "max_model_len": MAX_MODEL_LEN, "port": rport,
-               "host": "127.0.0.1", "spec": {"policy": "kv-aware", "disaggregation": "never"},
+               "host": "127.0.0.1", "spec": {"policy": "kv-aware", "disaggregation": "never",
+                        **({"maxLoadSkew": args.max_load_skew} if args.max_load_skew else {})},
                "decode": [{"url": p.url, "kv_events": p.kv_events} for p in procs]}
         (logs / "picker.json").write_text(json.dumps(cfg))
         ours = router(logs / "picker.json", rport, logs, "--mode", "picker", "--grpc-port", str(grpc_port))
