@@ -20,7 +20,6 @@ The protocol (gRPC, ext_proc) is :mod:`.extproc`'s; this module knows requests, 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from dataclasses import dataclass, field
@@ -34,7 +33,7 @@ from .pool import Worker
 from .body import parse_body
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .decision import Plan
-from .service import TOKENIZE_INLINE_CHARS, Route, Router, raw_text
+from .service import Route, Router
 
 # the OpenAI endpoints the picker plans; anything else (GET /v1/models, /health) goes to any ready decode
 ENDPOINTS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
@@ -111,29 +110,9 @@ class Picker:
             raise errors.PayloadTooLarge(f"The request body is larger than the router accepts "
                                          f"({router.config.spec.max_body_bytes} bytes).")
         req, body = parse_body(raw, model)
-        ids: list[int] = []
-        try:
-            if router.needs_ids:
-                big = len(raw_text(req)) > TOKENIZE_INLINE_CHARS
-                ids = await asyncio.to_thread(router.validate, req) if big else router.validate(req)
-            else:
-                router._check_model(req)
-        except errors.RouterError:
-            self.metrics.requests.labels(m.OUTCOME_CLIENT_ERROR, "none").inc()
-            raise
-        exclude = self._outside(subset)
-        try:
-            plan = router.plan(ids, exclude)
-        except errors.NoWorkers:
-            await asyncio.gather(*(router.fleet.probe(w, 1) for w in router.pool.all() if not w.healthy))
-            try:
-                plan = router.plan(ids, exclude)
-            except errors.NoWorkers:
-                self.metrics.requests.labels(m.OUTCOME_NO_WORKERS, "none").inc()
-                raise
+        ids = await router.prompt_ids(req)
+        plan = await router.plan_or_probe(ids, self._outside(subset))
         self._decision.observe(time.perf_counter() - t0)   # the decision alone; a prefill's wait is its own
-        if router.needs_ids:
-            self.metrics.input_tokens.observe(len(ids))
         route = Route(m.PATH_LOCAL_PREFILL, plan.decode.name, plan.prefill.name if plan.prefill else None,
                       revision=plan.decode.revision, local_reason=plan.reason if plan.prefill is None else None)
         pick.route, pick.decode, pick.destination = route, plan.decode, destination(plan.decode)

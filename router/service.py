@@ -102,15 +102,11 @@ class Router:
                              f"this model's context of {limit} tokens.", param="max_tokens")
         return ids
 
-    async def handle(self, endpoint: str, req: CompletionRequest | ChatCompletionRequest,
-                     body: dict, arrival: float | None = None) -> tuple[dict | Stream, Route]:
-        """Non-streaming: the final JSON. Streaming: a :class:`Stream` of SSE bytes. Either with the
-        route the request took (settled before the first byte). ``arrival`` (time.monotonic()): when the
-        request reached the router, before its admission wait; its TTFT and duration count from there,
-        as its client sees them (default: now). The worker timeouts count from now."""
-        start = time.monotonic()
-        arrival = start if arrival is None else arrival
-        ids: list[int] = []      # unknown without tokenizing: no prefix keys, no prompt tokens counted
+    async def prompt_ids(self, req: CompletionRequest | ChatCompletionRequest) -> list[int]:
+        """The request checked (model, context) and its prompt's token ids where routing uses them (else
+        []: no prefix keys, no prompt tokens counted); a refusal is counted as the client's error. Proxy and
+        picker alike."""
+        ids: list[int] = []
         try:
             if self.needs_ids:
                 # long prompts tokenize off the event loop, so they do not stall every other stream
@@ -123,16 +119,31 @@ class Router:
             raise
         if self.needs_ids:
             self.metrics.input_tokens.observe(len(ids))
+        return ids
+
+    async def plan_or_probe(self, ids: list[int], exclude: set[str] = frozenset()) -> Plan:
+        """A plan; when no worker looked healthy at the last check, the unhealthy ones are asked again, once,
+        before the NoWorkers (503) that is then counted."""
         try:
-            plan = self.plan(ids)
+            return self.plan(ids, exclude)
         except NoWorkers:
-            # none looked healthy at the last check: ask the unhealthy ones again, once, before a 503
             await asyncio.gather(*(self.fleet.probe(w, 1) for w in self.pool.all() if not w.healthy))
             try:
-                plan = self.plan(ids)
+                return self.plan(ids, exclude)
             except NoWorkers:
                 self.metrics.requests.labels(m.OUTCOME_NO_WORKERS, "none").inc()
                 raise
+
+    async def handle(self, endpoint: str, req: CompletionRequest | ChatCompletionRequest,
+                     body: dict, arrival: float | None = None) -> tuple[dict | Stream, Route]:
+        """Non-streaming: the final JSON. Streaming: a :class:`Stream` of SSE bytes. Either with the
+        route the request took (settled before the first byte). ``arrival`` (time.monotonic()): when the
+        request reached the router, before its admission wait; its TTFT and duration count from there,
+        as its client sees them (default: now). The worker timeouts count from now."""
+        start = time.monotonic()
+        arrival = start if arrival is None else arrival
+        ids = await self.prompt_ids(req)
+        plan = await self.plan_or_probe(ids)
         route = Route(m.PATH_LOCAL_PREFILL, plan.decode.name, plan.prefill.name if plan.prefill else None,
                       revision=plan.decode.revision, local_reason=plan.reason if plan.prefill is None else None)
         try:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 import urllib.error
 import urllib.request
 from contextlib import contextmanager
@@ -22,6 +21,7 @@ from openai import OpenAI
 
 from disagg.api import metrics as m
 from disagg.e2e.gateway import BUFFERED, FAIL_CLOSE, FAIL_OPEN, STREAMED, Envoy
+from disagg.e2e.testing import wait_for
 from disagg.workers.local import free_port, metric_sum, scrape
 
 CLIENTS = 2000
@@ -144,12 +144,9 @@ def test_what_the_picker_refuses_gets_an_openai_error_through_envoy(routers, gat
         # nothing ready behind the picker: 503 in the same shape
         # (until the picker's health check sees it gone, Envoy's own 503 comes back: a connect failure)
         decode.stop()
-        deadline = time.monotonic() + 60
-        while True:
-            status, _, body = _post(url, {"model": "tiny", "prompt": "z", "max_tokens": 1})
-            if status == 503 and body.startswith(b"{") or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
+        status, _, body = wait_for(
+            lambda: (a := _post(url, {"model": "tiny", "prompt": "z", "max_tokens": 1}))[0] == 503
+            and a[2].startswith(b"{") and a, 60, "the picker's own 503 once its health check saw the decode gone")
         assert status == 503 and json.loads(body)["error"]["code"] == 503, body
 
 
