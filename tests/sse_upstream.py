@@ -118,4 +118,7 @@ app.router.add_post("/v1/completions", generate)
 app.router.add_post("/v1/chat/completions", generate)
 app.router.add_get("/health", health)
 app.router.add_get("/stats", stats)
-web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), access_log=None, print=None, backlog=2048)
+# A stand-in holding a request for ever (SSE_KV_WAIT) must not hold the teardown: stop_all waits
+# 20 s for a SIGTERMed process, aiohttp would wait 60 s for its handlers.
+web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), access_log=None, print=None, backlog=2048,
+            shutdown_timeout=1)

@@ -77,4 +77,5 @@ app.router.add_post("/v1/completions", generate)
 app.router.add_post("/gate/open", open_gate)
 app.router.add_get("/gate/waiting", gate_waiting)
 app.router.add_get("/health", health)
-web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), access_log=None, print=None)
+# It stalls on purpose; its teardown must not (aiohttp waits 60 s for handlers, stop_all 20 s).
+web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), access_log=None, print=None, shutdown_timeout=1)
