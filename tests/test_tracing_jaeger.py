@@ -1,0 +1,74 @@
+"""Traces into a real trace store: a router (its own process, ``python -m disagg.router`` with
+``--otlp-traces-endpoint``) exports each request's spans over OTLP/gRPC to a real Jaeger (built from its Go
+module, e2e/jaeger.py), and the trace is read back through Jaeger's query API by the id the client got in
+``x-disagg-trace-id``. The workers are tests/sse_upstream.py (vLLM's wire format; they record the traceparent
+they were sent): the router's side of the trace. vLLM's own llm_request spans joining it are
+tests/test_router_pd.py's (real engines).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+
+from disagg.api import metrics as m
+from disagg.e2e.jaeger import spans_by_name
+from disagg.e2e.testing import wait_for
+from disagg.router import tracing as t
+
+TOKENS = 6
+
+
+def _stream(url: str, prompt: str) -> tuple[dict, float, str]:
+    """One streamed completion: (response headers, seconds to its first chunk, its body)."""
+    req = urllib.request.Request(f"{url}/v1/completions", method="POST", headers={"Content-Type": "application/json"},
+                                 data=json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": TOKENS,
+                                                  "stream": True}).encode())
+    t0 = time.monotonic()
+    with urllib.request.urlopen(req, timeout=60) as r:
+        first = r.read1()
+        ttft = time.monotonic() - t0
+        return dict(r.headers), ttft, (first + r.read()).decode()
+
+
+def _stats(upstream) -> dict:
+    with urllib.request.urlopen(f"{upstream.url}/stats", timeout=10) as r:
+        return json.loads(r.read())
+
+
+def test_a_requests_trace_is_in_jaeger_by_the_id_the_client_got(routers, jaeger, tiny_model, tmp_path):
+    """One streamed request, prefilled remotely: Jaeger holds its trace under the id the client got, with
+    the router's spans correctly parented (service disagg-router), the routing decision's attributes,
+    and the workers were sent traceparents naming the prefill and decode spans stored there. The router's
+    spans up to the first token add up to the client's TTFT within 0.15 s."""
+    prefill = routers.upstream(tmp_path, "prefill", TOKENS, 0.01)
+    decode = routers.upstream(tmp_path, "decode", TOKENS, 0.1)
+    with routers.serving(tiny_model, tmp_path, [decode], prefill=[prefill], spec={"disaggregation": "always"},
+                         tracing={"otlpEndpoint": jaeger.otlp_endpoint, "samplingRatio": 1.0}) as r:
+        headers, ttft, text = _stream(r.url, "hello " * 40)
+        assert text.count("tok ") == TOKENS and headers["x-disagg-path"] == m.PATH_REMOTE_PREFILL
+        trace_id = headers[t.TRACE_ID_HEADER]
+        # exported in batches (the SDK's default: every 5 s)
+        trace = wait_for(lambda: (tr := jaeger.trace(trace_id)) and len(tr["spans"]) >= 7 and tr, 30,
+                         f"trace {trace_id} in Jaeger")
+    by = spans_by_name(trace)
+    assert "disagg-router" in jaeger.services()
+    root = by[t.REQUEST][0]
+    assert root["service"] == "disagg-router" and root["parent"] is None
+    for name in (t.ADMISSION, t.TOKENIZE, t.ROUTING, t.PREFILL, t.DECODE):
+        assert [s["parent"] for s in by[name]] == [root["spanID"]], name
+    assert by[t.FIRST_TOKEN][0]["parent"] == by[t.DECODE][0]["spanID"]
+    tags = {tag["key"]: tag["value"] for tag in by[t.ROUTING][0]["tags"]}
+    assert tags["disagg.routing.decode"] == decode.url and tags["disagg.routing.prefill"] == prefill.url
+    assert tags["disagg.routing.reason"] == m.REASON_REMOTE
+    root_tags = {tag["key"]: tag["value"] for tag in root["tags"]}
+    assert root_tags[t.A_OUTCOME] == m.OUTCOME_SUCCESS and root_tags[t.A_PATH] == m.PATH_REMOTE_PREFILL
+    # Jaeger's times are microseconds: the router's time to the first token against the client's
+    router_ttft = (by[t.FIRST_TOKEN][0]["startTime"] + by[t.FIRST_TOKEN][0]["duration"] - root["startTime"]) / 1e6
+    assert 0 < router_ttft <= ttft + 0.01 and ttft - router_ttft < 0.15, (router_ttft, ttft)
+    # the spans the workers were told to join under are the stored ones
+    p_tp = _stats(prefill)["traceparents"]["prefill"][-1].split("-")
+    d_tp = _stats(decode)["traceparents"]["decode"][-1].split("-")
+    assert (p_tp[1], p_tp[2]) == (trace_id, by[t.PREFILL][0]["spanID"])
+    assert (d_tp[1], d_tp[2]) == (trace_id, by[t.DECODE][0]["spanID"])
