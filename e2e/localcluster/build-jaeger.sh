@@ -20,8 +20,19 @@ if [[ -f "$bin/.complete" ]]; then
 fi
 echo "[jaeger-build] building Jaeger ${JAEGER_VERSION}" >&2
 out="$(cache_staging "$bin")"
-trap 'rm -rf "$out"' EXIT
-CGO_ENABLED=0 GOBIN="$out" GOFLAGS=-mod=mod go install -trimpath -ldflags "-s -w" \
-  "github.com/jaegertracing/jaeger/cmd/jaeger@${JAEGER_VERSION}" >&2
+work="$(mktemp -d)"
+trap 'rm -rf "$out" "$work"' EXIT
+# Jaeger's go.mod has a replace directive (sarama), which `go install pkg@version` refuses: a wrapper module
+# requires it as a tool, with the same replace, and its dependencies resolve to exactly Jaeger's own versions.
+cat > "$work/go.mod" <<MOD
+module disagg.dev/jaeger
+
+go 1.24.6
+
+replace github.com/Shopify/sarama => github.com/Shopify/sarama v1.33.0
+MOD
+(cd "$work" && GOFLAGS=-mod=mod go get -tool "github.com/jaegertracing/jaeger/cmd/jaeger@${JAEGER_VERSION}" >&2 \
+  && CGO_ENABLED=0 GOFLAGS=-mod=mod go build -trimpath -ldflags "-s -w" -o "$out/jaeger" \
+    github.com/jaegertracing/jaeger/cmd/jaeger >&2)
 cache_publish "$out" "$bin"
 echo "$bin"
