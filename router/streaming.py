@@ -210,4 +210,3 @@ class Streaming:
         # request there; the client's response ends after this, with the connection already pooled
         if finishing is not None:
             await finish(finishing)
-

@@ -118,7 +118,8 @@ class Tracing:
         return Trace(self.tracer, root)
 
     def shutdown(self) -> None:
-        """Exports what is left and stops the exporter's thread."""
+        """Exports what is left and stops the exporter's thread (at the router's close: an unreachable
+        collector holds it up to the exporter's timeout, 10 s, inside the drain's grace)."""
         self.provider.shutdown()
 
 
@@ -225,4 +226,5 @@ def end_spans(error: BaseException, *spans) -> None:
         s.end()
 
 
-__all__ = ["TRACE_ID_HEADER", "Trace", "Tracing", "failed", "routing_attributes", "wall_ns", "decode_spans", "end_spans"]
+__all__ = ["TRACE_ID_HEADER", "Trace", "Tracing", "decode_spans", "end_spans", "failed", "routing_attributes",
+           "wall_ns"]
