@@ -8,6 +8,7 @@ import time
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.exposition import choose_encoder
 
 from disagg.api import metrics as m
 from disagg.api.contract import ROUTER_LIVE_PATH, ROUTER_READY_PATH
@@ -239,6 +240,11 @@ async def models(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     router = request.app[ROUTER_KEY]
+    if router.tracing is not None:
+        # OpenMetrics to a scraper that asks for it (Prometheus does): the TTFT histogram's exemplars carry
+        # trace ids, which Prometheus' text format cannot
+        encode, content_type = choose_encoder(request.headers.get("Accept"))
+        return web.Response(body=encode(router.metrics.registry), headers={"Content-Type": content_type})
     return web.Response(body=generate_latest(router.metrics.registry),
                         headers={"Content-Type": CONTENT_TYPE_LATEST})
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 from collections.abc import Awaitable, Callable
 
 from disagg.api import metrics as m
@@ -132,13 +133,17 @@ class Streaming:
         outcome, migrations, last, output_tokens = m.OUTCOME_UPSTREAM_ERROR, 0, None, 0
         tried: list[str] = []
         finishing = None         # a stream that sent [DONE] and whose worker's body has yet to end
+        observe_ttft = labelled(self.metrics.ttft, path).observe
+        if trace is not None and trace.recording:
+            # the TTFT observation's exemplar: a slow bucket links to the request's trace (OpenMetrics scrapes)
+            observe_ttft = partial(observe_ttft, exemplar={"trace_id": trace.trace_id})
         try:
             while True:
                 end = StreamEnd(last_activity=start if last is None else time.monotonic(), resp=resp)
                 self.watchdog.streams.add(end)
                 try:
                     await relay(resp, w.name, end, sink, start=arrival, client_wants_usage=client_wants_usage,
-                                observe_ttft=labelled(self.metrics.ttft, path).observe,
+                                observe_ttft=observe_ttft,
                                 observe_itl=self.metrics.itl.observe,
                                 first_token_timeout_s=spec.first_token_timeout_seconds,
                                 idle_timeout_s=spec.idle_timeout_seconds, head=head,

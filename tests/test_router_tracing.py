@@ -27,6 +27,7 @@ from disagg.workers.local import free_port, stop_all
 
 TOKENS = 6
 CLIENT_TRACE = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+OPENMETRICS = "application/openmetrics-text; version=1.0.0"
 
 
 @asynccontextmanager
@@ -121,9 +122,13 @@ def test_a_disaggregated_stream_is_one_trace_across_router_prefill_and_decode(ro
         async def main():
             async with _router(tiny_model, [decode], [prefill]) as (url, exporter, router):
                 status, headers, text, ttft = await _complete(url, headers={"traceparent": CLIENT_TRACE})
-                return status, headers, text, ttft, await _wait_root(exporter)
+                spans = await _wait_root(exporter)
+                async with aiohttp.ClientSession() as s:
+                    async with s.get(f"{url}/metrics", headers={"Accept": OPENMETRICS}) as r:
+                        scraped = r.headers["Content-Type"], await r.text()
+                return status, headers, text, ttft, spans, scraped
 
-        status, headers, text, ttft, spans = asyncio.run(main())
+        status, headers, text, ttft, spans, (content_type, scraped) = asyncio.run(main())
         assert status == 200 and text.count("tok ") == TOKENS, text
         assert headers["x-disagg-path"] == m.PATH_REMOTE_PREFILL
         by = _tree(spans)
@@ -165,6 +170,10 @@ def test_a_disaggregated_stream_is_one_trace_across_router_prefill_and_decode(ro
         assert [_parent_of(x) for x in p_tp] == [(trace_id, _hex(by[t.PREFILL][0].context.span_id))]
         assert [_parent_of(x) for x in d_tp] == [(trace_id, _hex(dec.context.span_id))]
         assert _sampled(p_tp[0]) and _sampled(d_tp[0])
+        # the TTFT histogram's exemplar links its bucket to the trace (OpenMetrics, as Prometheus asks for it)
+        assert content_type.startswith("application/openmetrics-text")
+        assert [line for line in scraped.splitlines() if line.startswith(f"{m.ROUTER_TTFT_SECONDS}_bucket")
+                and f'# {{trace_id="{trace_id}"}}' in line], scraped
     finally:
         stop_all([prefill, decode], grace=2)
 
@@ -284,12 +293,16 @@ def test_unsampled_and_untraced_requests(routers, tiny_model, tmp_path):
                 assert (router.tracing is None) == (ratio is None)
                 out = await _complete(url)
                 await asyncio.sleep(0.2)
-                return out, exporter.get_finished_spans()
+                async with aiohttp.ClientSession() as s:
+                    async with s.get(f"{url}/metrics", headers={"Accept": OPENMETRICS}) as r:
+                        metrics_type = r.headers["Content-Type"]
+                return out, exporter.get_finished_spans(), metrics_type
 
-        (status, headers, _, _), spans = asyncio.run(main(0.0))
+        (status, headers, _, _), spans, _ = asyncio.run(main(0.0))
         assert status == 200 and TRACE_ID_HEADER not in headers and spans == ()
-        (status, headers, _, _), spans = asyncio.run(main(None))
+        (status, headers, _, _), spans, metrics_type = asyncio.run(main(None))
         assert status == 200 and TRACE_ID_HEADER not in headers and spans == ()
+        assert metrics_type.startswith("text/plain")         # the exposition as it always was
         tps = _stats(decode)["traceparents"]["decode"]
         assert len(tps) == 2 and not _sampled(tps[0]) and tps[1] is None, tps
     finally:
