@@ -47,8 +47,8 @@ class LocalJaeger:
                 "extensions": ["jaeger_storage", "jaeger_query"],
                 "pipelines": {"traces": {"receivers": ["otlp"], "processors": ["batch"],
                                          "exporters": ["jaeger_storage_exporter"]}},
-                # no internal metrics server (its default port is fixed)
-                "telemetry": {"metrics": {"level": "none"}, "logs": {"level": "info"}},
+                # no internal metrics server (its default port is fixed), nor traces of its own
+                "telemetry": {"metrics": {"level": "none"}, "traces": {"level": "none"}, "logs": {"level": "info"}},
             },
             "extensions": {
                 "jaeger_storage": {"backends": {"memstore": {"memory": {"max_traces": 100000}}}},
@@ -109,11 +109,14 @@ class LocalJaeger:
         path = self.dir / "jaeger.log"
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
 
-    def stop(self) -> None:
+    def stop(self, grace: float = 2) -> None:
+        """SIGTERM, then SIGKILL after ``grace`` seconds: its traces are in memory, and a stopping Jaeger
+        (v1.75.0) waits 10 s for an export of its own to localhost:4317, which the configuration cannot
+        turn off."""
         if self._proc and self._proc.poll() is None:
             os.killpg(self._proc.pid, signal.SIGTERM)
             try:
-                self._proc.wait(timeout=20)
+                self._proc.wait(timeout=grace)
             except subprocess.TimeoutExpired:
                 os.killpg(self._proc.pid, signal.SIGKILL)
                 self._proc.wait()

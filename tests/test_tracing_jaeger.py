@@ -52,6 +52,8 @@ def test_a_requests_trace_is_in_jaeger_by_the_id_the_client_got(routers, jaeger,
         # exported in batches (the SDK's default: every 5 s)
         trace = wait_for(lambda: (tr := jaeger.trace(trace_id)) and len(tr["spans"]) >= 7 and tr, 30,
                          f"trace {trace_id} in Jaeger")
+        p_tp = _stats(prefill)["traceparents"]["prefill"][-1].split("-")
+        d_tp = _stats(decode)["traceparents"]["decode"][-1].split("-")
     by = spans_by_name(trace)
     assert "disagg-router" in jaeger.services()
     root = by[t.REQUEST][0]
@@ -68,7 +70,5 @@ def test_a_requests_trace_is_in_jaeger_by_the_id_the_client_got(routers, jaeger,
     router_ttft = (by[t.FIRST_TOKEN][0]["startTime"] + by[t.FIRST_TOKEN][0]["duration"] - root["startTime"]) / 1e6
     assert 0 < router_ttft <= ttft + 0.01 and ttft - router_ttft < 0.15, (router_ttft, ttft)
     # the spans the workers were told to join under are the stored ones
-    p_tp = _stats(prefill)["traceparents"]["prefill"][-1].split("-")
-    d_tp = _stats(decode)["traceparents"]["decode"][-1].split("-")
     assert (p_tp[1], p_tp[2]) == (trace_id, by[t.PREFILL][0]["spanID"])
     assert (d_tp[1], d_tp[2]) == (trace_id, by[t.DECODE][0]["spanID"])
