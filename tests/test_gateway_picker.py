@@ -221,10 +221,11 @@ def test_through_envoy_the_decode_joins_the_pickers_trace(routers, gateway, jaeg
         assert len(sent) == 1 and sent[0].split("-")[1] == client_trace and sent[0].split("-")[2] != client_span
         trace = wait_for(lambda: (tr := jaeger.trace(client_trace)) and t.PICK in spans_by_name(tr)
                          and t.DECODE in spans_by_name(tr) and tr, 30, f"trace {client_trace} in Jaeger")
+        prefill_sent = _stats(prefill)["traceparents"]["prefill"]
     by = spans_by_name(trace)
     root = by[t.PICK][0]
     assert root["parent"] == client_span
     for name in (t.ADMISSION, t.TOKENIZE, t.ROUTING, t.PREFILL, t.DECODE):
         assert [s["parent"] for s in by[name]] == [root["spanID"]], name
     assert by[t.DECODE][0]["spanID"] == sent[0].split("-")[2]
-    assert _stats(prefill)["traceparents"]["prefill"][0].split("-")[2] == by[t.PREFILL][0]["spanID"]
+    assert prefill_sent[0].split("-")[2] == by[t.PREFILL][0]["spanID"]
