@@ -127,13 +127,14 @@ class Trace:
     """One request's spans: its root, and the spans the router's parts open under it (:meth:`span`). A
     request that was not sampled has a non-recording root; its spans are that root again (no work), and
     its :meth:`headers` still carry the decision (flag 00) to the workers."""
-    __slots__ = ("tracer", "root", "parent", "recording")
+    __slots__ = ("tracer", "root", "parent", "recording", "_unsampled")
 
     def __init__(self, tracer, root, parent=None) -> None:
         self.tracer = tracer
         self.root = root
         self.parent = root if parent is None else parent
         self.recording = root.is_recording()
+        self._unsampled: dict[str, str] | None = None     # not recording: the one traceparent every leg gets
 
     @property
     def trace_id(self) -> str:
@@ -158,8 +159,13 @@ class Trace:
     def headers(self, span=None) -> dict[str, str]:
         """The W3C ``traceparent`` of ``span`` (default: the root) for a worker's request: its own spans
         then join this trace under that span."""
+        if not self.recording:
+            if self._unsampled is None:
+                self._unsampled = {}
+                _PROPAGATOR.inject(self._unsampled, set_span_in_context(self.root))
+            return self._unsampled
         carrier: dict[str, str] = {}
-        _PROPAGATOR.inject(carrier, set_span_in_context(span if span is not None and self.recording else self.root))
+        _PROPAGATOR.inject(carrier, set_span_in_context(span if span is not None else self.root))
         return carrier
 
     def fallback(self, reason: str, worker: str | None = None) -> None:
