@@ -465,10 +465,10 @@ class _DecodeProxy(_Proxy):
 
 
 @pytest.fixture(scope="module")
-def failures(pd, decode_b, tmp_path_factory):
+def failures(pd, decode_b, jaeger, tmp_path_factory):
     """A second router over the same prefill (through a :class:`_KillingProxy`) and both decode workers:
     every request P/D, round-robin, probes every second (a hung prefill is found after 3 probe timeouts
-    of 2 s)."""
+    of 2 s). It traces every request to Jaeger, so a fallback's trace can be read back."""
     logs = tmp_path_factory.mktemp("pd-failures")
     first = json.loads(Path(pd["router"].argv[-1]).read_text())     # the first router's configuration
     proxy = _KillingProxy(pd["prefill"].url)
@@ -484,7 +484,8 @@ def failures(pd, decode_b, tmp_path_factory):
               "spec": {"disaggregation": "always", "policy": "round-robin", "connectTimeoutSeconds": 30,
                        "prefillTimeoutSeconds": 120},
               "prefill": [{"url": proxy.url}],
-              "decode": [{"url": d.url} for d in decode_proxies]}
+              "decode": [{"url": d.url} for d in decode_proxies],
+              "tracing": {"otlpEndpoint": jaeger.otlp_endpoint, "samplingRatio": 1.0}}
     (logs / "router.json").write_text(json.dumps(config))
     r = router(logs / "router.json", port, logs)
     try:
@@ -526,6 +527,32 @@ def _stream(failures) -> tuple[dict, str, list[dict]]:
     except (OSError, AssertionError) as e:       # a stream that stalled (the socket's timeout) or broke
         pytest.fail(f"the stream failed after {len(text)} tokens: {e!r}\n{_log_tails(failures)}")
     return route, "".join(text), chunks
+
+
+def _assert_fallback_trace(jaeger, route: dict, reason: str) -> None:
+    """The fallen-back request's trace, read back from Jaeger by the id the client got: a fallback span
+    under the request naming the reason, the first decode attempt (with the prefill's KV) failed, the
+    last (local prefill, no KV) served it."""
+    from disagg.e2e.jaeger import spans_by_name
+    from disagg.router import tracing as t
+
+    trace_id = route[t.TRACE_ID_HEADER]
+    # the router exports in batches; the serving decode's llm_request span comes when its request ends
+    trace = wait_for(lambda: (tr := jaeger.trace(trace_id)) and t.FALLBACK in (by := spans_by_name(tr))
+                     and t.REQUEST in by and tr, 60, f"trace {trace_id} with its fallback span")
+    by = spans_by_name(trace)
+
+    def tags(s: dict) -> dict:
+        return {tag["key"]: tag["value"] for tag in s["tags"]}
+    root = by[t.REQUEST][0]
+    assert tags(root)[t.A_PATH] == m.PATH_FALLBACK
+    assert reason in [tags(s)[t.A_REASON] for s in by[t.FALLBACK]]
+    assert all(s["parent"] == root["spanID"] for s in by[t.FALLBACK])
+    # the decode that was handed the dead prefill's KV failed (unless the probes found the prefill gone
+    # before it was asked); the last attempt, without KV, served the request
+    *failed, served = sorted(by[t.DECODE], key=lambda s: s["startTime"])
+    assert [(tags(s)[t.A_KV], tags(s).get("otel.status_code")) for s in failed] in ([], [(True, "ERROR")])
+    assert not tags(served)[t.A_KV] and tags(served).get("otel.status_code") != "ERROR", tags(served)
 
 
 def _log_tails(failures) -> str:
@@ -605,7 +632,7 @@ def test_a_prefill_hung_after_it_answered_leaves_no_decode_waiting(failures):
         assert counted == 0
 
 
-def test_a_prefill_killed_after_it_answered_and_requests_in_flight_complete(failures):
+def test_a_prefill_killed_after_it_answered_and_requests_in_flight_complete(failures, jaeger):
     """The decode is handed KV that a dead engine holds. vLLM's NIXL connector (0.32,
     kv_load_failure_policy "fail", the default) fails such a request instead of waiting: the handshake
     or the read fails and the request ends with an error before its first token. The router then
@@ -638,6 +665,7 @@ def test_a_prefill_killed_after_it_answered_and_requests_in_flight_complete(fail
     assert path == m.PATH_FALLBACK and reason in reasons
     assert chunks[-1]["usage"]["completion_tokens"] == MAX_TOKENS_LONG
     assert fallbacks() >= before + 1
+    _assert_fallback_trace(jaeger, route, reason)
     empty = [p for p, t in zip(prompts, texts) if not (isinstance(t, str) and t)]
     assert not empty
     raw = client.completions.with_raw_response.create(model="tiny", prompt=PROMPTS[0], max_tokens=4, temperature=0)
