@@ -136,7 +136,7 @@ class Streaming:
         observe_ttft = labelled(self.metrics.ttft, path).observe
         if trace is not None and trace.recording:
             # the TTFT observation's exemplar: a slow bucket links to the request's trace (OpenMetrics scrapes)
-            observe_ttft = partial(observe_ttft, exemplar={"trace_id": trace.trace_id})
+            observe_ttft = partial(observe_ttft, exemplar={m.EXEMPLAR_TRACE_ID: trace.trace_id})
         try:
             while True:
                 end = StreamEnd(last_activity=start if last is None else time.monotonic(), resp=resp)

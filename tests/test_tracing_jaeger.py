@@ -13,7 +13,9 @@ import time
 import urllib.request
 
 from disagg.api import metrics as m
+from disagg.e2e.dashboards import DASHBOARDS, panels, substitute
 from disagg.e2e.jaeger import spans_by_name
+from disagg.e2e.prometheus import LocalPrometheus
 from disagg.e2e.testing import wait_for
 from disagg.router import tracing as t
 
@@ -72,3 +74,34 @@ def test_a_requests_trace_is_in_jaeger_by_the_id_the_client_got(routers, jaeger,
     # the spans the workers were told to join under are the stored ones
     assert (p_tp[1], p_tp[2]) == (trace_id, by[t.PREFILL][0]["spanID"])
     assert (d_tp[1], d_tp[2]) == (trace_id, by[t.DECODE][0]["spanID"])
+
+
+def test_the_ttft_panels_exemplar_opens_the_requests_trace(routers, jaeger, tiny_model, tmp_path):
+    """What a click on an exemplar of the Overview's "Time to first token" panel does, without Grafana: a
+    real Prometheus (exemplar storage on) scrapes the traced router; the exemplars of the panel's own
+    queries (as Grafana asks for them) carry, under the label the chart's data source links on, the id of
+    the request's trace, and Jaeger holds that trace."""
+    (overview,) = [p for p in DASHBOARDS if p.stem == "overview"]
+    (panel,) = [p for p in panels(json.loads(overview.read_text())) if p["title"] == "Time to first token"]
+    # the chart's monitors add namespace and deployment; this router's series have neither, which .* matches
+    variables = {"namespace": ".*", "deployment": ".*", "ttft_target": "1", "__rate_interval": "1m"}
+    queries = [substitute(q["expr"], variables) for q in panel["targets"] if q.get("exemplar")]
+    assert queries
+    decode = routers.upstream(tmp_path, "decode", TOKENS, 0.01)
+    with routers.serving(tiny_model, tmp_path, [decode],
+                         tracing={"otlpEndpoint": jaeger.otlp_endpoint, "samplingRatio": 1.0}) as r:
+        prom = LocalPrometheus(tmp_path / "prometheus", [r.url.split("//", 1)[1]], exemplars=True).start()
+        try:
+            start = time.time() - 5
+            headers, _, text = _stream(r.url, "hello " * 10)
+            assert text.count("tok ") == TOKENS
+            trace_id = headers[t.TRACE_ID_HEADER]
+
+            def exemplar_ids() -> set[str] | None:
+                ids = {e["labels"].get(m.EXEMPLAR_TRACE_ID) for q in queries
+                       for s in prom.exemplars(q, start, time.time() + 5) for e in s["exemplars"]}
+                return ids if trace_id in ids else None
+            assert wait_for(exemplar_ids, 30, f"an exemplar naming trace {trace_id}") == {trace_id}
+        finally:
+            prom.stop()
+    assert wait_for(lambda: jaeger.trace(trace_id), 30, f"trace {trace_id} in Jaeger")["traceID"] == trace_id
