@@ -32,6 +32,8 @@ $(STAMP): pyproject.toml
 	rm -rf $(VENV)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[test]'
+	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps --force-reinstall "$$($(BIN)/python -c \
+	  'import tomllib; print(next(d for d in tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"] if d.startswith("opentelemetry-proto==")))')"
 	touch $@
 
 # The bench-only extra (vllm-router, py-spy) into the same venv, for bench/router_vs_vllm_router.py.

@@ -30,13 +30,16 @@ def jaeger_binary() -> Path:
 
 
 class LocalJaeger:
-    def __init__(self, state_dir: Path) -> None:
+    def __init__(self, state_dir: Path, otlp_host: str = "127.0.0.1") -> None:
+        """``otlp_host``: the address its OTLP receivers listen on (the real node's bridge address, for pods
+        to export to); its query API stays on loopback."""
         self.dir = Path(state_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.ports = {name: free_port() for name in ("otlp_grpc", "otlp_http", "query_http", "query_grpc")}
+        self.otlp_host = otlp_host
         # where OTLP/gRPC exporters send (the router's, vLLM's): an http:// endpoint is plaintext
-        self.otlp_endpoint = f"http://127.0.0.1:{self.ports['otlp_grpc']}"
-        self.otlp_http_endpoint = f"http://127.0.0.1:{self.ports['otlp_http']}"
+        self.otlp_endpoint = f"http://{otlp_host}:{self.ports['otlp_grpc']}"
+        self.otlp_http_endpoint = f"http://{otlp_host}:{self.ports['otlp_http']}"
         self.url = f"http://127.0.0.1:{self.ports['query_http']}"
         self._proc: subprocess.Popen | None = None
 
@@ -56,8 +59,8 @@ class LocalJaeger:
                                  "http": {"endpoint": f"127.0.0.1:{p['query_http']}"},
                                  "grpc": {"endpoint": f"127.0.0.1:{p['query_grpc']}"}},
             },
-            "receivers": {"otlp": {"protocols": {"grpc": {"endpoint": f"127.0.0.1:{p['otlp_grpc']}"},
-                                                 "http": {"endpoint": f"127.0.0.1:{p['otlp_http']}"}}}},
+            "receivers": {"otlp": {"protocols": {"grpc": {"endpoint": f"{self.otlp_host}:{p['otlp_grpc']}"},
+                                                 "http": {"endpoint": f"{self.otlp_host}:{p['otlp_http']}"}}}},
             # spans reach the store a fraction of a second after they arrive
             "processors": {"batch": {"timeout": "200ms"}},
             "exporters": {"jaeger_storage_exporter": {"trace_storage": "memstore"}},
