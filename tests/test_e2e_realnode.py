@@ -293,6 +293,11 @@ def test_one_request_is_one_trace_in_jaeger_across_router_prefill_and_decode_pod
     trace = wait_for(whole, 120, f"trace {trace_id} with the router's and both engines' spans")
     by = spans_by_name(trace)
     root = by[t.REQUEST][0]
+    # the trace as the README's walk-through reads it (pytest -s shows it)
+    print(f"\nclient TTFT {ttft * 1000:.1f} ms; trace {trace_id}:")
+    for s in sorted((s for spans in by.values() for s in spans), key=lambda s: s["startTime"]):
+        print(f"  {s['service']:14} {s['operationName']:12} +{(s['startTime'] - root['startTime']) / 1000:8.1f} ms "
+              f"{s['duration'] / 1000:8.1f} ms")
     assert root["service"] == "disagg-router" and root["parent"] == client_span
     for name in (t.ADMISSION, t.TOKENIZE, t.ROUTING, t.PREFILL, t.DECODE):
         assert [s["parent"] for s in by[name]] == [root["spanID"]], name
