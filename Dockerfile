@@ -42,6 +42,8 @@ RUN --mount=type=cache,target=/root/.cache/pip --mount=type=bind,source=pyprojec
     && python3 -c 'import tomllib; print("\n".join(tomllib.load(open("/tmp/pyproject.toml", "rb"))["project"]["dependencies"]))' \
        > /tmp/requirements.txt \
     && /opt/venv/bin/pip install -r /tmp/requirements.txt \
+    && /opt/venv/bin/pip install --no-deps --force-reinstall "$(grep '^opentelemetry-proto==' /tmp/requirements.txt)" \
+    && /opt/venv/bin/python -c 'from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter' \
     && rm /tmp/requirements.txt
 RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
     /opt/venv/bin/pip install --no-cache-dir --no-deps /wheels/disagg-*.whl && /opt/venv/bin/pip check

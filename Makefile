@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # Reinstall the light environment whenever pyproject.toml changes.
 STAMP := $(VENV)/.installed-$(shell sha256sum pyproject.toml | cut -c1-16)
 
-.PHONY: test demo venv bench-deps envoy-build cluster-build node-build node-packages test-packages buildkit prometheus-build netpol-build cluster-up cluster-down crds worker-env e2e e2e-kind go-builds demo-go-builds
+.PHONY: test demo venv bench-deps envoy-build cluster-build node-build node-packages test-packages buildkit prometheus-build jaeger-build netpol-build cluster-up cluster-down crds worker-env e2e e2e-kind go-builds demo-go-builds
 
 # On a cold cache the prerequisites take most of the time, so they are built side by side in three job slots
 # (the inner make of go-builds shares them): the Python environments are mostly downloads, and a Go link or
@@ -21,7 +21,7 @@ demo: node-packages
 	$(BIN)/disagg demo
 
 go-builds:
-	$(MAKE) --no-print-directory cluster-build node-build prometheus-build netpol-build buildkit envoy-build
+	$(MAKE) --no-print-directory cluster-build node-build prometheus-build netpol-build buildkit envoy-build jaeger-build
 
 demo-go-builds:
 	$(MAKE) --no-print-directory cluster-build node-build buildkit
@@ -32,6 +32,8 @@ $(STAMP): pyproject.toml
 	rm -rf $(VENV)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[test]'
+	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps --force-reinstall "$$($(BIN)/python -c \
+	  'import tomllib; print(next(d for d in tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"] if d.startswith("opentelemetry-proto==")))')"
 	touch $@
 
 # The bench-only extra (vllm-router, py-spy) into the same venv, for bench/router_vs_vllm_router.py.
@@ -99,6 +101,11 @@ envoy-build:
 # tests/test_network_policy.py, which proves the operator's NetworkPolicy with traffic.
 netpol-build: test-packages
 	bash e2e/localcluster/build-netpol.sh >/dev/null
+
+# Jaeger (its v2 binary, no UI assets) from its Go module into the cache: the trace store of the tracing tests
+# (e2e/jaeger.py, tests/test_tracing_jaeger.py).
+jaeger-build:
+	bash e2e/localcluster/build-jaeger.sh >/dev/null
 
 # Prometheus with Kubernetes service discovery (Debian's has none), from its Go module into the cache,
 # for the end-to-end suite on the real node.

@@ -76,7 +76,8 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     from disagg.workers.local import serve_local
 
-    return serve_local(port=args.port, model=args.model, once=args.once)
+    return serve_local(port=args.port, model=args.model, once=args.once,
+                       otlp_traces_endpoint=args.otlp_traces_endpoint)
 
 
 def _profile(args: argparse.Namespace) -> int:
@@ -136,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=8080, help="the router's port")
     p.add_argument("--model", help="model directory (default: the generated tiny model)")
     p.add_argument("--once", action="store_true", help="exit after the first answer")
+    p.add_argument("--otlp-traces-endpoint", help="trace every request (router and both vLLM workers) to this "
+                                                  "OTLP/gRPC endpoint, e.g. a local Jaeger's http://127.0.0.1:4317")
     p.set_defaults(func=_serve)
 
     args = parser.parse_args(argv)

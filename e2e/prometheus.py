@@ -41,9 +41,9 @@ class _Client(PrometheusConnect):
     def __init__(self, url: str):
         super().__init__(url=url, disable_ssl=True, timeout=30, retry=Retry(total=0))
 
-    def _data(self, path: str):
+    def _data(self, path: str, params: dict | None = None):
         response = self._session.request(method="GET", url=f"{self.url}/api/v1/{path}", headers=self.headers,
-                                         auth=self.auth, timeout=self._timeout)
+                                         auth=self.auth, timeout=self._timeout, params=params)
         if response.status_code != 200:
             raise PrometheusApiClientException(f"HTTP Status Code {response.status_code} ({response.content!r})")
         return response.json()["data"]
@@ -65,11 +65,13 @@ def kubernetes_prometheus() -> Path:
 class LocalPrometheus:
     def __init__(self, state_dir: Path, targets: list[str], scrape_interval: str = "1s",
                  scrape_configs: list[dict] | None = None, rule_groups: list[dict] | None = None,
-                 kubernetes_sd: bool = False, tls: tuple[Path, Path, Path] | None = None):
+                 kubernetes_sd: bool = False, tls: tuple[Path, Path, Path] | None = None,
+                 exemplars: bool = False):
         """Scrapes `targets` as one job, or the jobs of `scrape_configs` given in full; evaluates
         `rule_groups` (recording and alerting rules) when given. `kubernetes_sd`: the Prometheus built with
         Kubernetes service discovery (build-prometheus.sh) instead of Debian's, which has none. `tls`:
-        (certificate, key, CA file) to serve HTTPS with (its web config file), for clients that verify it."""
+        (certificate, key, CA file) to serve HTTPS with (its web config file), for clients that verify it.
+        `exemplars`: keep the exemplars it scrapes (a feature flag in Prometheus 2; :meth:`exemplars`)."""
         if kubernetes_sd:
             binary = str(kubernetes_prometheus())
         else:
@@ -87,6 +89,7 @@ class LocalPrometheus:
         self.scrape_interval = scrape_interval
         self.scrape_configs = scrape_configs
         self.rule_groups = rule_groups
+        self.features = ["--enable-feature=exemplar-storage"] if exemplars else []
         self._proc: subprocess.Popen | None = None
         self._client: _Client | None = None
 
@@ -129,6 +132,11 @@ class LocalPrometheus:
     def alerts(self) -> list[dict]:
         return self.client.get_alerts()
 
+    def exemplars(self, expr: str, start: float, end: float) -> list[dict]:
+        """The exemplars of the series an expression selects (what Grafana asks for a panel's query with
+        exemplars on): [{seriesLabels, exemplars: [{labels, value, timestamp}]}]."""
+        return self.client._data("query_exemplars", {"query": expr, "start": start, "end": end})
+
     def rules(self) -> list[dict]:
         """Rule groups, each rule with its health and last error."""
         return self.client.get_rules()
@@ -159,7 +167,8 @@ class LocalPrometheus:
         log = (self.dir / "prometheus.log").open("ab")
         self._proc = subprocess.Popen(
             [self.binary, f"--config.file={self._config()}", f"--storage.tsdb.path={self.dir / 'data'}",
-             f"--web.listen-address=127.0.0.1:{self.port}", "--storage.tsdb.retention.time=1h", *self._web_config()],
+             f"--web.listen-address=127.0.0.1:{self.port}", "--storage.tsdb.retention.time=1h", *self._web_config(),
+             *self.features],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

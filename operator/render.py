@@ -44,6 +44,7 @@ from disagg.api.v1alpha1 import (
     PickerSpec,
     RouterAuth,
     Toleration,
+    TracingSpec,
     TopologyMode,
 )
 
@@ -155,6 +156,11 @@ def leader_address(dd: DisaggDeployment, role: str, replica: int) -> str:
     return f"{group_pod_name(dd.metadata.name, role, replica, 0)}.{ranks_service(dd.metadata.name, role)}"
 
 
+def tracing_args(tracing: TracingSpec) -> list[str]:
+    """spec.tracing as the router's and the workers' flags (the same two on both)."""
+    return ["--otlp-traces-endpoint", tracing.otlp_endpoint, "--trace-sampling-ratio", repr(tracing.sampling_ratio)]
+
+
 def worker_args(dd: DisaggDeployment, role: str, rank: tuple[int, int] | None = None) -> list[str]:
     """The worker entrypoint's argument list: settings as flags, then the engine's
     own arguments after `--`, each passed literally (no shell ever sees them).
@@ -192,6 +198,8 @@ def worker_args(dd: DisaggDeployment, role: str, rank: tuple[int, int] | None = 
         args += ["--revision", spec.model.revision]
     if spec.model.tokenizer:
         args += ["--tokenizer", spec.model.tokenizer]
+    if spec.tracing is not None:
+        args += tracing_args(spec.tracing)
     if rank is not None:
         replica, index = rank
         inside += parallelism.rank_flags(parallelism.layout(role_spec), index, leader_address(dd, role, replica))
@@ -522,6 +530,7 @@ def router_deployment(dd: DisaggDeployment, uid: str) -> dict[str, Any]:
                  "--request-timeout-seconds", str(r.request_timeout_seconds),
                  "--max-body-bytes", str(r.max_body_bytes), "--body-timeout-seconds", str(r.body_timeout_seconds),
                  *(["--api-keys-file", ROUTER_API_KEYS_FILE] if r.auth else []),
+                 *(tracing_args(dd.spec.tracing) if dd.spec.tracing is not None else []),
                  "--discovery", "endpointslices", "--namespace", dd.metadata.namespace or "default",
                  "--deployment", dd.metadata.name,
                  "--prefill-service", n[ROLE_PREFILL], "--decode-service", n[ROLE_DECODE],

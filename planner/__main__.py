@@ -70,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stall-seconds", type=float, default=DEFAULT_STALL_SECONDS,
                    help=f"{HEALTH_PATH} on the metrics port answers 503 once the loop has made no progress (a pass "
                         "ended, or a deployment handled) for this long (default: %(default)gs)")
+    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="OTLP/gRPC endpoint (http://collector:4317) to export each decision to as a span, with the "
+                        "PromQL it read and the values (disagg/planner/tracing.py; default: off)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
 
@@ -98,14 +101,20 @@ def main(argv: list[str] | None = None) -> int:
             sources[endpoint.name] = PrometheusSource.for_endpoint(endpoint)
         return sources[endpoint.name]
 
+    tracer = None
+    if args.otlp_traces_endpoint:
+        from .tracing import DecisionTracer
+        tracer = DecisionTracer(args.otlp_traces_endpoint)
     loop = PlannerLoop(api_client, Executor(api_client, metrics), source_for, endpoints, args.namespace,
-                       scrape_interval=args.scrape_interval)
+                       scrape_interval=args.scrape_interval, tracer=tracer)
     if args.metrics_port:
         serve(args.metrics_port, metrics.registry, loop.stalled_for, args.stall_seconds)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     loop.run(stop, args.tick)
+    if tracer is not None:   # the last decisions' spans, before the process ends
+        tracer.shutdown()
     return 0
 
 

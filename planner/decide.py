@@ -96,10 +96,14 @@ class Observation:
     missing: tuple[str, ...] = ()
     error: str | None = None
     error_reason: str = PROMETHEUS_UNREACHABLE
+    # what the source read to make it: (name, PromQL, value; None when empty or NaN), in order; a decision's
+    # trace shows them (planner/tracing.py). Not compared: two observations of the same figures are equal
+    reads: tuple[tuple[str, str, float | None], ...] = field(default=(), compare=False)
 
     @classmethod
-    def unavailable(cls, time: float, error: str, reason: str = PROMETHEUS_UNREACHABLE) -> Observation:
-        return cls(time=time, error=error, error_reason=reason)
+    def unavailable(cls, time: float, error: str, reason: str = PROMETHEUS_UNREACHABLE,
+                    reads: tuple[tuple[str, str, float | None], ...] = ()) -> Observation:
+        return cls(time=time, error=error, error_reason=reason, reads=reads)
 
     def inputs(self) -> dict[str, float]:
         out = {}

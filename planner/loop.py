@@ -27,7 +27,7 @@ import threading
 import traceback
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import yaml
 
@@ -41,6 +41,9 @@ from .decide import Decision, Memory, Observation, RoleModels, Target, decide, r
 from .endpoints import Allowlist, Endpoint
 from .metrics_source import DEFAULT_SCRAPE_INTERVAL, FAST_SCRAPES, MetricsSource, query_window
 from .reasons import PROMETHEUS_NOT_ALLOWED, UNKNOWN_GPU, UNKNOWN_MODEL
+
+if TYPE_CHECKING:   # (off, the planner imports no OpenTelemetry)
+    from .tracing import DecisionTracer
 
 log = logging.getLogger("disagg.planner")
 
@@ -155,9 +158,11 @@ class PlannerLoop:
                  endpoints: Allowlist | None = None, namespace: str | list[str] | None = None,
                  clock: Callable[[], float] = time.time, scrape_interval: float = DEFAULT_SCRAPE_INTERVAL,
                  metrics: PlannerMetrics | None = None,
-                 request_timeout: float | tuple[float, float] = KUBE_REQUEST_TIMEOUT):
+                 request_timeout: float | tuple[float, float] = KUBE_REQUEST_TIMEOUT,
+                 tracer: DecisionTracer | None = None):
         """``metrics``: the planner's own (default: the executor's); ``request_timeout``: of every Kubernetes
-        call the loop makes (the executor has its own, the same by default)."""
+        call the loop makes (the executor has its own, the same by default); ``tracer``: records every
+        decision as a span (None: tracing off)."""
         from kubernetes import client
 
         self.custom = client.CustomObjectsApi(api_client)
@@ -172,6 +177,7 @@ class PlannerLoop:
         self.state: dict[str, _State] = {}
         self.metrics = metrics if metrics is not None else executor.metrics
         self.request_timeout = request_timeout
+        self.tracer = tracer
         self._heartbeat = time.monotonic()   # a new loop gets its first pass's worth of grace
 
     # -- liveness and failures
@@ -267,6 +273,7 @@ class PlannerLoop:
     def plan_one(self, obj: dict[str, Any], now: float | None = None) -> Decision:
         """Observe, decide and apply for one deployment, now (the interval is the caller's business)."""
         now = self.clock() if now is None else now
+        started = time.time_ns()
         meta = obj["metadata"]
         spec = DisaggDeploymentSpec.model_validate(obj["spec"])
         ready, rolling = readiness(obj)
@@ -288,6 +295,10 @@ class PlannerLoop:
                 decision = replace(decision, message=f"{decision.message}; also {problem.message}")
         state.last = now
         self.executor.apply(obj, decision, target, slo.judge(obs, spec.slo, window))
+        if self.tracer is not None:
+            endpoint = self.endpoints.resolve(spec.planner.prometheus)
+            self.tracer.record(meta, obs, decision, target, started, window_seconds=window,
+                               prometheus=None if isinstance(endpoint, str) else endpoint.name)
         return decision
 
     def react_one(self, obj: dict[str, Any], now: float | None = None) -> Decision | None:
@@ -295,6 +306,7 @@ class PlannerLoop:
         faster than its replicas drain it (applied at once), else nothing. Only after a first decision
         (it sizes from that decision's memory) and only from a source that reads queues."""
         now = self.clock() if now is None else now
+        started = time.time_ns()
         meta = obj["metadata"]
         state = self.state.get(meta["uid"])
         if state is None or state.last is None:
@@ -318,6 +330,9 @@ class PlannerLoop:
         if decision is not None:  # (an unreadable Prometheus is left to the next decision to report)
             log.info('{"deployment": "%s/%s", "fast_path": "%s"}', meta["namespace"], meta["name"], decision.message)
             self.executor.apply(obj, decision, target)
+            if self.tracer is not None:
+                self.tracer.record(meta, obs, decision, target, started, fast=True, prometheus=endpoint.name,
+                                   window_seconds=FAST_SCRAPES * self.scrape_interval)
         return decision
 
     def report_one(self, obj: dict[str, Any], now: float | None = None) -> slo.Verdict:

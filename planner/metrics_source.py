@@ -273,6 +273,7 @@ class PrometheusSource:
     def observe(self, namespace: str, name: str, percentile: float, window_seconds: float) -> Observation:
         now = time.time()
         values: dict[str, float | None] = {}
+        reads: list[tuple[str, str, float | None]] = []
         try:
             for key, promql in queries(namespace, name, percentile, window_seconds, self.labels).items():
                 try:
@@ -280,7 +281,9 @@ class PrometheusSource:
                 except QueryRefused as e:
                     # the query is the planner's own text; Prometheus' message is not repeated
                     return Observation.unavailable(
-                        now, f"{self.what} refused the {key} query ({e}); query: {promql[:300]}", QUERY_ERROR)
+                        now, f"{self.what} refused the {key} query ({e}); query: {promql[:300]}", QUERY_ERROR,
+                        tuple(reads))
+                reads.append((key, promql, values[key]))
         except NotPrometheus as e:
             return Observation.unavailable(now, f"{self.what} unreachable: not Prometheus' API answering ({e})",
                                            PROMETHEUS_UNREACHABLE)
@@ -289,7 +292,7 @@ class PrometheusSource:
                                            PROMETHEUS_UNREACHABLE)
         rate = values["request_rate"]
         if rate is None:
-            return Observation(time=now, missing=(m.ROUTER_REQUESTS,))
+            return Observation(time=now, missing=(m.ROUTER_REQUESTS,), reads=tuple(reads))
         ttft, itl = values["ttft"], values["itl"]
         if not values["ttft_streams"]:  # no streamed first token in the window: the engines' TTFT
             engine = [values[k] for k in ("engine_ttft_prefill", "engine_ttft_decode") if values[k] is not None]
@@ -316,18 +319,20 @@ class PrometheusSource:
             decode_kv_usage=values["decode_kv_usage"], prefill_ready=values["prefill_ready"],
             decode_ready=values["decode_ready"], prefill_saturated_tokens=values["prefill_saturated_tokens"],
             decode_saturated_tokens=values["decode_saturated_tokens"],
-            decode_saturated_batch=values["decode_saturated_batch"], missing=missing)
+            decode_saturated_batch=values["decode_saturated_batch"], missing=missing, reads=tuple(reads))
 
     def observe_queues(self, namespace: str, name: str, window_seconds: float) -> Observation:
         """The fast path's snapshot: waiting queues, their growth and the ready replicas (no traffic figures)."""
         now = time.time()
         values: dict[str, float | None] = {}
+        reads: list[tuple[str, str, float | None]] = []
         try:
             for key, promql in queue_queries(namespace, name, window_seconds, self.labels).items():
                 values[key] = self._scalar(promql)
+                reads.append((key, promql, values[key]))
         except QueryRefused as e:
             return Observation.unavailable(now, f"{self.what} refused a queue query ({e})", QUERY_ERROR)
         except Exception as e:  # (the next full decision reports an outage in status; this one only holds)
             return Observation.unavailable(now, f"{self.what} unreachable ({type(e).__name__})",
                                            PROMETHEUS_UNREACHABLE)
-        return Observation(time=now, **values)
+        return Observation(time=now, **values, reads=tuple(reads))

@@ -63,6 +63,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-events-topic", help="ZMQ topic of the workers' KV events")
     p.add_argument("--api-keys-file", help="API keys clients must send as 'Authorization: Bearer', one a line "
                                            "(spec.router.auth); re-read when it changes")
+    p.add_argument("--otlp-traces-endpoint",
+                   help="trace each request (OpenTelemetry, router/tracing.py) and export the spans over OTLP/gRPC "
+                        "to this endpoint, e.g. http://127.0.0.1:4317 (spec.tracing.otlpEndpoint); off if unset")
+    p.add_argument("--trace-sampling-ratio", type=float,
+                   help="share of requests traced, 0..1 (spec.tracing.samplingRatio; default 1)")
     p.add_argument("--worker-ca-file", help="PEM certificate authorities for https:// workers (in place of the "
                                             "system's trust store)")
     p.add_argument("--discovery", choices=["static", "endpointslices"], default="static")
@@ -110,6 +115,13 @@ def config_from(args: argparse.Namespace) -> RouterConfig:
         data["model"] = args.model
     if args.tokenizer:
         data["tokenizer"] = local_model_path(args.tokenizer)
+    if args.otlp_traces_endpoint or args.trace_sampling_ratio is not None:
+        tracing = dict(data.get("tracing") or {})
+        if args.otlp_traces_endpoint:
+            tracing["otlpEndpoint"] = args.otlp_traces_endpoint
+        if args.trace_sampling_ratio is not None:
+            tracing["samplingRatio"] = args.trace_sampling_ratio
+        data["tracing"] = tracing
     for flag in ("port", "metrics_port", "block_size", "max_model_len", "kv_events_topic", "api_keys_file",
                  "worker_ca_file"):
         if getattr(args, flag) is not None:

@@ -8,6 +8,7 @@ import time
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.exposition import choose_encoder
 
 from disagg.api import metrics as m
 from disagg.api.contract import ROUTER_LIVE_PATH, ROUTER_READY_PATH
@@ -19,6 +20,8 @@ from .metrics import RouterMetrics
 from .body import parse_body
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .service import Router
+from .tracing import A_ENDPOINT, A_OUTCOME, A_PATH, A_STATUS, ADMISSION, REQUEST
+from .tracing import failed as mark_failed
 
 log = logging.getLogger("disagg.router")
 ROUTER_KEY = web.AppKey("router", Router)
@@ -152,27 +155,73 @@ async def _serve(request: web.Request, endpoint: str, model) -> web.StreamRespon
     router = request.app[ROUTER_KEY]
     # the client's clock starts here: its TTFT includes the router's own queue
     arrival = time.monotonic()
+    if router.tracing is not None:
+        return await _traced(request, endpoint, model, router, arrival)
     # admitted before the body is even read: under overload a 429 is the cheapest answer
     await router.admission.enter()
     try:
-        req, body = await _parse(request, model)
-        result, route = await router.handle(endpoint, req, body, arrival)
-        if isinstance(result, dict):
-            return web.json_response(result, headers=route.headers())
-        resp = _EventStream(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                     **route.headers()})
-        try:
-            await resp.prepare(request)
-            await result.send(_ClientSink(request, resp))
-        except ConnectionError:
-            # the client went away mid-stream (the relay counted it): nobody to answer, and no bug
-            return resp
-        finally:
-            result.close()               # a stream never sent gives its worker connection back
-        await resp.write_eof()
-        return resp
+        return await _answer(request, endpoint, model, router, arrival, None)
     finally:
         router.admission.leave()
+
+
+async def _traced(request: web.Request, endpoint: str, model, router: Router, arrival: float) -> web.StreamResponse:
+    """:func:`_serve` with the request's trace (tracing.py): its root span from arrival to the last byte,
+    the admission wait its first child; an error answered here carries the trace id too."""
+    trace = router.tracing.start(REQUEST, request.headers, arrival, {A_ENDPOINT: endpoint})
+    try:
+        queued = trace.span(ADMISSION, start=arrival)
+        try:
+            await router.admission.enter()
+        except BaseException as e:
+            mark_failed(queued, e)
+            raise
+        finally:
+            queued.end()
+        try:
+            resp = await _answer(request, endpoint, model, router, arrival, trace)
+        finally:
+            router.admission.leave()
+        if trace.recording:
+            trace.root.set_attribute(A_STATUS, resp.status)
+        return resp
+    except errors.RouterError as e:
+        mark_failed(trace.root, e)
+        if trace.recording:
+            trace.root.set_attribute(A_STATUS, e.status)
+        resp = _error(e)
+        resp.headers.update(trace.response_headers())
+        return resp
+    except BaseException as e:
+        mark_failed(trace.root, e)
+        raise
+    finally:
+        trace.finish()
+
+
+async def _answer(request: web.Request, endpoint: str, model, router: Router, arrival: float,
+                  trace) -> web.StreamResponse:
+    """An admitted request's answer: its body read, the router's JSON or stream to the client."""
+    req, body = await _parse(request, model)
+    result, route = await router.handle(endpoint, req, body, arrival, trace)
+    if trace is not None and trace.recording:
+        trace.root.set_attribute(A_PATH, route.path)
+        if isinstance(result, dict):     # a stream's outcome is its relay's to set
+            trace.root.set_attribute(A_OUTCOME, m.OUTCOME_SUCCESS)
+    if isinstance(result, dict):
+        return web.json_response(result, headers=route.headers())
+    resp = _EventStream(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                 **route.headers()})
+    try:
+        await resp.prepare(request)
+        await result.send(_ClientSink(request, resp))
+    except ConnectionError:
+        # the client went away mid-stream (the relay counted it): nobody to answer, and no bug
+        return resp
+    finally:
+        result.close()               # a stream never sent gives its worker connection back
+    await resp.write_eof()
+    return resp
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -191,6 +240,11 @@ async def models(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     router = request.app[ROUTER_KEY]
+    if router.tracing is not None:
+        # OpenMetrics to a scraper that asks for it (Prometheus does): the TTFT histogram's exemplars carry
+        # trace ids, which Prometheus' text format cannot
+        encode, content_type = choose_encoder(request.headers.get("Accept"))
+        return web.Response(body=encode(router.metrics.registry), headers={"Content-Type": content_type})
     return web.Response(body=generate_latest(router.metrics.registry),
                         headers={"Content-Type": CONTENT_TYPE_LATEST})
 

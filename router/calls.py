@@ -63,9 +63,11 @@ class Calls:
         if self.streams is not None:
             self.streams.forget(w.target)
 
-    async def post(self, w: Worker, endpoint: str, body: dict, timeout: float | None) -> dict:
+    async def post(self, w: Worker, endpoint: str, body: dict, timeout: float | None,
+                   headers: dict[str, str] | None = None) -> dict:
+        """``headers``: more request headers (a traced request's traceparent)."""
         try:
-            async with self.session.post(f"{w.url}{endpoint}", json=body, timeout=aiohttp.ClientTimeout(
+            async with self.session.post(f"{w.url}{endpoint}", json=body, headers=headers, timeout=aiohttp.ClientTimeout(
                     total=timeout, sock_connect=self.config.spec.connect_timeout_seconds)) as r:
                 if 400 <= r.status < 500:
                     raise await _rejected(r)
@@ -99,12 +101,14 @@ class Calls:
             raise WorkerError(f"the worker {w.name} answered with JSON that is not an object")
         return data
 
-    async def open_stream(self, w: Worker, endpoint: str, body: dict) -> upstream.Connection:
+    async def open_stream(self, w: Worker, endpoint: str, body: dict,
+                          headers: dict[str, str] | None = None) -> upstream.Connection:
         """The worker's streamed response, its head read; the first-token timeout runs from here until
-        :func:`~.relay.first_token` has a token."""
+        :func:`~.relay.first_token` has a token. ``headers``: more request headers (a traceparent)."""
         spec = self.config.spec
         try:
-            r = await self.streams.post(w.target, endpoint, upstream.dumps(body), spec.first_token_timeout_seconds)
+            r = await self.streams.post(w.target, endpoint, upstream.dumps(body), spec.first_token_timeout_seconds,
+                                        headers)
         except upstream.UpstreamError as e:
             if isinstance(e, upstream.ConnectTimeout):
                 self.metrics.timeouts.labels(m.TIMEOUT_CONNECT).inc()

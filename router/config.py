@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from disagg.api.contract import KV_EVENTS_TOPIC
-from disagg.api.v1alpha1 import RouterSpec
+from disagg.api.v1alpha1 import RouterSpec, TracingSpec
 
 # What the router reads from a worker into memory, at most. A worker is trusted to serve, not to be
 # small: a buggy or compromised one answering without end would otherwise take the router (and every
@@ -44,6 +44,9 @@ class RouterConfig(BaseModel):
     model: str = Field(min_length=1, description="Served model name (the `model` clients send).")
     tokenizer: str = Field(min_length=1, description="Directory of the model's tokenizer and chat template.")
     spec: RouterSpec = Field(default_factory=RouterSpec)
+    tracing: TracingSpec | None = Field(None, description="OpenTelemetry traces of each request, exported over "
+                                                          "OTLP/gRPC (the deployment's spec.tracing); off when "
+                                                          "unset (router/tracing.py).")
     prefill: list[WorkerEndpoint] = Field(default_factory=list)
     decode: list[WorkerEndpoint] = Field(default_factory=list)
     # Both from the same source as the workers' (see disagg.api.contract), never a default of the router's own.

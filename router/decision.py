@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from disagg.api import metrics as m
 from disagg.api.names import ROLE_DECODE, ROLE_PREFILL
@@ -54,6 +55,9 @@ class Route:
     fallback: str | None = None
     revision: str | None = None     # the workers' KV revision (prefill and decode share it: pairing.py)
     local_reason: str | None = None  # why the decode prefilled, on a local_prefill route (Plan.reason)
+    # the request's trace (tracing.Trace) when tracing is on: every part handling the request opens its
+    # spans under it; None (tracing off): no tracer work anywhere
+    trace: Any = field(default=None, repr=False, compare=False)
 
     def headers(self) -> dict[str, str]:
         h = {"x-disagg-path": self.path, "x-disagg-decode": self.decode}
@@ -65,6 +69,8 @@ class Route:
             h["x-disagg-local-reason"] = self.local_reason
         if self.revision:
             h["x-disagg-revision"] = self.revision
+        if self.trace is not None:
+            h.update(self.trace.response_headers())
         return h
 
 
@@ -96,8 +102,10 @@ class Decider:
         self._predicted_blocks = 0
 
     def pick(self, role: str, keys: list[int], exclude: set[str] = frozenset(),
-             workers: list[Worker] | None = None) -> tuple[Worker, int]:
-        """A worker of ``role`` (of ``workers`` when given, else any healthy one not in ``exclude``)."""
+             workers: list[Worker] | None = None, notes: dict | None = None) -> tuple[Worker, int]:
+        """A worker of ``role`` (of ``workers`` when given, else any healthy one not in ``exclude``).
+        ``notes`` (a traced request's): gets ``notes[role] = (candidates as (name, active), overlap per
+        worker in blocks, the policy's Decision)``."""
         if workers is None:
             workers = self.pool.healthy(role, exclude)
         if not workers:
@@ -108,6 +116,8 @@ class Decider:
             overlap = self._with_predictions(role, keys, self.index[role].match(keys))
         d = self.policy.choose([policies.Candidate(w.name, w.active) for w in workers],
                                policies.Request(blocks=len(keys), overlap=overlap))
+        if notes is not None:
+            notes[role] = ([(w.name, w.active) for w in workers], overlap, d)
         if self.kv_aware and keys and self.prediction_ttl_s > 0:
             self._predict(role, d.worker, keys)
         self._routing_seconds[role].observe(time.perf_counter() - t0)
@@ -146,13 +156,14 @@ class Decider:
         self._predicted_blocks += len(keys)
 
     def plan(self, token_ids: list[int], exclude: set[str] = frozenset(),
-             revision: str | None | pairing.Unset = pairing.UNSET) -> Plan:
+             revision: str | None | pairing.Unset = pairing.UNSET, notes: dict | None = None) -> Plan:
+        """``notes``: see :meth:`pick` (both roles' when both are picked)."""
         keys = block_keys(token_ids, self.config.block_size)
         bs = self.config.block_size
         # prefill and decode of one KV revision only: the newest complete one for a new request, the
         # request's own for one under way (pairing.py)
         pair = pairing.choose(self.pool, exclude, revision)
-        decode, decode_overlap = self.pick(ROLE_DECODE, keys, exclude, pair.decodes)
+        decode, decode_overlap = self.pick(ROLE_DECODE, keys, exclude, pair.decodes, notes)
         mode = self.config.spec.disaggregation
         prefills = pair.prefills
         remote = bool(prefills) and mode != Disaggregation.NEVER
@@ -167,7 +178,7 @@ class Decider:
                 remote, reason = False, m.LOCAL_SATURATED
         if not remote:
             return Plan(decode, None, len(token_ids), min(decode_overlap * bs, len(token_ids)), reason)
-        prefill, overlap = self.pick(ROLE_PREFILL, keys, workers=prefills)
+        prefill, overlap = self.pick(ROLE_PREFILL, keys, workers=prefills, notes=notes)
         return Plan(decode, prefill, len(token_ids), min(overlap * bs, len(token_ids)))
 
     def another_decode(self, failed: Worker, ids: list[int], tried: list[str]) -> Worker | None:

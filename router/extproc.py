@@ -46,8 +46,12 @@ STREAMED = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 PREFILL_MARGIN_S = 5
 
 
-def _header(key: str, value: str | bytes) -> base_pb2.HeaderValueOption:
+def _header(key: str, value: str | bytes, replace: bool = False) -> base_pb2.HeaderValueOption:
+    """``replace``: the value replaces one the request came with (else Envoy's default: added beside it)."""
     raw = value if isinstance(value, bytes) else value.encode()
+    if replace:
+        return base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=key, raw_value=raw),
+                                          append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
     return base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=key, raw_value=raw))
 
 
@@ -95,7 +99,7 @@ class _Stream:
         try:
             self.picker.authorize(h.get("authorization"))
             pick = self.pick = await self.picker.pick(h.get(":method", "GET"), h.get(":path", "/"), body,
-                                                      self.subset)
+                                                      self.subset, h)
             if pick.plan is not None and pick.plan.prefill is not None:
                 yield pb.ProcessingResponse(override_message_timeout=duration_pb2.Duration(
                     seconds=int(self.picker.router.config.spec.prefill_timeout_seconds + PREFILL_MARGIN_S)))
@@ -104,6 +108,8 @@ class _Stream:
             yield _immediate(e)
             return
         mutation = [_header(DESTINATION, pick.destination)]
+        if pick.trace is not None:       # the decode's llm_request joins the request's trace
+            mutation += [_header(k, v, replace=True) for k, v in pick.request_headers().items()]
         if pick.body is not None:
             mutation.append(_header("content-length", str(len(pick.body))))
         common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=mutation), clear_route_cache=True)

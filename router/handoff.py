@@ -20,6 +20,8 @@ from .decision import Decider, Plan, Route
 from .errors import UpstreamFailed, UpstreamTimeout
 from .fleet import Fleet, PrefillLost
 from .pool import Worker
+from .tracing import A_KV, A_REASON, A_WORKER, DECODE, PREFILL
+from .tracing import failed as mark_failed
 
 log = logging.getLogger("disagg.router")
 REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
@@ -49,9 +51,15 @@ class Handoff:
         pbody = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "max_completion_tokens")}
         pbody.update(max_tokens=1, stream=False, kv_transfer_params=REMOTE_DECODE)
         w = plan.prefill
+        trace, span, headers = route.trace, None, None
+        if trace is not None:
+            # the prefill's own llm_request span (vLLM) joins the trace under this one
+            span = trace.span(PREFILL, {A_WORKER: w.name})
+            headers = trace.headers(span)
         account(w, +1)
         try:
-            data = await self.calls.post(w, endpoint, pbody, timeout=self.config.spec.prefill_timeout_seconds)
+            data = await self.calls.post(w, endpoint, pbody, timeout=self.config.spec.prefill_timeout_seconds,
+                                         headers=headers)
             params = data.get("kv_transfer_params")
             if not params:
                 raise WorkerError(f"prefill worker {w.name} returned no kv_transfer_params")
@@ -60,42 +68,74 @@ class Handoff:
         except TimeoutError:
             reason = m.FALLBACK_PREFILL_TIMEOUT
             log.warning("prefill on %s timed out; decode prefills locally", w.name)
+            if span is not None:
+                mark_failed(span, reason)
         except WorkerError as e:
             reason = m.FALLBACK_PREFILL_ERROR
             log.warning("prefill on %s failed (%s); decode prefills locally", w.name, e)
+            if span is not None:
+                mark_failed(span, e)
+                span.set_attribute(A_REASON, reason)
+        except BaseException as e:       # a worker's 4xx (the client's), or cancelled
+            if span is not None:
+                mark_failed(span, e)
+            raise
         finally:
             account(w, -1)
+            if span is not None:
+                span.end()
         self.metrics.fallbacks.labels(reason).inc()
         route.path, route.fallback = m.PATH_FALLBACK, reason
+        if trace is not None:
+            trace.fallback(reason, w.name)
         return None
 
     async def unary(self, endpoint, plan, body, route: Route, arrival, ids) -> dict:
         """A non-streaming decode's answer, accounted for."""
         tried: list[str] = []
         w = plan.decode
+        trace, span, headers = route.trace, None, None
         while True:
             cur = w
+            if trace is not None:
+                # the decode's llm_request span (vLLM) joins under this one; no first-token span: the first
+                # token comes and goes inside the answer
+                span = trace.span(DECODE, {A_WORKER: cur.name, A_KV: "kv_transfer_params" in body})
+                headers = trace.headers(span)
             account(cur, +1)
             try:
                 data = await self.fleet.unless_prefill_lost(
-                    self.calls.post(cur, endpoint, body, timeout=self.config.spec.request_timeout_seconds),
+                    self.calls.post(cur, endpoint, body, timeout=self.config.spec.request_timeout_seconds,
+                                    headers=headers),
                     plan.prefill if "kv_transfer_params" in body else None)
                 break
             except TimeoutError:
                 # the worker is slow, not gone: another one would be as slow, and the client has waited enough
+                if span is not None:
+                    mark_failed(span, m.TIMEOUT_REQUEST)
                 self.metrics.timeouts.labels(m.TIMEOUT_REQUEST).inc()
                 self.metrics.requests.labels(m.OUTCOME_TIMEOUT, route.path).inc()
                 raise UpstreamTimeout(f"the decode worker {cur.name} did not answer within the request "
                                       f"timeout ({self.config.spec.request_timeout_seconds:g} s)") from None
             except TooLarge as e:
                 # the answer exists, and another worker would write the same: no retry
+                if span is not None:
+                    mark_failed(span, e)
                 self.metrics.requests.labels(m.OUTCOME_UPSTREAM_ERROR, route.path).inc()
                 raise UpstreamFailed(str(e)) from None
             except WorkerError as e:
+                if span is not None:
+                    mark_failed(span, e)
                 w = self.next_decode(cur, e, ids, tried, route)
                 body = self.without_remote_kv(body, route, fallback_reason(e))
+            except BaseException as e:       # a worker's 4xx (the client's), or cancelled
+                if span is not None:
+                    mark_failed(span, e)
+                raise
             finally:
                 account(cur, -1)
+                if span is not None:
+                    span.end()
         data.pop("kv_transfer_params", None)
         path = route.path
         # no TTFT here: the first token came and went inside the upstream's answer, and the whole duration
@@ -120,6 +160,8 @@ class Handoff:
             self.metrics.requests.labels(m.OUTCOME_UPSTREAM_ERROR, route.path).inc()
             raise UpstreamFailed(f"the decode worker failed: {err}")
         self.metrics.fallbacks.labels(m.FALLBACK_DECODE_RETRY).inc()
+        if route.trace is not None:
+            route.trace.fallback(m.FALLBACK_DECODE_RETRY, failed.name)
         route.decode, route.revision = nxt.name, nxt.revision
         return nxt
 
@@ -131,4 +173,6 @@ class Handoff:
             return body
         self.metrics.fallbacks.labels(reason).inc()
         route.path, route.fallback = m.PATH_FALLBACK, reason
+        if route.trace is not None:
+            route.trace.fallback(reason, route.prefill)
         return {k: v for k, v in body.items() if k != "kv_transfer_params"}

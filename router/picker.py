@@ -34,6 +34,8 @@ from .body import parse_body
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .decision import Plan
 from .service import Route, Router
+from .tracing import A_ENDPOINT, A_STATUS, A_WORKER, ADMISSION, DECODE, PICK, Trace
+from .tracing import failed as mark_failed
 
 # the OpenAI endpoints the picker plans; anything else (GET /v1/models, /health) goes to any ready decode
 ENDPOINTS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
@@ -52,9 +54,20 @@ class Pick:
     admitted: bool = False
     arrival: float = field(default_factory=time.monotonic)
     status: int | None = None         # the decode's HTTP status, once its response headers passed
+    trace: Trace | None = None        # tracing on: the request's (its root ends in Picker.done)
+    decode_span: object = None        # tracing on: the gateway's decode, from the answer to the end
 
     def response_headers(self) -> dict[str, str]:
         return self.route.headers() if self.route is not None else {}
+
+    def request_headers(self) -> dict[str, str]:
+        """Headers the gateway adds to the decode's request: the traceparent (tracing on), so that the
+        decode's own llm_request span joins the request's trace."""
+        if self.trace is None:
+            return {}
+        if self.decode_span is None and self.decode is not None:
+            self.decode_span = self.trace.span(DECODE, {A_WORKER: self.decode.name})
+        return self.trace.headers(self.decode_span)
 
 
 def destination(w: Worker) -> str:
@@ -83,11 +96,13 @@ class Picker:
             raise errors.Unauthorized("No API key: send one as 'Authorization: Bearer <key>'."
                                       if reason == m.AUTH_MISSING else "The API key is not valid.")
 
-    async def pick(self, method: str, path: str, raw: bytes | None, subset: set[str] | None = None) -> Pick:
+    async def pick(self, method: str, path: str, raw: bytes | None, subset: set[str] | None = None,
+                   headers: dict[str, str] | None = None) -> Pick:
         """The destination of one request, or a :mod:`.errors` type the gateway answers in its place; a
         planned prefill is :meth:`handoff`'s, next (the caller first tells the gateway to wait for it).
         ``subset``: the gateway's candidate endpoints (ip:port) when it sends one (the protocol's
-        ``x-gateway-destination-endpoint-subset``); none of them ready is a 503."""
+        ``x-gateway-destination-endpoint-subset``); none of them ready is a 503. ``headers``: the
+        request's (tracing on: a traceparent there is the parent of its trace)."""
         model = ENDPOINTS.get(path.split("?", 1)[0]) if method == "POST" else None
         if model is None:
             t0 = time.perf_counter()
@@ -95,11 +110,41 @@ class Picker:
             self._other.observe(time.perf_counter() - t0)
             return Pick(destination(w))
         pick = Pick("")
+        tracing = self.router.tracing
+        if tracing is not None:
+            return await self._traced(pick, tracing, path, model, raw, subset, headers)
         await self.router.admission.enter()
         pick.admitted = True
         try:
             return await self._plan(pick, path, model, raw or b"", subset)
         except BaseException:
+            self.done(pick)
+            raise
+
+    async def _traced(self, pick: Pick, tracing, path: str, model, raw: bytes | None, subset: set[str] | None,
+                      headers: dict[str, str] | None) -> Pick:
+        """:meth:`pick` with the request's trace: its root (ended in :meth:`done`), the admission wait, the
+        tokenizing and the decision under it."""
+        trace = pick.trace = tracing.start(PICK, headers, pick.arrival, {A_ENDPOINT: path})
+        try:
+            queued = trace.span(ADMISSION, start=pick.arrival)
+            try:
+                await self.router.admission.enter()
+            except BaseException as e:
+                mark_failed(queued, e)
+                raise
+            finally:
+                queued.end()
+        except BaseException as e:
+            mark_failed(trace.root, e)
+            pick.trace = None
+            trace.finish()
+            raise
+        pick.admitted = True
+        try:
+            return await self._plan(pick, path, model, raw or b"", subset)
+        except BaseException as e:
+            mark_failed(trace.root, e)
             self.done(pick)
             raise
 
@@ -110,11 +155,12 @@ class Picker:
             raise errors.PayloadTooLarge(f"The request body is larger than the router accepts "
                                          f"({router.config.spec.max_body_bytes} bytes).")
         req, body = parse_body(raw, model)
-        ids = await router.prompt_ids(req)
-        plan = await router.plan_or_probe(ids, self._outside(subset))
+        ids = await router.prompt_ids(req, pick.trace)
+        plan = await router.plan_or_probe(ids, self._outside(subset), pick.trace)
         self._decision.observe(time.perf_counter() - t0)   # the decision alone; a prefill's wait is its own
         route = Route(m.PATH_LOCAL_PREFILL, plan.decode.name, plan.prefill.name if plan.prefill else None,
-                      revision=plan.decode.revision, local_reason=plan.reason if plan.prefill is None else None)
+                      revision=plan.decode.revision, local_reason=plan.reason if plan.prefill is None else None,
+                      trace=pick.trace)
         pick.route, pick.decode, pick.destination = route, plan.decode, destination(plan.decode)
         pick.plan, pick.endpoint, pick.request = plan, endpoint, body
         account(plan.decode, +1)
@@ -155,6 +201,25 @@ class Picker:
             else:
                 outcome = m.OUTCOME_UPSTREAM_ERROR
             self.router.accounting.labelled(self.metrics.requests, outcome, path).inc()
+            if pick.trace is not None:
+                self._finish(pick, outcome, path)
+
+    @staticmethod
+    def _finish(pick: Pick, outcome: str, path: str) -> None:
+        trace, pick.trace = pick.trace, None
+        span, pick.decode_span = pick.decode_span, None
+        if trace.recording:
+            if pick.status is not None:
+                trace.root.set_attribute(A_STATUS, pick.status)
+            if span is not None:
+                span.set_attribute(A_STATUS, pick.status or 0)
+                if outcome != m.OUTCOME_SUCCESS:
+                    mark_failed(span, outcome)
+        if span is not None:
+            span.end()
+        if outcome not in (m.OUTCOME_SUCCESS, m.OUTCOME_UPSTREAM_REJECTED):
+            mark_failed(trace.root, outcome)
+        trace.finish(outcome, path)
 
     def _outside(self, subset: set[str] | None) -> set[str]:
         """The decodes the gateway ruled out (by name), given its subset of endpoints."""

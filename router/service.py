@@ -30,6 +30,7 @@ from .index import PrefixIndex
 from .pool import Pool
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .streaming import Stream, Streaming
+from .tracing import ROUTING, TOKENIZE, Trace, Tracing, failed, routing_attributes
 
 __all__ = ["REMOTE_DECODE", "Plan", "Route", "Router", "Stream", "raw_text"]
 TOKENIZE_INLINE_CHARS = 16384
@@ -56,6 +57,8 @@ class Router:
                                    self.accounting)
         self.watchdog = self.streaming.watchdog
         self._watchdog_task: asyncio.Task | None = None
+        # None unless config.tracing: then each request's trace rides on its Route (tracing.py)
+        self.tracing: Tracing | None = Tracing.from_config(config)
 
     @property
     def max_model_len(self) -> int | None:
@@ -76,11 +79,61 @@ class Router:
             self._watchdog_task.cancel()
         await self.fleet.close()
         await self.calls.close()
+        if self.tracing is not None:
+            await asyncio.to_thread(self.tracing.shutdown)     # the last spans exported
 
     # ---------------------------------------------------------------- routing
     def plan(self, token_ids: list[int], exclude: set[str] = frozenset(),
-             revision: str | None | pairing.Unset = pairing.UNSET) -> Plan:
-        return self.decider.plan(token_ids, exclude, revision)
+             revision: str | None | pairing.Unset = pairing.UNSET, notes: dict | None = None) -> Plan:
+        return self.decider.plan(token_ids, exclude, revision, notes)
+
+    async def tokenize(self, req: CompletionRequest | ChatCompletionRequest, trace: Trace | None = None,
+                       big: bool | None = None) -> list[int]:
+        """The prompt's ids where routing uses them (validated), else [] (the model checked). A client's
+        mistake is counted here. ``big``: whether it tokenizes off the event loop (default: by its length)."""
+        span = trace.span(TOKENIZE) if trace is not None else None
+        try:
+            if self.needs_ids:
+                # long prompts tokenize off the event loop, so they do not stall every other stream
+                if big is None:
+                    big = len(raw_text(req)) > TOKENIZE_INLINE_CHARS
+                return await asyncio.to_thread(self.validate, req) if big else self.validate(req)
+            self._check_model(req)
+            return []
+        except RouterError as e:
+            self.metrics.requests.labels(m.OUTCOME_CLIENT_ERROR, "none").inc()
+            if span is not None:
+                failed(span, e)
+            raise
+        finally:
+            if span is not None:
+                span.end()
+
+    async def route(self, ids: list[int], exclude: set[str] = frozenset(), trace: Trace | None = None) -> Plan:
+        """The plan for a new request; when no worker looked healthy at the last check, the unhealthy
+        ones are asked again, once, before NoWorkers (a 503)."""
+        span = notes = None
+        if trace is not None:
+            span, notes = trace.span(ROUTING), {}
+        try:
+            try:
+                plan = self.plan(ids, exclude, notes=notes)
+            except NoWorkers:
+                # none looked healthy at the last check: ask the unhealthy ones again, once, before a 503
+                await asyncio.gather(*(self.fleet.probe(w, 1) for w in self.pool.all() if not w.healthy))
+                try:
+                    plan = self.plan(ids, exclude, notes=notes)
+                except NoWorkers as e:
+                    self.metrics.requests.labels(m.OUTCOME_NO_WORKERS, "none").inc()
+                    if span is not None:
+                        failed(span, e)
+                    raise
+            if span is not None and span.is_recording():
+                span.set_attributes(routing_attributes(plan, notes, self.config.spec.policy))
+            return plan
+        finally:
+            if span is not None:
+                span.end()
 
     # ---------------------------------------------------------------- requests
     def _check_model(self, req: CompletionRequest | ChatCompletionRequest) -> None:
@@ -102,10 +155,12 @@ class Router:
                              f"this model's context of {limit} tokens.", param="max_tokens")
         return ids
 
-    async def prompt_ids(self, req: CompletionRequest | ChatCompletionRequest) -> list[int]:
+    async def prompt_ids(self, req: CompletionRequest | ChatCompletionRequest,
+                         trace: Trace | None = None) -> list[int]:
         """The request checked (model, context) and its prompt's token ids where routing uses them (else
         []: no prefix keys, no prompt tokens counted); a refusal is counted as the client's error. Proxy and
         picker alike."""
+        span = trace.span(TOKENIZE) if trace is not None else None
         ids: list[int] = []
         try:
             if self.needs_ids:
@@ -114,38 +169,59 @@ class Router:
                 ids = await asyncio.to_thread(self.validate, req) if big else self.validate(req)
             else:
                 self._check_model(req)
-        except RouterError:
+        except RouterError as e:
             self.metrics.requests.labels(m.OUTCOME_CLIENT_ERROR, "none").inc()
+            if span is not None:
+                failed(span, e)
             raise
+        finally:
+            if span is not None:
+                span.end()
         if self.needs_ids:
             self.metrics.input_tokens.observe(len(ids))
         return ids
 
-    async def plan_or_probe(self, ids: list[int], exclude: set[str] = frozenset()) -> Plan:
+    async def plan_or_probe(self, ids: list[int], exclude: set[str] = frozenset(),
+                            trace: Trace | None = None) -> Plan:
         """A plan; when no worker looked healthy at the last check, the unhealthy ones are asked again, once,
         before the NoWorkers (503) that is then counted."""
+        span = notes = None
+        if trace is not None:
+            span, notes = trace.span(ROUTING), {}
         try:
-            return self.plan(ids, exclude)
-        except NoWorkers:
-            await asyncio.gather(*(self.fleet.probe(w, 1) for w in self.pool.all() if not w.healthy))
             try:
-                return self.plan(ids, exclude)
+                plan = self.plan(ids, exclude, notes=notes)
             except NoWorkers:
-                self.metrics.requests.labels(m.OUTCOME_NO_WORKERS, "none").inc()
-                raise
+                await asyncio.gather(*(self.fleet.probe(w, 1) for w in self.pool.all() if not w.healthy))
+                try:
+                    plan = self.plan(ids, exclude, notes=notes)
+                except NoWorkers as e:
+                    self.metrics.requests.labels(m.OUTCOME_NO_WORKERS, "none").inc()
+                    if span is not None:
+                        failed(span, e)
+                    raise
+            if span is not None and span.is_recording():
+                span.set_attributes(routing_attributes(plan, notes, self.config.spec.policy))
+            return plan
+        finally:
+            if span is not None:
+                span.end()
 
     async def handle(self, endpoint: str, req: CompletionRequest | ChatCompletionRequest,
-                     body: dict, arrival: float | None = None) -> tuple[dict | Stream, Route]:
+                     body: dict, arrival: float | None = None,
+                     trace: Trace | None = None) -> tuple[dict | Stream, Route]:
         """Non-streaming: the final JSON. Streaming: a :class:`Stream` of SSE bytes. Either with the
         route the request took (settled before the first byte). ``arrival`` (time.monotonic()): when the
         request reached the router, before its admission wait; its TTFT and duration count from there,
-        as its client sees them (default: now). The worker timeouts count from now."""
+        as its client sees them (default: now). The worker timeouts count from now. ``trace``: the
+        request's (tracing on), carried on its route to every part that handles it."""
         start = time.monotonic()
         arrival = start if arrival is None else arrival
-        ids = await self.prompt_ids(req)
-        plan = await self.plan_or_probe(ids)
+        ids = await self.prompt_ids(req, trace)
+        plan = await self.plan_or_probe(ids, trace=trace)
         route = Route(m.PATH_LOCAL_PREFILL, plan.decode.name, plan.prefill.name if plan.prefill else None,
-                      revision=plan.decode.revision, local_reason=plan.reason if plan.prefill is None else None)
+                      revision=plan.decode.revision, local_reason=plan.reason if plan.prefill is None else None,
+                      trace=trace)
         try:
             kv_params = await self.handoff.prefill(endpoint, plan, body, route)
             if self.needs_ids:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 from collections.abc import Awaitable, Callable
 
 from disagg.api import metrics as m
@@ -21,6 +22,8 @@ from .fleet import Fleet
 from .handoff import Handoff, fallback_reason
 from .pool import Worker
 from .relay import EndedBeforeOutput, Sink, StreamEnd, Watchdog, emit, finish, first_token, relay
+from .tracing import A_OUTCOME, A_OUTPUT_TOKENS, Trace, decode_spans, end_spans
+from .tracing import failed as mark_failed
 
 log = logging.getLogger("disagg.router")
 
@@ -74,10 +77,15 @@ class Streaming:
                     **({"return_token_ids": True} if tokens else {}))
         tried: list[str] = []
         w = plan.decode
+        trace = route.trace
+        span = None
         while True:
+            headers = None
+            if trace is not None:
+                span, wait, headers = decode_spans(trace, w, body)
             account(w, +1)
             try:
-                resp = await self.calls.open_stream(w, endpoint, body)
+                resp = await self.calls.open_stream(w, endpoint, body, headers)
                 try:
                     # up to the first token before the client sees anything: a stream that ends empty
                     # is a failure before output, served by another worker
@@ -86,43 +94,56 @@ class Streaming:
                 except BaseException:
                     resp.close()
                     raise
+                if trace is not None:
+                    wait.end()
                 break
             except (WorkerError, EndedBeforeOutput) as e:
                 account(w, -1)
+                if trace is not None:
+                    end_spans(e, wait, span)
                 w = self.handoff.next_decode(w, e, ids, tried, route)
                 body = self.handoff.without_remote_kv(body, route, fallback_reason(e))
-            except BaseException:
+            except BaseException as e:
                 account(w, -1)
+                if trace is not None:
+                    end_spans(e, wait, span)
                 raise
         def abandon() -> None:
             resp.close()
             account(w, -1)
+            if span is not None:
+                span.end()
 
         return Stream(lambda sink: self._relay(sink, resp, w, route.path, start, client_wants_usage, head,
                                                head_error, tokens, unsupported,
-                                               start if arrival is None else arrival), abandon)
+                                               start if arrival is None else arrival, trace, span), abandon)
 
     async def _relay(self, sink: Sink, resp: upstream.Connection, w: Worker, path: str, start: float,
                      client_wants_usage: bool, head: bytes = b"", head_error: BaseException | None = None,
                      tokens: migration.TokenLog | None = None, unsupported: str | None = None,
-                     arrival: float | None = None) -> None:
+                     arrival: float | None = None, trace: Trace | None = None, span=None) -> None:
         """The stream relay (:mod:`.relay`) and the request's accounting once it ends, however it ends.
         A stream that fails is continued on another decode worker (:mod:`.migration`), up to
         spec.router.maxMigrations times; the client sees one stream. ``start`` times the first token
-        for the watchdog; TTFT and duration count from ``arrival`` (default ``start``)."""
+        for the watchdog; TTFT and duration count from ``arrival`` (default ``start``). ``trace``, ``span``:
+        the request's trace and the decode span of ``w``'s stream (tracing on), ended here with it."""
         spec = self.config.spec
         labelled = self.accounting.labelled
         arrival = start if arrival is None else arrival
         outcome, migrations, last, output_tokens = m.OUTCOME_UPSTREAM_ERROR, 0, None, 0
         tried: list[str] = []
         finishing = None         # a stream that sent [DONE] and whose worker's body has yet to end
+        observe_ttft = labelled(self.metrics.ttft, path).observe
+        if trace is not None and trace.recording:
+            # the TTFT observation's exemplar: a slow bucket links to the request's trace (OpenMetrics scrapes)
+            observe_ttft = partial(observe_ttft, exemplar={m.EXEMPLAR_TRACE_ID: trace.trace_id})
         try:
             while True:
                 end = StreamEnd(last_activity=start if last is None else time.monotonic(), resp=resp)
                 self.watchdog.streams.add(end)
                 try:
                     await relay(resp, w.name, end, sink, start=arrival, client_wants_usage=client_wants_usage,
-                                observe_ttft=labelled(self.metrics.ttft, path).observe,
+                                observe_ttft=observe_ttft,
                                 observe_itl=self.metrics.itl.observe,
                                 first_token_timeout_s=spec.first_token_timeout_seconds,
                                 idle_timeout_s=spec.idle_timeout_seconds, head=head,
@@ -137,6 +158,13 @@ class Streaming:
                     if end.idle_timeout:
                         self.metrics.timeouts.labels(
                             m.TIMEOUT_IDLE if end.first_token_at is not None else m.TIMEOUT_FIRST_TOKEN).inc()
+                    if span is not None:
+                        if span.is_recording():
+                            span.set_attribute(A_OUTPUT_TOKENS, end.output_tokens)
+                            if end.outcome != m.OUTCOME_SUCCESS:
+                                mark_failed(span, end.error or end.outcome)
+                        span.end()
+                        span = None
                 if end.outcome == m.OUTCOME_SUCCESS:
                     outcome, output_tokens = m.OUTCOME_SUCCESS, end.output_tokens
                     self.accounting.count_prompt(end.usage)
@@ -159,7 +187,8 @@ class Streaming:
                             end.error, len(tokens.generated()))
                 tried.append(w.name)
                 try:
-                    resp, w, head, head_error = await self.continuation.open(tokens, tried, w.revision)
+                    resp, w, head, head_error, span = await self.continuation.open(tokens, tried, w.revision, trace,
+                                                                                   w.name)
                 except (WorkerError, RouterError) as e:
                     self.metrics.migrations.labels(m.MIGRATION_FAILED).inc()
                     await emit(sink, sse(UpstreamFailed(
@@ -175,6 +204,10 @@ class Streaming:
             raise
         finally:
             labelled(self.metrics.requests, outcome, path).inc()
+            if trace is not None:
+                if span is not None:        # the continuation's, when the client left before it was relayed
+                    span.end()
+                trace.root.set_attribute(A_OUTCOME, outcome)
             if outcome == m.OUTCOME_SUCCESS:
                 labelled(self.metrics.e2e, path).observe(time.monotonic() - arrival)
                 self.metrics.output_tokens.observe(output_tokens)

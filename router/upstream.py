@@ -82,9 +82,13 @@ class Target:
         port = u.port or (443 if tls else 80)
         return cls(u.hostname, port, tls, u.path.rstrip("/"), u.netloc.rsplit("@", 1)[-1].encode())
 
-    def request(self, path: str, body: bytes) -> bytes:
+    def request(self, path: str, body: bytes, headers: dict[str, str] | None = None) -> bytes:
+        """``headers``: more header lines (a traced request's traceparent), names and values as given."""
+        extra = b"".join(b"%s: %s\r\n" % (k.encode("latin-1"), v.encode("latin-1"))
+                         for k, v in headers.items()) if headers else b""
         return (b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nAccept: text/event-stream\r\n"
-                b"Content-Length: %d\r\n\r\n%s" % ((self.prefix + path).encode(), self.host_header, len(body), body))
+                b"%sContent-Length: %d\r\n\r\n%s" % ((self.prefix + path).encode(), self.host_header, extra, len(body),
+                                                       body))
 
 
 _ENCODER = msgspec.json.Encoder()
@@ -503,11 +507,12 @@ class Client:
     ssl_context: ssl.SSLContext | None = None
     _swept: float = 0.0
 
-    async def post(self, target: Target, path: str, body: bytes, first_token_s: float | None) -> Connection:
-        """Sends the request and waits for the response head. A reused connection that the worker closed
-        before answering (it timed the connection out as the request went) is replaced by a new one,
-        once; nothing of the request was processed then."""
-        request = target.request(path, body)
+    async def post(self, target: Target, path: str, body: bytes, first_token_s: float | None,
+                   headers: dict[str, str] | None = None) -> Connection:
+        """Sends the request (with ``headers`` besides its own, when given) and waits for the response
+        head. A reused connection that the worker closed before answering (it timed the connection out as
+        the request went) is replaced by a new one, once; nothing of the request was processed then."""
+        request = target.request(path, body, headers)
         conn = self._take(target)
         reused = conn is not None
         if conn is None:

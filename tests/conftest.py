@@ -171,6 +171,19 @@ class Routers:
 
 
 @pytest.fixture(scope="session")
+def jaeger(tmp_path_factory):
+    """A real Jaeger on loopback (disagg.e2e.jaeger: built from its Go module into the cache when absent),
+    receiving OTLP and answering its query API; one for the session (traces are told apart by their ids)."""
+    from disagg.e2e.jaeger import LocalJaeger
+
+    j = LocalJaeger(tmp_path_factory.mktemp("jaeger")).start()
+    try:
+        yield j
+    finally:
+        j.stop()
+
+
+@pytest.fixture(scope="session")
 def routers() -> Routers:
     """:class:`Routers`: start a router in front of test upstreams."""
     return Routers()

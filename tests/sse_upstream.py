@@ -14,7 +14,8 @@ request handed remote KV gets nothing (streamed: the headers, no event), as a de
 hung prefill; without KV it serves. Either set to `continuation` applies only to requests whose prompt is
 token ids (a router's continuation of a cut stream). SSE_END_DELAY=S: the chunked body ends S seconds after [DONE].
 GET /stats: how many connections streams came on, and how many prefills, decodes with a prefill's KV and
-decodes without it were served.
+decodes without it were served; and the W3C traceparent headers the last requests came with, by kind
+(prefill, decode), for the router's trace propagation.
 """
 
 import asyncio
@@ -40,6 +41,8 @@ END_DELAY = float(os.environ.get("SSE_END_DELAY", "0"))
 STREAM_PEERS: set = set()
 # requests by kind: prefills answered, and decodes that came with a prefill's KV (GET /stats)
 SERVED = {"prefills": 0, "remote_kv_decodes": 0, "local_decodes": 0}
+# the traceparent headers requests came with (None: none), the last 100 of each kind (GET /stats)
+TRACEPARENTS: dict[str, list] = {"prefill": [], "decode": []}
 
 
 def chunk(i: int, chat: bool, text: str | None, finish: str | None = None, ids: bool = False,
@@ -63,6 +66,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
     chat = request.path.endswith("/chat/completions")
     kv = body.get("kv_transfer_params") or {}
     continuation = isinstance(body.get("prompt"), list)
+    seen = TRACEPARENTS["prefill" if kv.get("do_remote_decode") else "decode"]
+    seen.append(request.headers.get("traceparent"))
+    del seen[:-100]
     if not kv.get("do_remote_decode"):
         SERVED["remote_kv_decodes" if kv.get("remote_engine_id") else "local_decodes"] += 1
     if kv.get("do_remote_decode"):
@@ -110,7 +116,7 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def stats(request: web.Request) -> web.Response:
-    return web.json_response({"stream_connections": len(STREAM_PEERS), **SERVED})
+    return web.json_response({"stream_connections": len(STREAM_PEERS), **SERVED, "traceparents": TRACEPARENTS})
 
 
 app = web.Application()

@@ -86,3 +86,26 @@ def test_tensor_parallel_must_match_gpus(gpus, ok):
     else:
         with pytest.raises(ValidationError, match="tensorParallelSize"):
             api.DisaggDeployment.model_validate(doc)
+
+
+@pytest.mark.parametrize("tracing, ok", [
+    ({"otlpEndpoint": "http://otel-collector.monitoring:4317"}, True),
+    ({"otlpEndpoint": "https://tempo.example.com:443", "samplingRatio": 0.01}, True),
+    ({"otlpEndpoint": "otel-collector:4317"}, False),                 # no scheme: gRPC exporters need one
+    ({"otlpEndpoint": "http://otel:4317/v1/traces"}, False),          # a path: OTLP/HTTP's, not gRPC's
+    ({"otlpEndpoint": "http://otel:4317", "samplingRatio": 1.5}, False),
+    ({"samplingRatio": 0.5}, False),
+])
+def test_spec_tracing_is_checked_by_the_models_and_the_crds_schema(tracing, ok):
+    """spec.tracing: the same endpoints and ratios refused by the models and by the CRD's own schema (what
+    the API server checks at admission)."""
+    from disagg.configurator.manifest import _validator
+    from disagg.e2e.testing import dd_manifest
+
+    manifest = dd_manifest(tracing=tracing)
+    if ok:
+        assert api.DisaggDeployment.model_validate(manifest).spec.tracing.otlp_endpoint == tracing["otlpEndpoint"]
+    else:
+        with pytest.raises(ValidationError, match="tracing"):
+            api.DisaggDeployment.model_validate(manifest)
+    assert (not list(_validator().iter_errors(manifest))) == ok

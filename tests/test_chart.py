@@ -111,12 +111,45 @@ def test_dashboards_are_what_the_generator_writes():
     assert out.returncode == 0, out.stderr
 
 
+def test_the_ttft_panel_asks_for_exemplars_and_grafana_gets_a_trace_data_source_they_link_to(helm):
+    """The Overview's TTFT quantiles ask Grafana for exemplars; the chart's data sources (off by default) give
+    Grafana the trace store at the configured URL, and a Prometheus whose exemplars' trace id label (the
+    one the router writes) opens that trace store."""
+    overview = json.loads((CHART / "dashboards" / "overview.json").read_text())
+    (ttft,) = [p for p in overview["panels"] if p["title"] == "Time to first token"]
+    quantiles = [t for t in ttft["targets"] if m.ROUTER_TTFT_SECONDS in t["expr"]]
+    assert quantiles and all(t.get("exemplar") is True for t in quantiles)
+    assert not [o for o in render(helm) if o["kind"] == "ConfigMap" and "datasources" in o["metadata"]["name"]]
+    objs = render(helm, "--set", "monitoring.datasources.enabled=true",
+                  "--set", "monitoring.datasources.traces.url=http://jaeger-query.monitoring:16686",
+                  "--set", "monitoring.datasources.prometheusUrl=http://prometheus-operated.monitoring:9090")
+    cm = one(objs, "ConfigMap", "grafana-datasources")
+    assert cm["metadata"]["labels"]["grafana_datasource"] == "1"
+    sources = {d["uid"]: d for d in yaml.safe_load(cm["data"]["disagg-datasources.yaml"])["datasources"]}
+    traces, prom = sources["disagg-traces"], sources["disagg-prometheus"]
+    assert (traces["type"], traces["url"]) == ("jaeger", "http://jaeger-query.monitoring:16686")
+    assert (prom["type"], prom["url"]) == ("prometheus", "http://prometheus-operated.monitoring:9090")
+    assert prom["jsonData"]["exemplarTraceIdDestinations"] == [{"name": m.EXEMPLAR_TRACE_ID,
+                                                                 "datasourceUid": "disagg-traces"}]
+    objs = render(helm, "--set", "monitoring.datasources.enabled=true", "--set", "monitoring.datasources.traces.type=tempo",
+                  "--set", "monitoring.datasources.traces.url=http://tempo.monitoring:3200")
+    (only,) = yaml.safe_load(one(objs, "ConfigMap", "grafana-datasources")["data"]["disagg-datasources.yaml"])[
+        "datasources"]
+    assert (only["type"], only["url"]) == ("tempo", "http://tempo.monitoring:3200")
+    # switched on without a trace store: refused, naming the value
+    out = subprocess.run([str(helm), "template", "x", str(CHART), "--set", "monitoring.datasources.enabled=true"],
+                         capture_output=True, text=True)
+    assert out.returncode != 0 and "monitoring.datasources.traces.url" in out.stderr, out.stderr
+
+
 def test_values_schema_refuses_unknown_and_bad_values(helm):
     for bad, says in ((["--set", "operatr.enabled=false"], "operatr"),
                       (["--set", "monitoring.prometheusRule.slo.ttftSeconds=0.3"], "ttftSeconds"),
                       (["--set", "image.pullPolicy=Sometimes"], "pullPolicy"),
                       (["--set", "inferencePool.installCRD=maybe"], "installCRD"),
-                      (["--set", "monitoring.podMonitors.interval=soon"], "interval")):
+                      (["--set", "monitoring.podMonitors.interval=soon"], "interval"),
+                      (["--set", "monitoring.datasources.traces.type=zipkin"], "type"),
+                      (["--set", "planner.otlpTracesEndpoint=collector:4317"], "otlpTracesEndpoint")):
         out = subprocess.run([str(helm), "template", "x", str(CHART), *bad], capture_output=True, text=True)
         assert out.returncode != 0 and says in out.stderr, (bad, out.stderr)
 
@@ -241,6 +274,11 @@ def test_operator_pod_runs_the_images_entrypoints_with_values(helm):
     planner = one(render(helm, "--set", "operator.watchNamespaces={a,b}"), "Deployment", "planner")["spec"][
         "template"]["spec"]["containers"][0]
     assert "--namespace=a" in planner["args"] and "--namespace=b" in planner["args"]
+    # decisions traced only when the planner is given a collector
+    assert not [a for a in planner["args"] if a.startswith("--otlp-traces-endpoint")]
+    planner = one(render(helm, "--set", "planner.otlpTracesEndpoint=http://otel.monitoring:4317"), "Deployment",
+                  "planner")["spec"]["template"]["spec"]["containers"][0]
+    assert "--otlp-traces-endpoint=http://otel.monitoring:4317" in planner["args"]
     assert {"name": "DISAGG_OPERATOR_METRICS_PORT", "value": "8000"} in op["env"]
     # glibc's malloc arenas capped (operator/memory.py; bench/operator_scale.py runs it the same way)
     assert {"name": "MALLOC_ARENA_MAX", "value": "2"} in op["env"]

@@ -129,8 +129,25 @@ def serving_ns(api, release, real, tiny_model):
 
 
 @pytest.fixture(scope="module")
-def pd(api, serving_ns, images):
-    dd = DD(api, NS, realnode.deployment(PD, serving_ns, images["worker-cpu"], router_mode="picker"))
+def node_jaeger(real, tmp_path_factory):
+    """A real Jaeger on this host whose OTLP receivers listen on the real node's bridge address, where the
+    pods reach the host (their NetworkPolicy leaves egress open); its query API on loopback."""
+    from disagg.e2e.jaeger import LocalJaeger
+    from disagg.e2e.localcluster.controlplane import NODE_IP
+
+    j = LocalJaeger(tmp_path_factory.mktemp("node-jaeger"), otlp_host=NODE_IP).start()
+    yield j
+    j.stop()
+
+
+@pytest.fixture(scope="module")
+def pd(api, serving_ns, images, node_jaeger):
+    """The P/D deployment, traced from its creation (spec.tracing, so no rollout later): sampling ratio 0, so
+    the other tests' requests make no spans; a request whose client sends a sampled traceparent is traced
+    by the router and both engines (parent-based sampling)."""
+    manifest = realnode.deployment(PD, serving_ns, images["worker-cpu"], router_mode="picker")
+    manifest["spec"]["tracing"] = {"otlpEndpoint": node_jaeger.otlp_endpoint, "samplingRatio": 0.0}
+    dd = DD(api, NS, manifest)
     try:
         dd.wait_phase("Ready", timeout=900)
     except AssertionError as e:   # the operator's and the pods' logs are gone once the cluster is down
@@ -231,6 +248,75 @@ def _served_on_the_remote_prefill_path(dd: DD, url: str) -> list[dict]:
     moved = wait_for(lambda: (v := _nixl_bytes(decode)) > before and v, 60, "NIXL bytes counted on the decode pod")
     assert moved > before
     return routes
+
+
+# the client's TTFT against the router's time to its first token (kube-proxy's hop and the client
+# library's parsing lie outside the router's spans), and the router's spans up to the first token against
+# the router's own TTFT (event-loop hops between them, on a loaded 2-core machine)
+CLIENT_TOLERANCE_S, SPANS_TOLERANCE_S = 0.5, 0.25
+
+
+def test_one_request_is_one_trace_in_jaeger_across_router_prefill_and_decode_pods(pd, node_jaeger):
+    """One streamed request with the official client through the deployment's Service, sending a sampled
+    W3C traceparent (the deployment samples at ratio 0): Jaeger, queried through its API by the trace id the
+    router returned in x-disagg-trace-id, holds one trace with the router's spans under the client's span
+    and vLLM's llm_request span of the prefill pod under the router's prefill span and of the decode pod
+    under its decode span. The router's admission, tokenize, routing, prefill and first-token spans add up
+    to its time to first token, which is the client's TTFT less the way in and out."""
+    import secrets
+
+    import openai
+
+    from disagg.e2e.jaeger import spans_by_name
+    from disagg.router import tracing as t
+
+    dd, url = pd
+    trace_id, client_span = secrets.token_hex(16), secrets.token_hex(8)
+    oa = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=300)
+    t0 = time.monotonic()
+    with oa.completions.with_streaming_response.create(
+            model=realnode.SERVED_MODEL, prompt=PROMPT + "traced", max_tokens=8, temperature=0, stream=True,
+            extra_headers={"traceparent": f"00-{trace_id}-{client_span}-01"}) as r:
+        chunks = iter(r.parse())
+        first = next(chunks)
+        ttft = time.monotonic() - t0
+        rest = list(chunks)
+        route = _route(r.headers)
+    assert first.choices and rest
+    assert route["x-disagg-path"] == m.PATH_REMOTE_PREFILL and route[t.TRACE_ID_HEADER] == trace_id
+
+    def whole():
+        tr = node_jaeger.trace(trace_id)
+        by = spans_by_name(tr) if tr else {}
+        return tr if len(by.get("llm_request", [])) >= 2 and t.REQUEST in by and t.FIRST_TOKEN in by else None
+    # the router's and vLLM's exporters send in batches (every 5 s); vLLM's span at the request's end
+    trace = wait_for(whole, 120, f"trace {trace_id} with the router's and both engines' spans")
+    by = spans_by_name(trace)
+    root = by[t.REQUEST][0]
+    # the trace as the README's walk-through reads it (pytest -s shows it)
+    print(f"\nclient TTFT {ttft * 1000:.1f} ms; trace {trace_id}:")
+    for s in sorted((s for spans in by.values() for s in spans), key=lambda s: s["startTime"]):
+        print(f"  {s['service']:14} {s['operationName']:12} +{(s['startTime'] - root['startTime']) / 1000:8.1f} ms "
+              f"{s['duration'] / 1000:8.1f} ms")
+    assert root["service"] == "disagg-router" and root["parent"] == client_span
+    for name in (t.ADMISSION, t.TOKENIZE, t.ROUTING, t.PREFILL, t.DECODE):
+        assert [s["parent"] for s in by[name]] == [root["spanID"]], name
+    (first_token,) = by[t.FIRST_TOKEN]
+    assert first_token["parent"] == by[t.DECODE][0]["spanID"]
+    llm = {s["service"]: s for s in by["llm_request"]}
+    assert set(llm) == {"vllm-prefill", "vllm-decode"}, list(llm)
+    assert llm["vllm-prefill"]["parent"] == by[t.PREFILL][0]["spanID"]
+    assert llm["vllm-decode"]["parent"] == by[t.DECODE][0]["spanID"]
+    # Jaeger's times are microseconds
+    router_ttft = (first_token["startTime"] + first_token["duration"] - root["startTime"]) / 1e6
+    assert 0 < router_ttft <= ttft and ttft - router_ttft < CLIENT_TOLERANCE_S, (router_ttft, ttft)
+    parts = sum(by[n][0]["duration"] for n in (t.ADMISSION, t.TOKENIZE, t.ROUTING, t.PREFILL)) / 1e6 + \
+        first_token["duration"] / 1e6
+    assert parts <= router_ttft + 0.001 and router_ttft - parts < SPANS_TOLERANCE_S, (parts, router_ttft)
+    # the prefill pod's own queue and prefill time lie inside the router's prefill span
+    tags = {tag["key"]: tag["value"] for tag in llm["vllm-prefill"]["tags"]}
+    engine = tags["gen_ai.latency.time_in_queue"] + tags["gen_ai.latency.time_in_model_prefill"]
+    assert 0 < engine <= by[t.PREFILL][0]["duration"] / 1e6, (engine, by[t.PREFILL][0]["duration"])
 
 
 def test_through_envoy_and_the_picker_the_decode_pod_streams_to_the_client(api, pd, tmp_path):

@@ -195,3 +195,37 @@ def test_two_thousand_concurrent_streams_through_envoy_and_the_picker(routers, g
         metrics = scrape(r.url)
         assert metric_sum(metrics, m.ROUTER_REQUESTS, outcome=m.OUTCOME_SUCCESS) == CLIENTS
         assert metric_sum(metrics, m.ROUTER_IN_FLIGHT) == 0
+
+
+def test_through_envoy_the_decode_joins_the_pickers_trace(routers, gateway, jaeger, tmp_path):
+    """Picker mode with tracing on: a client's traceparent passes Envoy to the picker and becomes its trace's
+    parent; the decode Envoy calls gets a traceparent naming the pick's decode span, in place of the client's
+    (the header mutation replaces it); the client gets the trace id in Envoy's response; Jaeger holds the
+    pick's spans (admission, tokenize, routing, prefill, decode) under the client's span."""
+    from disagg.e2e.jaeger import spans_by_name
+    from disagg.e2e.testing import wait_for
+    from disagg.router import tracing as t
+
+    client_trace, client_span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    prefill = routers.upstream(tmp_path, "prefill", 4, 0.01)
+    decode = routers.upstream(tmp_path, "decode", 4, 0.01)
+    with gateway([decode], [prefill], spec={"disaggregation": "always"},
+                 tracing={"otlpEndpoint": jaeger.otlp_endpoint}) as (envoy, r):
+        status, headers, body = _post(f"{envoy.url}/v1/completions",
+                                      {"model": "tiny", "prompt": "hello " * 20, "max_tokens": 4},
+                                      headers={"traceparent": f"00-{client_trace}-{client_span}-01"})
+        assert status == 200, body
+        assert headers["x-disagg-path"] == m.PATH_REMOTE_PREFILL
+        assert headers[t.TRACE_ID_HEADER] == client_trace
+        sent = _stats(decode)["traceparents"]["decode"]
+        assert len(sent) == 1 and sent[0].split("-")[1] == client_trace and sent[0].split("-")[2] != client_span
+        trace = wait_for(lambda: (tr := jaeger.trace(client_trace)) and t.PICK in spans_by_name(tr)
+                         and t.DECODE in spans_by_name(tr) and tr, 30, f"trace {client_trace} in Jaeger")
+        prefill_sent = _stats(prefill)["traceparents"]["prefill"]
+    by = spans_by_name(trace)
+    root = by[t.PICK][0]
+    assert root["parent"] == client_span
+    for name in (t.ADMISSION, t.TOKENIZE, t.ROUTING, t.PREFILL, t.DECODE):
+        assert [s["parent"] for s in by[name]] == [root["spanID"]], name
+    assert by[t.DECODE][0]["spanID"] == sent[0].split("-")[2]
+    assert prefill_sent[0].split("-")[2] == by[t.PREFILL][0]["spanID"]

@@ -162,3 +162,25 @@ def test_an_unreadable_block_size_is_refused():
 
     with pytest.raises(ValidationError, match="--block-size must be a positive integer"):
         _dd(engine={"args": ["--block-size", "big"]})
+
+
+def test_spec_tracing_reaches_the_router_and_both_engines():
+    """spec.tracing: the router traces to the endpoint at the ratio, and both workers' vLLM exports its spans
+    there (--otlp-traces-endpoint), named by role and sampling as the router does; without it, no component
+    traces."""
+    dd = _dd(tracing={"otlpEndpoint": "http://otel-collector.monitoring:4317", "samplingRatio": 0.25})
+    pods = _pods(dd)
+    _, _, router = _router(pods["router"])
+    assert (router.tracing.otlp_endpoint, router.tracing.sampling_ratio) == (dd.spec.tracing.otlp_endpoint, 0.25)
+    for role in ("prefill", "decode"):
+        _, settings, cmd = _worker(pods[role])
+        assert _last(cmd.argv, "--otlp-traces-endpoint") == "http://otel-collector.monitoring:4317"
+        assert "--collect-detailed-traces" not in cmd.argv
+        assert cmd.env["OTEL_SERVICE_NAME"] == f"vllm-{role}"
+        assert (cmd.env["OTEL_TRACES_SAMPLER"], float(cmd.env["OTEL_TRACES_SAMPLER_ARG"])) == \
+            ("parentbased_traceidratio", 0.25)
+    pods = _pods(_dd())
+    assert _router(pods["router"])[2].tracing is None
+    for role in ("prefill", "decode"):
+        _, _, cmd = _worker(pods[role])
+        assert "--otlp-traces-endpoint" not in cmd.argv and "OTEL_SERVICE_NAME" not in cmd.env

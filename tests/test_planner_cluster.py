@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from disagg.api import metrics as m
 from disagg.api.names import GROUP
@@ -25,6 +26,7 @@ from disagg.planner.apply import FIELD_MANAGER, Executor, PlannerMetrics, replic
 from disagg.planner.endpoints import Allowlist, Endpoint
 from disagg.planner.loop import GPU_ANNOTATION, PlannerLoop, resolve_gpu, resolve_model_name, unplannable
 from disagg.planner.metrics_source import PrometheusSource, parse_duration
+from disagg.planner.tracing import DecisionTracer
 
 pytestmark = pytest.mark.cluster
 NAME = "llama"
@@ -101,12 +103,19 @@ def test_decision_lands_and_a_users_apply_without_replicas_keeps_it(cluster, api
     wait_for(lambda: (lambda o: o.ttft and o.ttft > 2 and o.itl and o.itl > 0.1 and o.request_rate > 12)(
         source.observe(namespace, NAME, 90, 10)), 60, "breaching traffic in Prometheus", interval=0.5)
     metrics = PlannerMetrics()
+    spans = InMemorySpanExporter()
     loop = PlannerLoop(planner_api, Executor(planner_api, metrics), lambda endpoint: source, allowlist(prom), namespace=namespace,
-                       scrape_interval=parse_duration(prom.scrape_interval))
+                       scrape_interval=parse_duration(prom.scrape_interval), tracer=DecisionTracer(exporter=spans))
     [(ns, name, decision)] = loop.step(now=1000.0)
     assert (ns, name) == (namespace, NAME)
     assert decision.metrics_ok and decision.prefill.replicas > 1 and decision.decode.replicas > 1
     want = (decision.prefill.replicas, decision.decode.replicas)
+    # the decision's span: what it decided, against which Prometheus (by its allowlist name), from which reads
+    (span,) = spans.get_finished_spans()
+    assert (span.attributes["disagg.deployment"], span.attributes["disagg.planner.reason"]) == (NAME, dc.SCALED)
+    assert span.attributes["disagg.planner.prometheus"] == ENDPOINT
+    assert (span.attributes["disagg.planner.prefill.decided"], span.attributes["disagg.planner.decode.decided"]) == want
+    assert len([e for e in span.events if e.name == "prometheus.query"]) > 10
 
     obj = _get(api_client, namespace)
     assert _replicas(obj) == want

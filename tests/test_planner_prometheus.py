@@ -295,3 +295,35 @@ def test_capacity_of_saturated_workers_and_the_fast_paths_queue_growth(exporter,
     q = wait_for(grow, 240, "a growing prefill queue", interval=0.5)
     assert q.error is None and q.prefill_queue > 0 and q.prefill_ready == 1
     assert q.decode_queue == 0 and (q.decode_queue_growth or 0.0) <= 0  # emptied, never grew
+
+
+def test_a_decision_is_a_span_with_the_promql_it_read_and_the_values(exporter, source):
+    """A traced decision (planner/tracing.py, SDK's in-memory exporter): one span naming the deployment, the
+    reason and the sizes before and after, and one event per query the observation ran, with its exact
+    PromQL and the value Prometheus gave, the same figures the decision read."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from disagg.planner import tracing as pt
+    from disagg.planner.metrics_source import queries
+
+    spans = InMemorySpanExporter()
+    tracer = pt.DecisionTracer(exporter=spans)
+    started = time.time_ns()
+    o = settle(exporter, source, lambda o: o.ttft and o.ttft > 2.0 and o.prefill_queue == 8,
+               "a TTFT breach in Prometheus", rate=10.0, ttft=3.0, itl=0.02, prefill_waiting=8, decode_waiting=0)
+    t = target(prefill=1, decode=1)    # (one engine per role reports: see the breach test above)
+    d, _ = dc.decide(o, t, dc.Memory(), MODEL, now=1000)
+    assert d.reason == dc.SCALED
+    tracer.record({"namespace": NS, "name": NAME}, o, d, t, started, prometheus="main", window_seconds=WINDOW)
+    (span,) = spans.get_finished_spans()
+    a = span.attributes
+    assert span.name == pt.DECISION and span.resource.attributes["service.name"] == pt.SERVICE_NAME
+    assert (a[pt.A_NAMESPACE], a[pt.A_DEPLOYMENT], a[pt.A_REASON], a[pt.A_PROMETHEUS]) == (NS, NAME, dc.SCALED, "main")
+    assert a["disagg.planner.prefill.replicas"] == 1 and a["disagg.planner.prefill.decided"] == d.prefill.replicas > 1
+    assert a["disagg.planner.input.ttft"] == d.inputs["ttft"] and a[pt.A_MESSAGE] == d.message
+    reads = {e.attributes[pt.A_QUERY_NAME]: e.attributes for e in span.events if e.name == pt.READ}
+    assert {k: r[pt.A_QUERY] for k, r in reads.items()} == queries(NS, NAME, 90, WINDOW)
+    assert reads["request_rate"][pt.A_VALUE] == o.request_rate and reads["prefill_queue"][pt.A_VALUE] == 8
+    assert reads["ttft"][pt.A_VALUE] == o.ttft
+    assert span.start_time == started <= span.end_time
+    tracer.shutdown()

@@ -31,6 +31,7 @@ import os
 import signal
 import socket
 import threading
+import time
 import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -148,11 +149,15 @@ def decode_b(pd, tiny_model, worker_python, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def pd(reference, tiny_model, worker_python, tmp_path_factory):
-    """prefill (core 0) + decode (core 1) + the router, disaggregating every request."""
+def pd(reference, tiny_model, worker_python, tmp_path_factory, jaeger):
+    """prefill (core 0) + decode (core 1) + the router, disaggregating every request. Both engines export
+    traces to Jaeger (spec.tracing's worker flags), ratio 0: only requests whose traceparent says sampled
+    are traced, which this router (tracing off) never sends; a traced router's are
+    (test_one_trace_holds_the_routers_spans_and_both_engines_llm_request_spans)."""
     logs = tmp_path_factory.mktemp("pd")
-    prefill_s = cpu_settings("prefill", tiny_model, "0")
-    decode_s = cpu_settings("decode", tiny_model, "1")
+    tracing = dict(otlp_traces_endpoint=jaeger.otlp_endpoint, trace_sampling_ratio=0.0)
+    prefill_s = cpu_settings("prefill", tiny_model, "0", **tracing)
+    decode_s = cpu_settings("decode", tiny_model, "1", **tracing)
     port = free_port()
     # no max_model_len: the router learns the workers' (1024, cpu_settings) from their /v1/models
     config = {"model": "tiny", "tokenizer": tiny_model, "block_size": prefill_s.block_size, "port": port,
@@ -268,6 +273,56 @@ def test_kv_blocks_moved_over_nixl_and_every_request_prefilled_remotely(pd):
     # the prefill worker's KV events reached the router's index
     assert routed[f'{m.ROUTER_INDEXED_BLOCKS}{{role="prefill"}}'] > 0 or \
         metric_sum(routed, m.ROUTER_KV_EVENT_BATCHES) > 0
+
+
+def test_one_trace_holds_the_routers_spans_and_both_engines_llm_request_spans(pd, jaeger, tmp_path):
+    """A traced router over the pair: one streamed request is one trace in Jaeger holding the router's spans
+    and vLLM's llm_request span of the prefill (service vllm-prefill, under the router's prefill span) and of
+    the decode (vllm-decode, under its decode span), joined by the traceparent the router sent each. The
+    router's spans up to the first token add up to the client's TTFT within 0.25 s, and vLLM's own time for
+    the prefill fits inside the router's prefill span."""
+    from disagg.e2e.jaeger import spans_by_name
+    from disagg.router import tracing as t
+
+    first = json.loads(Path(pd["router"].argv[-1]).read_text())
+    port = free_port()
+    config = {**first, "port": port, "tracing": {"otlpEndpoint": jaeger.otlp_endpoint, "samplingRatio": 1.0}}
+    (tmp_path / "router.json").write_text(json.dumps(config))
+    r = router(tmp_path / "router.json", port, tmp_path)
+    try:
+        r.start().wait_ready()
+        req = urllib.request.Request(f"{r.url}/v1/completions", method="POST",
+                                     headers={"Content-Type": "application/json"},
+                                     data=json.dumps({"model": "tiny", "prompt": PROMPTS[1], "max_tokens": MAX_TOKENS,
+                                                      "temperature": 0, "stream": True}).encode())
+        t0 = time.monotonic()
+        with urllib.request.urlopen(req, timeout=300) as resp:
+            resp.read1()
+            ttft = time.monotonic() - t0
+            resp.read()
+            headers = dict(resp.headers)
+        assert headers["x-disagg-path"] == m.PATH_REMOTE_PREFILL
+        trace_id = headers[t.TRACE_ID_HEADER]
+        # the router and vLLM export in batches (the SDK's default: every 5 s); vLLM's span at the request's end
+        trace = wait_for(lambda: (tr := jaeger.trace(trace_id)) and len(spans_by_name(tr).get("llm_request", [])) >= 2
+                         and t.REQUEST in spans_by_name(tr) and tr, 120, f"trace {trace_id} with both engines' spans")
+    finally:
+        r.stop()
+    by = spans_by_name(trace)
+    llm = {s["service"]: s for s in by["llm_request"]}
+    assert set(llm) == {"vllm-prefill", "vllm-decode"}, list(llm)
+    assert llm["vllm-prefill"]["parent"] == by[t.PREFILL][0]["spanID"]
+    assert llm["vllm-decode"]["parent"] == by[t.DECODE][0]["spanID"]
+    root = by[t.REQUEST][0]
+    assert all(s["parent"] == root["spanID"] for n in (t.ADMISSION, t.TOKENIZE, t.ROUTING, t.PREFILL, t.DECODE)
+               for s in by[n])
+    router_ttft = (by[t.FIRST_TOKEN][0]["startTime"] + by[t.FIRST_TOKEN][0]["duration"] - root["startTime"]) / 1e6
+    assert 0 < router_ttft <= ttft + 0.01 and ttft - router_ttft < 0.25, (router_ttft, ttft)
+    tags = {tag["key"]: tag["value"] for tag in llm["vllm-prefill"]["tags"]}
+    # vLLM's queue + prefill of the prefill leg, inside the router's prefill span (seconds vs microseconds)
+    engine = tags["gen_ai.latency.time_in_queue"] + tags["gen_ai.latency.time_in_model_prefill"]
+    assert 0 < engine <= by[t.PREFILL][0]["duration"] / 1e6, (engine, by[t.PREFILL][0]["duration"])
+    assert tags["gen_ai.usage.prompt_tokens"] > 20
 
 
 # ---------------------------------------------------------------- workers that die under a request
@@ -410,10 +465,10 @@ class _DecodeProxy(_Proxy):
 
 
 @pytest.fixture(scope="module")
-def failures(pd, decode_b, tmp_path_factory):
+def failures(pd, decode_b, jaeger, tmp_path_factory):
     """A second router over the same prefill (through a :class:`_KillingProxy`) and both decode workers:
     every request P/D, round-robin, probes every second (a hung prefill is found after 3 probe timeouts
-    of 2 s)."""
+    of 2 s). It traces every request to Jaeger, so a fallback's trace can be read back."""
     logs = tmp_path_factory.mktemp("pd-failures")
     first = json.loads(Path(pd["router"].argv[-1]).read_text())     # the first router's configuration
     proxy = _KillingProxy(pd["prefill"].url)
@@ -429,7 +484,8 @@ def failures(pd, decode_b, tmp_path_factory):
               "spec": {"disaggregation": "always", "policy": "round-robin", "connectTimeoutSeconds": 30,
                        "prefillTimeoutSeconds": 120},
               "prefill": [{"url": proxy.url}],
-              "decode": [{"url": d.url} for d in decode_proxies]}
+              "decode": [{"url": d.url} for d in decode_proxies],
+              "tracing": {"otlpEndpoint": jaeger.otlp_endpoint, "samplingRatio": 1.0}}
     (logs / "router.json").write_text(json.dumps(config))
     r = router(logs / "router.json", port, logs)
     try:
@@ -471,6 +527,32 @@ def _stream(failures) -> tuple[dict, str, list[dict]]:
     except (OSError, AssertionError) as e:       # a stream that stalled (the socket's timeout) or broke
         pytest.fail(f"the stream failed after {len(text)} tokens: {e!r}\n{_log_tails(failures)}")
     return route, "".join(text), chunks
+
+
+def _assert_fallback_trace(jaeger, route: dict, reason: str) -> None:
+    """The fallen-back request's trace, read back from Jaeger by the id the client got: a fallback span
+    under the request naming the reason, the first decode attempt (with the prefill's KV) failed, the
+    last (local prefill, no KV) served it."""
+    from disagg.e2e.jaeger import spans_by_name
+    from disagg.router import tracing as t
+
+    trace_id = route[t.TRACE_ID_HEADER]
+    # the router exports in batches; the serving decode's llm_request span comes when its request ends
+    trace = wait_for(lambda: (tr := jaeger.trace(trace_id)) and t.FALLBACK in (by := spans_by_name(tr))
+                     and t.REQUEST in by and tr, 60, f"trace {trace_id} with its fallback span")
+    by = spans_by_name(trace)
+
+    def tags(s: dict) -> dict:
+        return {tag["key"]: tag["value"] for tag in s["tags"]}
+    root = by[t.REQUEST][0]
+    assert tags(root)[t.A_PATH] == m.PATH_FALLBACK
+    assert reason in [tags(s)[t.A_REASON] for s in by[t.FALLBACK]]
+    assert all(s["parent"] == root["spanID"] for s in by[t.FALLBACK])
+    # the decode that was handed the dead prefill's KV failed (unless the probes found the prefill gone
+    # before it was asked); the last attempt, without KV, served the request
+    *failed, served = sorted(by[t.DECODE], key=lambda s: s["startTime"])
+    assert [(tags(s)[t.A_KV], tags(s).get("otel.status_code")) for s in failed] in ([], [(True, "ERROR")])
+    assert not tags(served)[t.A_KV] and tags(served).get("otel.status_code") != "ERROR", tags(served)
 
 
 def _log_tails(failures) -> str:
@@ -550,7 +632,7 @@ def test_a_prefill_hung_after_it_answered_leaves_no_decode_waiting(failures):
         assert counted == 0
 
 
-def test_a_prefill_killed_after_it_answered_and_requests_in_flight_complete(failures):
+def test_a_prefill_killed_after_it_answered_and_requests_in_flight_complete(failures, jaeger):
     """The decode is handed KV that a dead engine holds. vLLM's NIXL connector (0.32,
     kv_load_failure_policy "fail", the default) fails such a request instead of waiting: the handshake
     or the read fails and the request ends with an error before its first token. The router then
@@ -583,6 +665,7 @@ def test_a_prefill_killed_after_it_answered_and_requests_in_flight_complete(fail
     assert path == m.PATH_FALLBACK and reason in reasons
     assert chunks[-1]["usage"]["completion_tokens"] == MAX_TOKENS_LONG
     assert fallbacks() >= before + 1
+    _assert_fallback_trace(jaeger, route, reason)
     empty = [p for p, t in zip(prompts, texts) if not (isinstance(t, str) and t)]
     assert not empty
     raw = client.completions.with_raw_response.create(model="tiny", prompt=PROMPTS[0], max_tokens=4, temperature=0)

@@ -47,6 +47,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, help="KV block size (the router hashes the same)")
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--drain-seconds", type=int, help="vLLM's --shutdown-timeout: how long a SIGTERM drains")
+    p.add_argument("--otlp-traces-endpoint", help="export vLLM's request spans over OTLP/gRPC there (spec.tracing)")
+    p.add_argument("--trace-sampling-ratio", type=float,
+                   help="share of requests without a traceparent traced (spec.tracing.samplingRatio)")
     p.add_argument("--python", default=None, help="the worker environment's Python (default: this one)")
     return p
 
@@ -72,7 +75,8 @@ def settings_from(args: argparse.Namespace, engine_args: list[str]) -> WorkerSet
         kv_replay_port=args.kv_replay_port,
         offload_cpu_gib=args.kv_offload_cpu_gib,
         offload_disk_gib=args.kv_offload_disk_gib, block_size=args.block_size, max_model_len=args.max_model_len,
-        drain_seconds=args.drain_seconds,
+        drain_seconds=args.drain_seconds, otlp_traces_endpoint=args.otlp_traces_endpoint,
+        trace_sampling_ratio=args.trace_sampling_ratio,
         advertise_host=os.environ.get("POD_IP") or os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST"))
     overrides = {k: v for k, v in overrides.items() if v is not None}
     if base is not None:

@@ -39,6 +39,8 @@ HEADLESS_FLAG = "--headless"
 # Flags naming the replica's leader, which vLLM binds and connects ZMQ sockets with: ZMQ does not resolve
 # names, so the supervisor resolves them to an IP before the engine starts (leader.py).
 LEADER_ADDRESS_FLAGS = ("--master-addr", "--data-parallel-address")
+# The service name of a worker's spans, by role (the router's are disagg-router)
+TRACE_SERVICE = {"prefill": "vllm-prefill", "decode": "vllm-decode"}
 # On every engine's PYTHONPATH when the delay is set: its sitecustomize applies the delay in each of
 # the engine's processes (API server, engine core, spawned workers).
 ENGINE_SITE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "engine_site")
@@ -133,9 +135,18 @@ def build(s: WorkerSettings, python: str = "python") -> Command:
         argv += ["--kv-cache-memory-bytes", str(s.kv_cache_bytes)]
     if s.block_size:
         argv += ["--block-size", str(s.block_size)]
+    tracing = {}
+    if s.otlp_traces_endpoint:
+        # one llm_request span per finished request (its timings: queue, prefill, decode, TTFT, from the
+        # engine's iteration stats, so log stats stay on); --collect-detailed-traces is not asked for: it
+        # adds only model forward/execute times, at a synchronisation per step. The sampler follows the
+        # router's traceparent (sampled or not); a request without one is sampled at the ratio.
+        argv += ["--otlp-traces-endpoint", s.otlp_traces_endpoint]
+        tracing = {"OTEL_SERVICE_NAME": TRACE_SERVICE[s.role], "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+                   "OTEL_TRACES_SAMPLER_ARG": repr(float(s.trace_sampling_ratio))}
     env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": s.advertise_host,
            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(s.nixl_port),
-           "VLLM_HOST_IP": s.advertise_host}
+           "VLLM_HOST_IP": s.advertise_host, **tracing}
     if s.ucx_tls:
         env["UCX_TLS"] = s.ucx_tls
     if s.cpu:

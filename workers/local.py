@@ -255,12 +255,15 @@ def _raise_stopped(signum, _frame):
     raise Stopped(signal.Signals(signum).name)
 
 
-def pd_processes(model: str, port: int, python: str, log_dir: Path) -> list[LocalProcess]:
+def pd_processes(model: str, port: int, python: str, log_dir: Path,
+                 otlp_traces_endpoint: str | None = None) -> list[LocalProcess]:
     """A prefill and a decode worker (cores 0 and 1) and the router in front of them on `port`, not yet
-    started: what `disagg serve --local` runs, and a baseline for benchmarks."""
+    started: what `disagg serve --local` runs, and a baseline for benchmarks. ``otlp_traces_endpoint``: all
+    three trace every request there (spec.tracing's settings, ratio 1)."""
     import json as _json
 
-    prefill_s, decode_s = cpu_settings("prefill", model, "0"), cpu_settings("decode", model, "1")
+    tracing = {"otlp_traces_endpoint": otlp_traces_endpoint} if otlp_traces_endpoint else {}
+    prefill_s, decode_s = cpu_settings("prefill", model, "0", **tracing), cpu_settings("decode", model, "1", **tracing)
     revision = kv_revision(prefill_s, decode_s, python)
     config = {"model": "tiny", "tokenizer": model, "block_size": prefill_s.block_size,
               "max_model_len": prefill_s.max_model_len, "port": port, "host": "127.0.0.1",
@@ -271,6 +274,8 @@ def pd_processes(model: str, port: int, python: str, log_dir: Path) -> list[Loca
               "decode": [{"url": f"http://127.0.0.1:{decode_s.port}",
                           "kv_events": f"tcp://127.0.0.1:{decode_s.kv_events_port}",
                           "kv_replay": f"tcp://127.0.0.1:{decode_s.kv_replay_port}", "revision": revision}]}
+    if otlp_traces_endpoint:
+        config["tracing"] = {"otlpEndpoint": otlp_traces_endpoint}
     (log_dir / "router.json").write_text(_json.dumps(config))
     return [worker("prefill", prefill_s, python, log_dir), worker("decode", decode_s, python, log_dir),
             router(log_dir / "router.json", port, log_dir)]
@@ -287,27 +292,28 @@ def start_pd(procs: list[LocalProcess], engine_timeout: float = 300) -> None:
 
 
 def serve_local(port: int = 8080, model: str | None = None, once: bool = False, log_dir: Path | None = None,
-                out=sys.stdout) -> int:
+                out=sys.stdout, otlp_traces_endpoint: str | None = None) -> int:
     """`disagg serve --local`: a prefill and a decode worker (one core each) and the router on this
     machine; answers one OpenAI chat request and prints TTFT, tokens/s and the bytes NIXL moved.
     Its children run in their own sessions (a terminal's Ctrl-C reaches only this process), so every
     way of stopping it ends here and stops them: nothing keeps their ports and cores afterwards."""
     previous = {sig: signal.signal(sig, _raise_stopped) for sig in STOP_SIGNALS}
     try:
-        return _serve_local(port, model, once, log_dir, out)
+        return _serve_local(port, model, once, log_dir, out, otlp_traces_endpoint)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
 
-def _serve_local(port: int, model: str | None, once: bool, log_dir: Path | None, out) -> int:
+def _serve_local(port: int, model: str | None, once: bool, log_dir: Path | None, out,
+                 otlp_traces_endpoint: str | None = None) -> int:
     from .envpath import worker_python
     from .tinymodel import ensure
 
     python = worker_python()
     model = model or str(ensure(python))
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="disagg-local-"))
-    procs = pd_processes(model, port, python, log_dir)
+    procs = pd_processes(model, port, python, log_dir, otlp_traces_endpoint)
     print(f"starting prefill, decode and router (logs in {log_dir}) ...", file=out, flush=True)
     try:
         start_pd(procs)
@@ -319,7 +325,9 @@ def _serve_local(port: int, model: str | None, once: bool, log_dir: Path | None,
         for attempt in range(1, 4):
             route, first, end, chunks, text, start = _chat(url, question)
             print(f"path: {route.get('x-disagg-path')} (prefill {route.get('x-disagg-prefill', '-')} -> decode "
-                  f"{route.get('x-disagg-decode')})", file=out, flush=True)
+                  f"{route.get('x-disagg-decode')})"
+                  + (f"; trace {route['x-disagg-trace-id']}" if "x-disagg-trace-id" in route else ""),
+                  file=out, flush=True)
             if route.get("x-disagg-path") == PATH_REMOTE_PREFILL:
                 break
             # a cold worker (first request after start on a busy machine) can time out or fail once

@@ -81,6 +81,12 @@ class WorkerSettings(BaseModel):
                                                                   "(the operator mounts a sized emptyDir there).")
     drain_seconds: int = Field(DRAIN_SECONDS, ge=0, description="On SIGTERM, how long in-flight requests may finish "
                                                                 "(vLLM's --shutdown-timeout).")
+    otlp_traces_endpoint: str | None = Field(
+        None, description="spec.tracing.otlpEndpoint: vLLM exports an llm_request span per request there "
+                          "(OTLP/gRPC), parented to the router's traceparent; off if unset.")
+    trace_sampling_ratio: float = Field(
+        1.0, ge=0, le=1, description="spec.tracing.samplingRatio: for requests that come without a traceparent "
+                                     "(the router's always carry its decision, which vLLM follows).")
     engine_args: list[str] = Field(default_factory=list, description="Extra vLLM arguments, in order.")
 
     def resolved_buffer_device(self) -> str:

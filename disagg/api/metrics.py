@@ -10,6 +10,8 @@ PREFIX = "disagg_"
 
 # ---- router (labels: deployment, namespace where known)
 ROUTER_TTFT_SECONDS = "disagg_router_ttft_seconds"                  # histogram
+# the exemplar label of a traced request's TTFT observation: its trace id (Grafana's exemplarTraceIdDestinations)
+EXEMPLAR_TRACE_ID = "trace_id"
 ROUTER_ITL_SECONDS = "disagg_router_itl_seconds"                    # histogram
 ROUTER_E2E_SECONDS = "disagg_router_request_duration_seconds"       # histogram
 ROUTER_INPUT_TOKENS = "disagg_router_input_tokens"                  # histogram

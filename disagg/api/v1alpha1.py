@@ -722,6 +722,22 @@ class PlannerSpec(_Model):
         return self
 
 
+class TracingSpec(_Model):
+    otlp_endpoint: str = Field(
+        min_length=1, max_length=2048, pattern=r"^https?://[^/\s]+/?$",
+        description="OTLP/gRPC endpoint every component of the deployment exports its traces to, e.g. "
+                    "http://otel-collector.monitoring:4317 (an OpenTelemetry Collector, Jaeger, Tempo): the router's "
+                    "spans (admission, routing decision, prefill, the wait for the decode's first token, the "
+                    "decode stream, fallbacks and migrations) and vLLM's llm_request span of each prefill and "
+                    "decode, joined into one trace by the W3C traceparent the router sends both workers. "
+                    "https:// is checked against the system's trust store.")
+    sampling_ratio: float = Field(
+        1.0, ge=0, le=1,
+        description="Share of requests traced (parent-based: a client's sampled traceparent is always "
+                    "followed). A request's trace id comes back in the x-disagg-trace-id response header "
+                    "when it was sampled.")
+
+
 class OffloadSpec(_Model):
     cpu_gib: int = Field(0, alias="cpuGiB", ge=0, le=65536,
                          description="Host-memory KV cache tier per replica, GiB (0: off).")
@@ -762,6 +778,8 @@ class DisaggDeploymentSpec(_Model):
     slo: SLOSpec | None = Field(None, description="Latency targets the planner holds.")
     planner: PlannerSpec = Field(default_factory=PlannerSpec, description="The SLO planner.")
     kv_cache: KVCacheSpec = Field(default_factory=KVCacheSpec, description="KV cache tiers.")
+    tracing: TracingSpec | None = Field(None, description="OpenTelemetry traces of each request across the "
+                                                          "router and both workers; off when unset.")
 
     @model_validator(mode="after")
     def _check(self) -> DisaggDeploymentSpec:

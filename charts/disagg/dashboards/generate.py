@@ -60,9 +60,16 @@ def target(expr: str, legend: str = "") -> dict:
     return {"expr": expr, "legendFormat": legend or "__auto", "range": True, "instant": False}
 
 
-def quantiles(metric: str, what: str, by: str = "", qs=(0.5, 0.9, 0.99)) -> list[dict]:
+def quantiles(metric: str, what: str, by: str = "", qs=(0.5, 0.9, 0.99), exemplars: bool = False) -> list[dict]:
+    """``exemplars``: Grafana also asks for the series' exemplars (the router's TTFT carries the request's
+    trace id in label ``m.EXEMPLAR_TRACE_ID``; a Prometheus data source whose exemplarTraceIdDestinations names it, as
+    the chart's grafana.datasources provisions, links each to its trace)."""
     prefix = f"{{{{{by}}}}} " if by else ""
-    return [target(quantile(q, metric, by), f"{prefix}{what} p{round(q * 100)}") for q in qs]
+    out = [target(quantile(q, metric, by), f"{prefix}{what} p{round(q * 100)}") for q in qs]
+    if exemplars:
+        for t in out:
+            t["exemplar"] = True
+    return out
 
 
 class Board:
@@ -180,8 +187,10 @@ def overview() -> Board:
                                        target(ITL_OK, "ITL <= ${itl_target}s"),
                                        target(f"{TTFT_OK} * {ITL_OK}", "both")], "percentunit", **pct)
     b.row("Latency")
-    b.panel("timeseries", "Time to first token", "As the client sees it, from the request's arrival at the router.",
-            quantiles(m.ROUTER_TTFT_SECONDS, "TTFT") + [target("vector(${ttft_target})", "target")], "s",
+    b.panel("timeseries", "Time to first token", "As the client sees it, from the request's arrival at the router. "
+            "With tracing on, exemplars (the dots) link sampled requests to their traces.",
+            quantiles(m.ROUTER_TTFT_SECONDS, "TTFT", exemplars=True) + [target("vector(${ttft_target})", "target")],
+            "s",
             w=8)
     b.panel("timeseries", "Inter-token latency", "Time between streamed tokens.",
             quantiles(m.ROUTER_ITL_SECONDS, "ITL") + [target("vector(${itl_target})", "target")], "s", w=8)
