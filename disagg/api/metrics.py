@@ -117,6 +117,12 @@ PLANNER_METRICS_AVAILABLE = "disagg_planner_metrics_available"      # gauge 0/1
 PLANNER_MODEL_KNOWN = "disagg_planner_model_known"                  # gauge 0/1: the model and GPU are in the performance model's data (0: it holds)
 PLANNER_ERRORS = "disagg_planner_errors_total"                      # counter; labels: stage, error (a failed call costs one pass, never the process; no deployment labels)
 PLANNER_LAST_PASS = "disagg_planner_last_pass_timestamp_seconds"    # gauge, unix seconds: the loop's last progress (no deployment labels; /healthz reads the same heartbeat)
+# flex workers (issue 31; named here for the design in planner/README.md "Flex workers": the simulator reports the
+# same quantities, the executor does not expose them yet). PLANNER_DECISIONS and PLANNER_DESIRED_REPLICAS carry
+# role="flex" for the pool; a switch counts role=<to> direction=up and role=<from> direction=down, reason RoleSwitched
+PLANNER_FLEX_WORKERS = "disagg_planner_flex_workers"                # gauge; labels: role (serving it or switching to it)
+PLANNER_ROLE_SWITCHES = "disagg_planner_role_switches_total"        # counter; labels: from_role, to_role, outcome (switched, cancelled, abandoned)
+PLANNER_SWITCH_DRAIN_SECONDS = "disagg_planner_switch_drain_seconds"  # histogram: a switch asked -> the worker serving its new role
 
 # ---- operator
 OPERATOR_RECONCILES = "disagg_operator_reconciles_total"            # counter; labels: result (applied, unchanged, conflict, error, invalid, blocked, unsupported)
