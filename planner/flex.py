@@ -161,12 +161,15 @@ def allocate(target: FlexTarget, want: dict[str, int], keep: dict[str, int | Non
     # 2. grow: the flex pool first (the other role had nothing to spare), then the dedicated pools
     add: list[str] = []
     room = max(target.flex_max - len(roles), 0)
+    short = {role: max(want[role] - total(role), 0) for role in ROLES}
+    while room > 0 and any(short.values()):   # the pool's room in turns, so neither role takes it all
+        for role in ROLES:
+            if short[role] and room:
+                add.append(role)
+                short[role] -= 1
+                room -= 1
     for role in ROLES:
-        short = max(want[role] - total(role) - add.count(role), 0)
-        n = min(short, room)
-        add += [role] * n
-        room -= n
-        ded[role] = min(ded[role] + (short - n), max(ceiling[role], ded[role]))
+        ded[role] = min(ded[role] + short[role], max(ceiling[role], ded[role]))
 
     # 3. shrink where decide let a role shrink
     remove: list[str] = []
