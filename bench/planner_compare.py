@@ -66,6 +66,7 @@ WORKLOADS = ("mooncake", "step", "diurnal", "bursty", "step-slow", "step-fast", 
              "tenants", "flash")
 POLICIES = ("planner", "planner-flex", "static-peak", "reactive", "dynamo")
 FLEX_MAX = 64           # the flex pool's maximum (the roles' own maximum: 64 each)
+FLEX_SPARE = 0          # flex workers kept beyond both roles' need (--flex-spare)
 SHORT, LONG = 1200.0, 7200.0
 MOONCAKE_HOUR = 3600.0  # the recorded trace's length (its long-horizon row)
 
@@ -113,6 +114,7 @@ def run_row(args: tuple) -> list[dict]:
     """Every policy (of ``policies``; static-peak always: the ratios' baseline) on one (workload, horizon, seed)."""
     name, horizon, seed, plot_dir, trace_dir, *rest = args
     policies = rest[0] if rest else POLICIES
+    spare = rest[1] if len(rest) > 1 else FLEX_SPARE
     made = workload(name, horizon, seed)
     if made is None:
         return []
@@ -126,7 +128,7 @@ def run_row(args: tuple) -> list[dict]:
         if policy == "static-peak":
             pol, c = peak, replace(cfg, initial_prefill=peak.size[0], initial_decode=peak.size[1])
         elif policy == "planner-flex":
-            c = dyn.with_flex(FLEX_MAX)
+            c = dyn.with_flex(FLEX_MAX, spare=spare)
             pol = sm.make_policy(policy, c, trace, season)
         else:
             pol, c = sm.make_policy(policy, dyn, trace, season), dyn
@@ -224,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--from-results", default=None,
                    help="no simulation: the table and goal over the rows of these results.json files (comma-separated)")
     p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--flex-spare", type=int, default=FLEX_SPARE,
+                   help="planner-flex: flex workers kept beyond both roles' need (a pooled headroom)")
     p.add_argument("--policies", default=",".join(POLICIES),
                    help="policies to run (static-peak always runs: it is every ratio's baseline)")
     p.add_argument("--jobs", type=int, default=1, help="rows simulated in parallel (processes)")
@@ -250,8 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     for x in policies:
         if x not in POLICIES:
             p.error(f"unknown policy {x!r}; known: {', '.join(POLICIES)}")
-    jobs = [(w, h, s, out if plots and s == 0 else None, traced, policies) for h in horizons for w in names
-            for s in seeds]
+    jobs = [(w, h, s, out if plots and s == 0 else None, traced, policies, args.flex_spare) for h in horizons
+            for w in names for s in seeds]
     started = time.perf_counter()
     if args.jobs > 1:
         with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:

@@ -20,6 +20,10 @@ workers in that role), then splits what it asked for between the dedicated pools
 3. **Shrink**, where ``decide`` let a role shrink: flex workers first when both roles shrink (both idle,
    down to ``flex_min``), otherwise the role's dedicated replicas first (down to their floor), then its
    flex workers.
+4. **A pooled spare** (``FlexTarget.spare``, 0 by default): that many flex workers kept beyond what both
+   roles need, in the role whose observed latency is the larger share of its target. It serves that role
+   meanwhile and is the first to switch: one headroom for either role, where without flex workers each
+   role would hold its own.
 
 The fast path (:func:`react_flex`) does the same between decisions on a growing queue: a switch reaches
 the queue a drain later, not a start-up later.
@@ -35,7 +39,7 @@ from dataclasses import dataclass, field, replace
 from disagg.perf.model import PerfModel
 
 from .decide import Decision, Memory, Observation, RoleModels, Target, decide, react
-from .reasons import BUDGET_LIMITED, FLEX_GROWN, FLEX_SHRUNK, ROLE_SWITCHED
+from .reasons import BUDGET_LIMITED, FLEX_GROWN, FLEX_SHRUNK, ROLE_SWITCHED, SCALED, STEADY
 
 ROLES = ("prefill", "decode")
 STARTING, SERVING, SWITCHING = "starting", "serving", "switching"
@@ -66,6 +70,9 @@ class FlexTarget:
     workers: tuple[FlexWorker, ...] = ()
     flex_min: int = 0
     flex_max: int = 0
+    # flex workers kept beyond what both roles need, in the role under more pressure: one pooled headroom
+    # for either role to take in a drain's seconds (0: none; every spare is a role's own surplus)
+    spare: int = 0
 
     def count(self, role: str) -> int:
         return sum(1 for w in self.workers if w.role == role)
@@ -123,9 +130,11 @@ class FlexDecision:
 
 
 def allocate(target: FlexTarget, want: dict[str, int], keep: dict[str, int | None], now: float,
-             decision: Decision) -> FlexDecision:
+             decision: Decision, spare_role: str = "prefill", need: dict[str, int] | None = None) -> FlexDecision:
     """Split role totals ``want`` between dedicated replicas and flex workers: switch, then grow, then
-    shrink (see the module's docstring). ``keep``: the least each role keeps (None: give nothing away)."""
+    shrink (see the module's docstring). ``keep``: the least each role keeps (None: give nothing away);
+    ``spare_role``: where the pool's spare workers (``target.spare``) wait; ``need``: what each role needs
+    before hysteresis and cooldown (``RoleDecision.needed``; default ``want``), the spare's baseline."""
     ded_t = target.dedicated
     ded = {"prefill": ded_t.prefill, "decode": ded_t.decode}
     floor = {"prefill": ded_t.floor_prefill, "decode": ded_t.floor_decode}
@@ -170,15 +179,28 @@ def allocate(target: FlexTarget, want: dict[str, int], keep: dict[str, int | Non
                 room -= 1
     for role in ROLES:
         ded[role] = min(ded[role] + short[role], max(ceiling[role], ded[role]))
+    # the pooled spare: flex workers beyond both roles' need (what decide keeps for hysteresis or cooldown
+    # counts), within the pool's room and the GPU budget
+    need = {role: min(want[role], (need or want)[role]) for role in ROLES}
+    surplus = sum(total(role) + add.count(role) - need[role] for role in ROLES)
+    budget = ded_t.gpu_budget
+    while surplus < target.spare and room > 0 and (budget is None or ded_t.gpus(
+            total("prefill") + add.count("prefill") + (spare_role == "prefill"),
+            total("decode") + add.count("decode") + (spare_role == "decode")) <= budget):
+        add.append(spare_role)
+        surplus += 1
+        room -= 1
 
-    # 3. shrink where decide let a role shrink
+    # 3. shrink where decide let a role shrink (never below the pooled spare)
     remove: list[str] = []
     excess = {role: total(role) + add.count(role) - want[role] for role in ROLES}
     both_idle = all(excess[role] > 0 for role in ROLES)
-    for role in ROLES:
-        n = excess[role]
+    removable = min(sum(max(e, 0) for e in excess.values()), max(surplus - target.spare, 0))
+    for role in sorted(ROLES, key=lambda r: r == spare_role):   # the spare's role last
+        n = min(excess[role], removable)
         if n <= 0:
             continue
+        removable -= n
 
         def drop_flex(n: int) -> int:
             cands = sorted((workers[name] for name, r in roles.items() if r == role and name not in remove
@@ -208,6 +230,8 @@ def allocate(target: FlexTarget, want: dict[str, int], keep: dict[str, int | Non
         reason = FLEX_GROWN
     elif remove:
         reason = FLEX_SHRUNK
+    elif decision.reason == SCALED and (ded["prefill"], ded["decode"]) == (ded_t.prefill, ded_t.decode):
+        reason = STEADY    # decide's shrink was the pooled spare: nothing changes
     else:
         reason = decision.reason
     parts = []
@@ -234,8 +258,17 @@ def decide_flex(obs: Observation, target: FlexTarget, memory: FlexMemory, model:
     keep = {"prefill": d.prefill.keep, "decode": d.decode.keep}
     if not d.metrics_ok:   # a hold: nothing switches, nothing is added or removed
         keep = {"prefill": None, "decode": None}
-    fd = allocate(target, {"prefill": d.prefill.replicas, "decode": d.decode.replicas}, keep, now, d)
+    fd = allocate(target, {"prefill": d.prefill.replicas, "decode": d.decode.replicas}, keep, now, d,
+                  spare_role=_pressed(obs, target.dedicated),
+                  need={"prefill": d.prefill.needed, "decode": d.decode.needed})
     return fd, FlexMemory(planner, (keep["prefill"], keep["decode"]))
+
+
+def _pressed(obs: Observation, target: Target) -> str:
+    """The role under more pressure: the larger observed latency as a share of its target (prefill on a tie)."""
+    ttft = obs.ttft / target.ttft_target if obs.ttft is not None and target.ttft_target else 0.0
+    itl = obs.itl / target.itl_target if obs.itl is not None and target.itl_target else 0.0
+    return "decode" if itl > ttft else "prefill"
 
 
 def react_flex(obs: Observation, target: FlexTarget, memory: FlexMemory, model: PerfModel | RoleModels,

@@ -102,17 +102,18 @@ class SimConfig:
     # that has not pulled them (vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT, 480 s by default)
     flex_min: int = 0
     flex_max: int = 0
+    flex_spare: int = 0                # flex workers kept beyond both roles' need (FlexTarget.spare)
     initial_flex_prefill: int = 0
     initial_flex_decode: int = 0
     switch_flip: float = 1.0
     switch_drain_limit: float = 120.0
     kv_lease: float = 480.0
 
-    def with_flex(self, flex_max: int = 64, flex_min: int = 0) -> SimConfig:
+    def with_flex(self, flex_max: int = 64, flex_min: int = 0, spare: int = 0) -> SimConfig:
         """The same deployment with a flex pool: the dedicated pools start at their floors and the rest of the
         initial size starts as flex workers in those roles."""
         fp, fd = max(self.prefill_min, 1), max(self.decode_min, 1)
-        return replace(self, flex_min=flex_min, flex_max=flex_max, initial_prefill=min(self.initial_prefill, fp),
+        return replace(self, flex_min=flex_min, flex_max=flex_max, flex_spare=spare, initial_prefill=min(self.initial_prefill, fp),
                        initial_decode=min(self.initial_decode, fd),
                        initial_flex_prefill=max(self.initial_prefill - fp, 0),
                        initial_flex_decode=max(self.initial_decode - fd, 0))
@@ -857,7 +858,8 @@ class Simulation:
     def _react(self, now: float) -> None:
         """A fast check between decisions: the queues and their growth, for a policy that reacts to them."""
         react_ = getattr(self.policy, "react", None)
-        if react_ is None or any(s <= now < e for s, e in self.cfg.metrics_outages):
+        react_flex_ = getattr(self.policy, "react_flex", None)
+        if (react_ is None and react_flex_ is None) or any(s <= now < e for s, e in self.cfg.metrics_outages):
             return
         live_p, live_d = self._live("prefill"), self._live("decode")
         growth = self._queue_growth(now)
@@ -867,7 +869,6 @@ class Simulation:
                           decode_ready=float(sum(r.ready(now) for r in live_d)),
                           prefill_queue_growth=growth[0], decode_queue_growth=growth[1])
         ready = all(r.ready_at <= now for r in live_p + live_d)
-        react_flex_ = getattr(self.policy, "react_flex", None)
         if react_flex_ is not None:
             fd = react_flex_(obs, self._flex_target(now, ready), now)
             if fd is not None:
@@ -881,7 +882,7 @@ class Simulation:
     def _flex_target(self, now: float, ready: bool) -> FlexTarget:
         dedicated = [sum(1 for r in self._live(role) if not r.flex) for role in ("prefill", "decode")]
         return FlexTarget(self.cfg.target(*dedicated, ready=ready), self._flex_workers(now), self.cfg.flex_min,
-                          self.cfg.flex_max)
+                          self.cfg.flex_max, self.cfg.flex_spare)
 
     def _plan(self, now: float) -> None:
         obs = self._observe(now)

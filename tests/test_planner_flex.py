@@ -83,13 +83,15 @@ def test_shrinking_both_idle_removes_flex_workers_first_one_idle_the_dedicated_r
     workers = [worker("p1", "prefill", load=3), worker("p2", "prefill", load=1), worker("d1", "decode")]
     t = target(prefill=2, decode=2, workers=workers, flex_min=2)
     both = allocate(t, want=(3, 2), keep=(3, 2))          # prefill 4 -> 3, decode 3 -> 2
-    assert both.remove == ("p2",) and (both.prefill, both.decode) == (2, 1)   # flex_min 2: then decode's dedicated
+    # decode first (the pooled spare's role, prefill, last): its flex worker, then flex_min 2 leaves prefill's
+    # surplus to its dedicated replicas
+    assert both.remove == ("d1",) and (both.prefill, both.decode) == (1, 2)
     assert both.reason == reasons.FLEX_SHRUNK and both.flex == 2
     one = allocate(t, want=(2, 3), keep=(2, 3))           # prefill 4 -> 2 only
     assert one.remove == ("p2",) and one.prefill == 1 and one.decode == 2  # dedicated to its floor, then flex
     assert one.total("prefill") == 2 and one.reason == reasons.FLEX_SHRUNK
     same = allocate(t, want=(4, 3), keep=(4, 3))
-    assert (same.switches, same.add, same.remove) == ((), (), ()) and same.reason == reasons.SCALED
+    assert (same.switches, same.add, same.remove) == ((), (), ()) and same.reason == reasons.STEADY
 
 
 # ---------------------------------------------------------------- with decide() and react()
@@ -147,3 +149,18 @@ def test_combined_target_counts_flex_workers_in_their_role_and_widens_the_bounds
     c = t.combined()
     assert (c.prefill, c.decode) == (3, 2) and (c.prefill_max, c.decode_max) == (9, 8)
     assert c.floor_prefill == 1 and c.gpus(c.prefill, c.decode) == 5
+
+
+def test_a_pooled_spare_is_kept_beyond_both_roles_need_in_the_pressed_role_and_is_the_first_to_switch():
+    t = replace(target(workers=[worker("f1", "decode")]), spare=1)
+    fd = fx.allocate(t, {"prefill": 1, "decode": 2}, {"prefill": 1, "decode": 2}, NOW, decision(), "decode")
+    assert fd.add == ("decode",) and fd.reason == reasons.FLEX_GROWN      # 1 + 2 needed, 1 + 3 kept
+    kept = replace(t, workers=(worker("f1", "decode"), worker("f2", "decode")))
+    fd = fx.allocate(kept, {"prefill": 1, "decode": 2}, {"prefill": 1, "decode": 2}, NOW, decision(), "decode")
+    assert (fd.add, fd.remove) == ((), ()) and fd.reason == reasons.STEADY   # decide's shrink is the spare
+    fd = fx.allocate(kept, {"prefill": 2, "decode": 3}, {"prefill": 2, "decode": 2}, NOW, decision(), "decode")
+    assert len(fd.switches) == 1 and fd.total("prefill") == 2
+    assert fd.add == ("decode",) and fd.total("decode") == 3   # the spare is made again (the switch serves now)
+    budget = replace(kept, dedicated=replace(kept.dedicated, gpu_budget=4))
+    fd = fx.allocate(budget, {"prefill": 2, "decode": 3}, {"prefill": 2, "decode": 2}, NOW, decision(), "decode")
+    assert fd.add == ()             # no spare past the GPU budget
