@@ -15,8 +15,9 @@ What it models (latencies from :mod:`disagg.perf.model`, optionally a
 * flex workers (``flex_max`` > 0, a policy with ``plan_flex``; :mod:`disagg.planner.flex`): replicas of the
   one shape both roles share that serve one role at a time. A switch drains the old role (no new work; a
   prefill's batch finishes and the KV blocks it holds for decodes wait until a decode admits the request, or
-  until their lease, ``kv_lease``, expires: then that decode prefills the prompt itself, as the router's
-  ``kv_transfer_failed`` fallback does), then flips in ``switch_flip`` seconds (no weight reload:
+  until their lease, ``kv_lease``, expires, which it does only while no decode serves to extend it: then
+  the decode that takes the request prefills the prompt itself, as the router's ``kv_transfer_failed``
+  fallback does), then flips in ``switch_flip`` seconds (no weight reload:
   ``kv_both``); a drain past ``switch_drain_limit`` is given up and the worker serves its old role again.
 
 Every ``interval`` the policy sees an :class:`~disagg.planner.decide.Observation`
@@ -99,7 +100,9 @@ class SimConfig:
     # flex workers (one engine, kv_both, either role; the prefill and decode layouts must be one shape): the
     # pool's bounds, how many start in each role, a switch's flip once drained (the router sees the new role
     # label), the bound after which a drain is given up, and how long a prefill holds KV blocks for a decode
-    # that has not pulled them (vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT, 480 s by default)
+    # that has not pulled them: NixlConnector's lease (kv_connector_extra_config kv_lease_duration, 30 s in
+    # vLLM 0.32), which the decode whose queue the request waits in extends by heartbeats; so it runs out
+    # only while no decode serves
     flex_min: int = 0
     flex_max: int = 0
     flex_spare: int = 0                # flex workers kept beyond both roles' need (FlexTarget.spare)
@@ -107,7 +110,7 @@ class SimConfig:
     initial_flex_decode: int = 0
     switch_flip: float = 1.0
     switch_drain_limit: float = 120.0
-    kv_lease: float = 480.0
+    kv_lease: float = 30.0
 
     def with_flex(self, flex_max: int = 64, flex_min: int = 0, spare: int = 0) -> SimConfig:
         """The same deployment with a flex pool: the dedicated pools start at their floors and the rest of the
@@ -643,10 +646,15 @@ class Simulation:
             self._maybe_retire(src, now)
 
     def _lease(self, req: _Req, now: float) -> None:
-        if req.src is not None and math.isnan(req.admit):
-            req.kv_lost = True
-            self.kv_leases_expired += 1
-            self._release(req, now)
+        if req.src is None or not math.isnan(req.admit):
+            return
+        if any(r.ready(now) for r in self.replicas["decode"]):
+            # waiting in a serving decode's queue: that decode's heartbeats extend the lease
+            self._at(now + self.cfg.kv_lease, "lease", req)
+            return
+        req.kv_lost = True
+        self.kv_leases_expired += 1
+        self._release(req, now)
 
     def _apply_flex(self, fd: FlexDecision, now: float) -> None:
         by_name = {str(r.id): r for role in ("prefill", "decode") for r in self._live(role) if r.flex}

@@ -74,8 +74,10 @@ def test_a_decode_worker_switching_to_prefill_drains_its_streams_first_and_admit
 
 def test_a_prefill_worker_holding_kv_blocks_for_an_unadmitted_decode_does_not_switch_until_they_are_pulled():
     # no decode serves until a dedicated one asked for at 15 s starts (startup 30 s): the flex prefill
-    # worker holds the prompts' blocks; asked at 15 s to become a decode worker, it flips only at ~45 s
-    cfg = replace(SMALL, initial_prefill=0, initial_decode=0, initial_flex_prefill=1, startup=30.0, ttft_target=120.0)
+    # worker holds the prompts' blocks (a lease of 60 s); asked at 15 s to become a decode worker, it flips
+    # only at ~45 s
+    cfg = replace(SMALL, initial_prefill=0, initial_decode=0, initial_flex_prefill=1, startup=30.0, ttft_target=120.0,
+                  kv_lease=60.0)
     trace = _trace(*[(1.0 + 0.5 * i, 500, 20) for i in range(6)])
     name = _flex_id(cfg, "prefill")
     r = sm.Simulation(cfg, trace, Scripted({name: "decode"}, dedicated=(0, 1))).run()
@@ -85,7 +87,8 @@ def test_a_prefill_worker_holding_kv_blocks_for_an_unadmitted_decode_does_not_sw
 
 
 def test_held_blocks_whose_lease_expires_release_the_switch_and_the_decode_prefills_them_itself():
-    # the flex prefill worker is the only one that could decode: only the lease (20 s) ends its drain
+    # the flex prefill worker is the only one that could decode: no decode serves to extend the lease (20 s),
+    # so only its end ends the drain
     cfg = replace(SMALL, initial_prefill=0, initial_decode=0, initial_flex_prefill=1, kv_lease=20.0,
                   ttft_target=120.0)
     trace = _trace(*[(1.0 + 0.5 * i, 500, 20) for i in range(6)])
@@ -155,3 +158,16 @@ def test_the_flex_planner_switches_on_a_prompt_heavy_shift_and_beats_the_planner
     assert 240.0 < first <= 240.0 + 2 * cfg.interval
     assert r.attainment > plain.attainment + 0.1 and r.attainment > 0.9
     assert r.gpu_hours < plain.gpu_hours
+
+
+def test_a_serving_decode_extends_the_lease_of_the_blocks_it_will_pull():
+    # one decode replica that takes one request at a time (max_num_seqs 1): the flex prefill worker's third
+    # prompt waits ~24 s for it, far past a 5 s lease; the decode's heartbeats keep the blocks, so the
+    # switch asked at 15 s waits for that pull, and nothing is prefilled twice
+    cfg = replace(SMALL, initial_prefill=0, initial_decode=1, initial_flex_prefill=1, kv_lease=5.0, ttft_target=600.0,
+                  max_num_seqs=1)
+    trace = _trace((0.0, 100, 2000), (0.1, 100, 2000), (0.2, 100, 2000))
+    name = _flex_id(cfg, "prefill")
+    r = sm.Simulation(cfg, trace, Scripted({name: "decode"})).run()
+    assert r.finished == r.arrived and r.kv_leases_expired == 0
+    assert r.switch_drains[0] > 5.0 + cfg.switch_flip      # it waited for the pull, not for the lease
