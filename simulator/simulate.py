@@ -989,8 +989,8 @@ class Simulation:
 def simulate(trace: Trace, policy: Policy | str = "planner", config: SimConfig = SimConfig(),
              season_intervals: int = 0) -> SimResult:
     if isinstance(policy, str):
-        if policy == "planner-flex" and not config.flex:
-            config = config.with_flex()
+        if policy == "planner-flex" and not (config.initial_flex_prefill or config.initial_flex_decode):
+            config = config.with_flex(config.flex_max or 64, config.flex_min, config.flex_spare)
         policy = make_policy(policy, config, trace, season_intervals)
     return Simulation(config, trace, policy).run()
 
@@ -1077,6 +1077,9 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--season", type=int, default=0, help="season length in intervals (holt-winters)")
     p.add_argument("--reality", type=float, default=1.0,
                    help="simulated hardware is this much slower than the model the planner plans with")
+    p.add_argument("--flex-max", type=int, default=0, help="planner-flex: the flex pool's maximum (0: 64)")
+    p.add_argument("--flex-spare", type=int, default=0,
+                   help="planner-flex: flex workers kept beyond both roles' need (a pooled headroom)")
     p.add_argument("--out", default="sim-out", help="directory for the CSV, JSON summary and PNG plot")
 
 
@@ -1095,7 +1098,7 @@ def run_cli(args: Any, repo: Path) -> int:
                     ttft_target=args.ttft_ms / 1000.0, itl_target=args.itl_ms / 1000.0,
                     percentile=args.percentile, interval=args.interval, cooldown=args.cooldown,
                     startup=args.startup, gpu_budget=args.gpu_budget, predictor=args.predictor,
-                    reality=args.reality)
+                    reality=args.reality, flex_max=args.flex_max, flex_spare=args.flex_spare)
     first = trace.scaled(limit=2 * cfg.interval)
     if first.requests:  # start from a size fit for the first minute's traffic
         p, d = static_peak(cfg, first).size
