@@ -10,9 +10,10 @@ Pure, like :mod:`disagg.planner.decide`: ``decide_flex(observation, target, memo
 workers in that role), then splits what it asked for between the dedicated pools and the flex pool:
 
 1. **Switch before scale.** A role that needs more takes flex workers from the other role, down to what the
-   other role keeps (its size for 20% more load than it is sized for, ``RoleDecision.keep``; its current
-   size while its latency is above 80% of target), whatever that role's scale-down cooldown says: a switch
-   serves in a drain's seconds, a new replica in a start-up's minute and a half. A worker still starting
+   other role keeps (``RoleDecision.keep``: what the model asks for it, headroom included; its current size
+   while its latency is above 80% of target), whatever that role's scale-down cooldown and hysteresis say:
+   a switch serves in a drain's seconds and is undone as fast, a new replica takes a start-up's minute and
+   a half. A worker still starting
    switches first (it drains nothing), then one switching the other way (the switch is cancelled), then
    the least loaded; a worker that took its role less than :data:`SWITCH_DWELL` ago does not switch back.
 2. **Grow the flex pool** for what switching could not cover (neither role had a flex worker to spare:

@@ -116,8 +116,8 @@ class SimConfig:
         """The same deployment with a flex pool: the dedicated pools start at their floors and the rest of the
         initial size starts as flex workers in those roles."""
         fp, fd = max(self.prefill_min, 1), max(self.decode_min, 1)
-        return replace(self, flex_min=flex_min, flex_max=flex_max, flex_spare=spare, initial_prefill=min(self.initial_prefill, fp),
-                       initial_decode=min(self.initial_decode, fd),
+        return replace(self, flex_min=flex_min, flex_max=flex_max, flex_spare=spare,
+                       initial_prefill=min(self.initial_prefill, fp), initial_decode=min(self.initial_decode, fd),
                        initial_flex_prefill=max(self.initial_prefill - fp, 0),
                        initial_flex_decode=max(self.initial_decode - fd, 0))
 
