@@ -93,6 +93,7 @@ class FlexMemory:
 
     planner: Memory = field(default_factory=Memory)
     keep: tuple[int | None, int | None] = (None, None)   # (prefill, decode)
+    removed_at: float | None = None                      # when a flex worker was last removed
 
 
 @dataclass(frozen=True)
@@ -131,11 +132,14 @@ class FlexDecision:
 
 
 def allocate(target: FlexTarget, want: dict[str, int], keep: dict[str, int | None], now: float,
-             decision: Decision, spare_role: str = "prefill", need: dict[str, int] | None = None) -> FlexDecision:
+             decision: Decision, spare_role: str = "prefill", need: dict[str, int] | None = None,
+             remake_spare: bool = True) -> FlexDecision:
     """Split role totals ``want`` between dedicated replicas and flex workers: switch, then grow, then
     shrink (see the module's docstring). ``keep``: the least each role keeps (None: give nothing away);
     ``spare_role``: where the pool's spare workers (``target.spare``) wait; ``need``: what each role needs
-    before hysteresis and cooldown (``RoleDecision.needed``; default ``want``), the spare's baseline."""
+    before hysteresis and cooldown (``RoleDecision.needed``; default ``want``), the spare's baseline;
+    ``remake_spare``: False within a cooldown of the pool's last removal (a need that moves by one between
+    intervals otherwise removes a worker and starts a new one in turn)."""
     ded_t = target.dedicated
     ded = {"prefill": ded_t.prefill, "decode": ded_t.decode}
     floor = {"prefill": ded_t.floor_prefill, "decode": ded_t.floor_decode}
@@ -185,7 +189,7 @@ def allocate(target: FlexTarget, want: dict[str, int], keep: dict[str, int | Non
     need = {role: min(want[role], (need or want)[role]) for role in ROLES}
     surplus = sum(total(role) + add.count(role) - need[role] for role in ROLES)
     budget = ded_t.gpu_budget
-    while surplus < target.spare and room > 0 and (budget is None or ded_t.gpus(
+    while remake_spare and surplus < target.spare and room > 0 and (budget is None or ded_t.gpus(
             total("prefill") + add.count("prefill") + (spare_role == "prefill"),
             total("decode") + add.count("decode") + (spare_role == "decode")) <= budget):
         add.append(spare_role)
@@ -261,8 +265,9 @@ def decide_flex(obs: Observation, target: FlexTarget, memory: FlexMemory, model:
         keep = {"prefill": None, "decode": None}
     fd = allocate(target, {"prefill": d.prefill.replicas, "decode": d.decode.replicas}, keep, now, d,
                   spare_role=_pressed(obs, target.dedicated),
-                  need={"prefill": d.prefill.needed, "decode": d.decode.needed})
-    return fd, FlexMemory(planner, (keep["prefill"], keep["decode"]))
+                  need={"prefill": d.prefill.needed, "decode": d.decode.needed},
+                  remake_spare=memory.removed_at is None or now - memory.removed_at >= target.dedicated.cooldown)
+    return fd, FlexMemory(planner, (keep["prefill"], keep["decode"]), now if fd.remove else memory.removed_at)
 
 
 def _pressed(obs: Observation, target: Target) -> str:

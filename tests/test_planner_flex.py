@@ -164,3 +164,17 @@ def test_a_pooled_spare_is_kept_beyond_both_roles_need_in_the_pressed_role_and_i
     budget = replace(kept, dedicated=replace(kept.dedicated, gpu_budget=4))
     fd = fx.allocate(budget, {"prefill": 2, "decode": 3}, {"prefill": 2, "decode": 2}, NOW, decision(), "decode")
     assert fd.add == ()             # no spare past the GPU budget
+
+
+def test_the_spare_is_not_made_again_within_a_cooldown_of_a_removal():
+    # a need that moves by one between intervals: removed at one decision, and without this rule started
+    # again at the next (step seed 0 with a spare, 1050-1200 s: each new one a start-up's GPU time)
+    t = replace(target(workers=[worker("f1", "decode"), worker("f2", "decode")]), spare=1)
+    fd = fx.allocate(t, {"prefill": 1, "decode": 3}, {"prefill": 1, "decode": 3}, NOW, decision(), "decode",
+                     remake_spare=False)
+    assert fd.add == () and fd.remove == ()
+    fd = fx.allocate(t, {"prefill": 1, "decode": 3}, {"prefill": 1, "decode": 3}, NOW, decision(), "decode")
+    assert fd.add == ("decode",)
+    # decide_flex remembers when the pool last lost a worker
+    fd, after = fx.decide_flex(_obs(), t, fx.FlexMemory(removed_at=NOW - 100), MODEL, NOW)
+    assert after.removed_at == (NOW if fd.remove else NOW - 100)
