@@ -20,7 +20,7 @@ from . import pairing, policies
 from .config import RouterConfig
 from .errors import NoWorkers
 from .index import PrefixIndex, block_keys
-from .pool import Pool, Worker
+from .pool import Hold, Pool, Worker
 
 # A request's prefix counts as held by the worker it was sent to from the decision on, not only once that
 # worker's KV events arrive (after its prefill): a session's next turn, sent while the last is still being
@@ -54,6 +54,7 @@ class Route:
     fallback: str | None = None
     revision: str | None = None     # the workers' KV revision (prefill and decode share it: pairing.py)
     local_reason: str | None = None  # why the decode prefilled, on a local_prefill route (Plan.reason)
+    kv_hold: Hold | None = None      # the KV its prefill holds for its decode, on a flex prefill (Fleet.hold)
 
     def headers(self) -> dict[str, str]:
         h = {"x-disagg-path": self.path, "x-disagg-decode": self.decode}
