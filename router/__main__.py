@@ -86,6 +86,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--namespace", default="default")
     p.add_argument("--prefill-service")
     p.add_argument("--decode-service")
+    p.add_argument("--flex-drain-seconds", type=float,
+                   help="spec.flex.switchDrainSeconds: longest a flex worker's role switch waits for its drain")
     p.add_argument("--flex-service", help="with --discovery endpointslices and spec.flex: the flex workers' Service "
                                           "(each used in its pod's serving-role label)")
     p.add_argument("--deployment", help="with --discovery endpointslices: the DisaggDeployment whose worker pods "
@@ -113,7 +115,7 @@ def config_from(args: argparse.Namespace) -> RouterConfig:
     if args.tokenizer:
         data["tokenizer"] = local_model_path(args.tokenizer)
     for flag in ("port", "metrics_port", "block_size", "max_model_len", "kv_events_topic", "api_keys_file",
-                 "worker_ca_file"):
+                 "worker_ca_file", "flex_drain_seconds"):
         if getattr(args, flag) is not None:
             data[flag] = getattr(args, flag)
     return RouterConfig.model_validate(data)

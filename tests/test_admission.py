@@ -206,6 +206,8 @@ FLEX_INVALID = [
     ("flex-resources-differ", {**FLEX, "spec.prefill.resources": {"limits": {"nvidia.com/gpu": 1, "memory": "64Gi"}}},
      "resources"),
     ("flex-extra-args-differ", {**FLEX, "spec.decode.extraArgs": ["--max-num-seqs", "64"]}, "extraArgs"),
+    ("flex-multi-pod", {**FLEX, **{f"spec.{r}.{k}": v for r in ("prefill", "decode") for k, v in
+                                   (("tensorParallelSize", 2), ("podsPerReplica", 2))}}, "podsPerReplica above 1"),
     ("flex-without-prefill-work", {**FLEX, "spec.router.disaggregation": "never"}, "router.disaggregation never"),
     ("flex-above-max", {"spec.flex": {"replicas": 5, "maxReplicas": 4}}, "spec.flex.replicas"),
     ("flex-min-above-replicas", {"spec.flex": {"replicas": 1, "minReplicas": 2}}, "spec.flex.minReplicas"),

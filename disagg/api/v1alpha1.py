@@ -736,6 +736,8 @@ class OffloadSpec(_Model):
 # revision, and one set of engine arguments must serve both roles (planner/README, flex workers).
 FLEX_SHAPE_MESSAGE = ("spec.flex needs prefill and decode of one shape, since a flex worker serves either "
                       "with one engine: spec.prefill and spec.decode differ in {what}")
+FLEX_MULTI_POD_MESSAGE = ("spec.flex: flex workers of replicas that span several pods (podsPerReplica above 1) "
+                          "are not supported yet")
 FLEX_NEEDS_PREFILL_MESSAGE = ("spec.flex needs a prefill role to switch to: router.disaggregation never "
                               "sends no work to prefill workers")
 
@@ -846,6 +848,8 @@ class DisaggDeploymentSpec(_Model):
               field_path=f".{role}.parallelism.pipeline") for role in ("prefill", "decode")),
         *(cel(f"!has(self.flex) || ({rule})", FLEX_SHAPE_MESSAGE.format(what=what), field_path=".flex")
           for what, rule in _FLEX_SHAPE),
+        cel(f"!has(self.flex) || {_cel_pods('self.prefill')} == 1", FLEX_MULTI_POD_MESSAGE, field_path=".flex",
+            reason="FieldValueForbidden"),
         cel("!has(self.flex) || !has(self.router.disaggregation) || self.router.disaggregation != 'never'",
             FLEX_NEEDS_PREFILL_MESSAGE, field_path=".flex", reason="FieldValueForbidden"),
     ))
@@ -887,6 +891,8 @@ class DisaggDeploymentSpec(_Model):
             differ = flex_shape_differences(self.prefill, self.decode)
             if differ:
                 raise ValueError(FLEX_SHAPE_MESSAGE.format(what=", ".join(differ)))
+            if self.prefill.pods_per_replica > 1:
+                raise ValueError(FLEX_MULTI_POD_MESSAGE)
             if self.router.disaggregation == Disaggregation.NEVER:
                 raise ValueError(FLEX_NEEDS_PREFILL_MESSAGE)
         return self
