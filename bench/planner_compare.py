@@ -1,6 +1,7 @@
-"""The SLO planner vs static-peak, a reactive autoscaler and a Dynamo-style throughput planner, many workloads.
+"""The SLO planner (with and without flex workers) vs static-peak, a reactive autoscaler and a Dynamo-style
+throughput planner, many workloads.
 
-All four policies run in the same discrete-event simulator (disagg.simulator.simulate), on the same traces,
+All five policies run in the same discrete-event simulator (disagg.simulator.simulate), on the same traces,
 in one run: per workload, horizon (20 minutes and 2 hours) and seed (3). Reported per row: SLO attainment
 (share of requests inside both the TTFT and the ITL target at their p90; and each target on its own),
 TTFT and ITL at p90, GPU-hours, goodput per GPU-hour (requests inside both targets per GPU-hour); and
@@ -24,13 +25,17 @@ scale-down cooldown; TTFT 1 s / ITL 40 ms at p90 unless said):
   flash           flat 4 requests/s with a flash crowd every 20 minutes at a seeded time (4x in 10 s, 3 min,
                   then decaying).
 
+The planner with flex workers (planner-flex: disagg.planner.flex, up to FLEX_MAX flex workers of the roles'
+one shape; they switch roles in a drain's seconds, no weight reload) starts from the same size, its dedicated
+pools at their floor (one each) and the rest as flex workers in those roles.
 The planner and the reactive autoscaler and the Dynamo-style planner start from a size fit for the first
 minute's traffic; static-peak is sized with the same serving model for the busiest 30 s of the trace. The
 planner and the Dynamo-style planner use the same predictor (Holt-Winters on the periodic shapes, moving
 average elsewhere). See planner/README.md for how faithfully the Dynamo-style planner follows Dynamo's.
 
     .venv/bin/python bench/planner_compare.py [--out DIR] [--jobs N] [--quick] [--seeds 3] [--seed-from 0]
-      [--horizons 1200,7200] [--workloads step,flash] [--no-plots] [--traces]
+      [--horizons 1200,7200] [--workloads step,flash] [--policies planner,planner-flex,static-peak] [--no-plots]
+      [--traces]
     .venv/bin/python bench/planner_compare.py --from-results A/results.json,B/results.json   # one table of runs
 """
 
@@ -59,7 +64,9 @@ SYN = sm.SimConfig(ttft_target=1.0, itl_target=0.04)
 REAL = sm.SimConfig(ttft_target=4.0, itl_target=0.05)
 WORKLOADS = ("mooncake", "step", "diurnal", "bursty", "step-slow", "step-fast", "heavy-lognormal", "heavy-pareto",
              "tenants", "flash")
-POLICIES = ("planner", "static-peak", "reactive", "dynamo")
+POLICIES = ("planner", "planner-flex", "static-peak", "reactive", "dynamo")
+FLEX_MAX = 64           # the flex pool's maximum (the roles' own maximum: 64 each)
+FLEX_SPARE = 0          # flex workers kept beyond both roles' need (--flex-spare)
 SHORT, LONG = 1200.0, 7200.0
 MOONCAKE_HOUR = 3600.0  # the recorded trace's length (its long-horizon row)
 
@@ -103,9 +110,11 @@ def workload(name: str, horizon: float, seed: int) -> tuple[traces.Trace, sm.Sim
     raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
 
 
-def run_row(args: tuple[str, float, int, Path | None, Path | None]) -> list[dict]:
-    """Every policy on one (workload, horizon, seed)."""
-    name, horizon, seed, plot_dir, trace_dir = args
+def run_row(args: tuple) -> list[dict]:
+    """Every policy (of ``policies``; static-peak always: the ratios' baseline) on one (workload, horizon, seed)."""
+    name, horizon, seed, plot_dir, trace_dir, *rest = args
+    policies = rest[0] if rest else POLICIES
+    spare = rest[1] if len(rest) > 1 else FLEX_SPARE
     made = workload(name, horizon, seed)
     if made is None:
         return []
@@ -114,10 +123,13 @@ def run_row(args: tuple[str, float, int, Path | None, Path | None]) -> list[dict
     dyn = replace(cfg, initial_prefill=first[0], initial_decode=first[1])
     peak = sm.static_peak(cfg, trace)
     rows, results = [], []
-    for policy in POLICIES:
+    for policy in (p for p in POLICIES if p in policies or p == "static-peak"):
         started = time.perf_counter()
         if policy == "static-peak":
             pol, c = peak, replace(cfg, initial_prefill=peak.size[0], initial_decode=peak.size[1])
+        elif policy == "planner-flex":
+            c = dyn.with_flex(FLEX_MAX, spare=spare)
+            pol = sm.make_policy(policy, c, trace, season)
         else:
             pol, c = sm.make_policy(policy, dyn, trace, season), dyn
         r = sm.simulate(trace, pol, c)
@@ -141,10 +153,11 @@ def summarise(rows: list[dict]) -> tuple[list[dict], dict]:
         groups.setdefault((w, h), [])
         if s not in groups[(w, h)]:
             groups[(w, h)].append(s)
+    ran = [p for p in POLICIES if any(r["policy"] == p for r in rows)]
     table = []
     for (w, h), seeds in groups.items():
         entry: dict = {"workload": w, "horizon_s": h, "seeds": len(seeds)}
-        for p in POLICIES:
+        for p in ran:
             rs = [by[(w, h, s, p)] for s in seeds]
             st = [by[(w, h, s, "static-peak")] for s in seeds]
             entry[p] = {
@@ -157,7 +170,7 @@ def summarise(rows: list[dict]) -> tuple[list[dict], dict]:
             }
         table.append(entry)
     goal = {}
-    for p in POLICIES:
+    for p in ran:
         runs = [(r, by[(r["workload"], r["horizon_s"], r["seed"], "static-peak")]) for r in rows if r["policy"] == p]
         goal[p] = {
             "rows": len(runs),
@@ -173,20 +186,29 @@ def summarise(rows: list[dict]) -> tuple[list[dict], dict]:
 
 
 def markdown(table: list[dict], goal: dict) -> str:
-    """The README's table: per workload and horizon, over the seeds."""
+    """The README's table: per workload and horizon, over the seeds ("-" for a policy not run)."""
     head = ("| workload | horizon | planner attainment (worst seed) | planner GPU-h / static (worst) | "
-            "planner goodput/GPU-h vs static | Dynamo-style attainment (worst) | Dynamo-style GPU-h / static | "
+            "planner goodput/GPU-h vs static | flex planner attainment (worst) | flex planner GPU-h / static (worst) | "
+            "flex planner goodput/GPU-h vs static | Dynamo-style attainment (worst) | Dynamo-style GPU-h / static | "
             "Dynamo-style goodput/GPU-h vs static | reactive attainment (worst) | static-peak attainment (worst) |")
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
+
+    def three(e: dict, p: str) -> str:
+        if p not in e:
+            return "- | - | -"
+        x = e[p]
+        return (f"{x['attainment_min']:.1%} | {x['gpu_h_vs_static_max']:.2f} | "
+                f"{x['goodput_per_gpu_h_vs_static']:.2f}x")
+
     for e in table:
-        pl, dy, re, st = e["planner"], e["dynamo"], e["reactive"], e["static-peak"]
+        re = f"{e['reactive']['attainment_min']:.1%}" if "reactive" in e else "-"
         lines.append(
-            f"| {e['workload']} | {e['horizon_s'] / 60:.0f} min x{e['seeds']} | {pl['attainment_min']:.1%} | "
-            f"{pl['gpu_h_vs_static_max']:.2f} | {pl['goodput_per_gpu_h_vs_static']:.2f}x | "
-            f"{dy['attainment_min']:.1%} | {dy['gpu_h_vs_static_max']:.2f} | {dy['goodput_per_gpu_h_vs_static']:.2f}x | "
-            f"{re['attainment_min']:.1%} | {st['attainment_min']:.1%} |")
+            f"| {e['workload']} | {e['horizon_s'] / 60:.0f} min x{e['seeds']} | {three(e, 'planner')} | "
+            f"{three(e, 'planner-flex')} | {three(e, 'dynamo')} | {re} | {e['static-peak']['attainment_min']:.1%} |")
     lines.append("")
-    for p in ("planner", "dynamo", "reactive"):
+    for p in ("planner", "planner-flex", "dynamo", "reactive"):
+        if p not in goal:
+            continue
         g = goal[p]
         lines.append(f"- {p}: {g['rows']} rows; below 90%: {len(g['rows_below_90pct'])}; GPU-h not below "
                      f"static-peak: {len(g['rows_not_below_static_gpu_h'])}; goodput per GPU-hour vs static-peak, "
@@ -204,6 +226,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--from-results", default=None,
                    help="no simulation: the table and goal over the rows of these results.json files (comma-separated)")
     p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--flex-spare", type=int, default=FLEX_SPARE,
+                   help="planner-flex: flex workers kept beyond both roles' need (a pooled headroom)")
+    p.add_argument("--policies", default=",".join(POLICIES),
+                   help="policies to run (static-peak always runs: it is every ratio's baseline)")
     p.add_argument("--jobs", type=int, default=1, help="rows simulated in parallel (processes)")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--traces", action="store_true",
@@ -224,7 +250,12 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"unknown workload {w!r}; known: {', '.join(WORKLOADS)}")
     plots = not (args.quick or args.no_plots)
     traced = out / "traces" if args.traces else None
-    jobs = [(w, h, s, out if plots and s == 0 else None, traced) for h in horizons for w in names for s in seeds]
+    policies = tuple(x for x in args.policies.split(",") if x)
+    for x in policies:
+        if x not in POLICIES:
+            p.error(f"unknown policy {x!r}; known: {', '.join(POLICIES)}")
+    jobs = [(w, h, s, out if plots and s == 0 else None, traced, policies, args.flex_spare) for h in horizons
+            for w in names for s in seeds]
     started = time.perf_counter()
     if args.jobs > 1:
         with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:

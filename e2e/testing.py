@@ -27,6 +27,38 @@ def wait_for(check: Callable[[], T], timeout: float = 60, what: str = "condition
         time.sleep(interval)
 
 
+class LoopThread:
+    """An event loop in a thread: an in-process router runs there, and the test waits with wait_for and
+    reads the router's state through the loop (never while the loop writes it)."""
+
+    def __init__(self) -> None:
+        import asyncio
+
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float = 60):
+        import asyncio
+
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=timeout)
+
+    def submit(self, coro):
+        import asyncio
+
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def call(self, fn, *args):
+        async def run():
+            return fn(*args)
+        return self.run(run())
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=30)
+        self.loop.close()
+
+
 def pod(name: str, gpus: int = 0, labels: dict[str, str] | None = None, node_selector: dict[str, str] | None = None,
         pod_group: str | None = None, annotations: dict[str, str] | None = None) -> dict[str, Any]:
     """A plain pod manifest (the image is never pulled: kwok runs the pod)."""

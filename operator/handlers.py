@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -20,11 +20,11 @@ from disagg.api import inferencepool as pools
 from disagg.api import kube
 from disagg.api.contract import KV_REVISION_GENERATION_LABEL, KV_REVISION_LABEL
 from disagg.api.names import (GROUP, LABEL_DEPLOYMENT, LABEL_GANG, LABEL_GROUP, LABEL_GROUP_POD, LABEL_HEADLESS,
-                               LABEL_MANAGED_BY, LABEL_ROLE, MANAGED_BY,
-                               ROLE_DECODE, ROLE_PREFILL)
+                               LABEL_MANAGED_BY, LABEL_ROLE, LABEL_SERVING_ROLE, MANAGED_BY,
+                               ANNOTATION_OBSERVED_SERVING_ROLE, ROLE_DECODE, ROLE_FLEX, ROLE_PREFILL)
 from disagg.api.v1alpha1 import GPU_RESOURCE, KIND, PLURAL, VERSION, ConditionType, DisaggDeployment
 
-from . import capacity, children, groups, render
+from . import capacity, children, flex, groups, render
 from . import gang as gangs
 from . import memory, metrics, revisions
 from . import status as statuses
@@ -345,7 +345,9 @@ def pods_by_deployment(namespace: str, name: str, labels: kopf.Labels, spec: kop
                             revision=labels.get(KV_REVISION_LABEL),
                             generation=labels.get(KV_REVISION_GENERATION_LABEL),
                             group=labels.get(LABEL_GROUP), group_pod=int(index) if index.isdigit() else None,
-                            headless=LABEL_HEADLESS in labels, failure=failure)
+                            headless=LABEL_HEADLESS in labels, failure=failure,
+                            serving_role=labels.get(LABEL_SERVING_ROLE),
+                            observed_role=(meta.get("annotations") or {}).get(ANNOTATION_OBSERVED_SERVING_ROLE))
     return {(namespace, labels[LABEL_DEPLOYMENT]): view}
 
 
@@ -489,6 +491,7 @@ async def status_loop(name: str, namespace: str, body: kopf.Body, memo: kopf.Mem
             for drift in [k for k in memo.drift_seen if k[1] == namespace and k[2].startswith(f"{name}-")]:
                 memo.drift_seen.pop(drift, None)
         metrics.observe_status(namespace, name, None)
+        flex.forget(namespace, name)
 
 
 async def _woken(trigger: asyncio.Event, stopped: kopf.DaemonStopped, timeout: float) -> bool:
@@ -516,6 +519,8 @@ class LoopState:
     # write, the live body still shows the status before it, and the write must not be repeated
     written: tuple[str, dict[str, Any]] | None = None
     pruned_for: str | None = None   # the gang whose predecessors' objects have been pruned
+    # flex pod -> the serving role last written or recorded on it (operator/flex.py run)
+    flex_written: dict[str, str] = field(default_factory=dict)
 
 
 def refresh(clients: children.Clients, namespace: str, name: str, pods: list[statuses.PodView],
@@ -546,8 +551,13 @@ def refresh(clients: children.Clients, namespace: str, name: str, pods: list[sta
         pods, deps, events, restarts = _run_groups(clients, dd, obj["metadata"].get("uid", ""), pods, deps, applied)
     if pool is not None and dd.spec.router.picker_settings() and obj["metadata"].get("uid"):
         retry_pool(clients, dd, obj["metadata"]["uid"], pool)
+    switches = 0
+    if any(p.role == ROLE_FLEX for p in pods):
+        pods, flex_events, switches = flex.run(clients.core, namespace, name, pods, state.flex_written)
+        events += flex_events
     obs = statuses.Observed(pods=pods, deployments={role: view for role, view in deps},
-                            group_pods_scheduled=scheduled, group_restarts=restarts, inference_pool=pool)
+                            group_pods_scheduled=scheduled, group_restarts=restarts, inference_pool=pool,
+                            flex_switches=switches)
     if applied:
         obs.applied_generation, obs.apply_error = applied
     gang = dd.spec.scheduling.gang

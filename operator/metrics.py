@@ -23,6 +23,11 @@ drift_reverts = Counter(m.OPERATOR_DRIFT_REVERTS.removesuffix("_total"),
 group_restarts = Counter(m.OPERATOR_GROUP_RESTARTS.removesuffix("_total"),
                          "Multi-pod replicas recreated as a whole after one of their pods failed or went.",
                          ["namespace", "deployment", "role"])
+flex_workers = Gauge(m.OPERATOR_FLEX_WORKERS, "Flex workers by the role their pod's serving-role label says.",
+                     ["namespace", "deployment", "role"])
+role_switches = Counter(m.OPERATOR_ROLE_SWITCHES.removesuffix("_total"),
+                        "Flex workers' serving-role label changes the operator saw.",
+                        ["namespace", "deployment", "from_role", "to_role"])
 status_writes = Counter(m.OPERATOR_STATUS_WRITES.removesuffix("_total"), "Status subresource writes.")
 gang_wait = Histogram(m.OPERATOR_GANG_WAIT_SECONDS, "From the first pod of a gang to the whole minimum set bound.",
                       buckets=(1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600))

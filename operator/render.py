@@ -24,6 +24,7 @@ from disagg.api.names import (
     MANAGED_BY,
     MODEL_MOUNT_ROOT,
     ROLE_DECODE,
+    ROLE_FLEX,
     ROLE_PREFILL,
     ROLE_ROUTER,
     ROUTER_API_KEYS_FILE,
@@ -92,6 +93,7 @@ def names(dd_name: str) -> dict[str, str]:
     return {
         ROLE_PREFILL: child_name(dd_name, ROLE_PREFILL),
         ROLE_DECODE: child_name(dd_name, ROLE_DECODE),
+        ROLE_FLEX: child_name(dd_name, ROLE_FLEX),
         ROLE_ROUTER: child_name(dd_name, ROLE_ROUTER),
         "service": dd_name,  # the endpoint users call
         "network-policy": child_name(dd_name, "workers"),  # what it guards
@@ -130,9 +132,20 @@ def _meta(dd: DisaggDeployment, uid: str, name: str, role: str | None = None) ->
     return {"name": name, "namespace": dd.metadata.namespace, "labels": labels, "ownerReferences": [_owner(dd, uid)]}
 
 
+def shape(dd: DisaggDeployment, role: str) -> RoleSpec:
+    """The replica shape of a worker role: a flex worker's is the one prefill and decode share (the API
+    refuses a spec.flex where they differ), so it is prefill's."""
+    return dd.spec.prefill if role == ROLE_FLEX else getattr(dd.spec, role)
+
+
+def worker_roles(dd: DisaggDeployment) -> tuple[str, ...]:
+    """The worker pools: prefill, decode, and flex when spec.flex is set."""
+    return (ROLE_PREFILL, ROLE_DECODE, *((ROLE_FLEX,) if dd.spec.flex is not None else ()))
+
+
 def multi_pod(dd: DisaggDeployment, role: str) -> bool:
     """Whether a role's replicas span several pods (groups, operator/groups.py) instead of one Deployment."""
-    return getattr(dd.spec, role).pods_per_replica > 1
+    return shape(dd, role).pods_per_replica > 1
 
 
 def unrendered_layout(dd: DisaggDeployment) -> str | None:
@@ -169,7 +182,7 @@ def worker_args(dd: DisaggDeployment, role: str, rank: tuple[int, int] | None = 
     ``rank``: (replica, pod index) of a pod of a multi-pod replica, whose flags place it in its group
     (``disagg.api.parallelism.rank_flags``); the pods other than the leader serve no metrics."""
     spec = dd.spec
-    role_spec: RoleSpec = getattr(spec, role)
+    role_spec = shape(dd, role)
     max_len = contract.max_model_len(spec.engine.args)
     # a one-pod replica's other parallel dimensions (pipeline, data with expert parallel) inside its pod;
     # tensor parallel has its own flag, as it always had
@@ -323,7 +336,7 @@ def worker_pod_template(dd: DisaggDeployment, role: str, gang: gangs.Gang, gener
     (replica, pod index)) of one pod of a multi-pod replica (operator/groups.py), whose leader (index 0)
     serves as a one-pod worker does and whose other pods run the engine's ranks headless: no API, so no
     probes on it (the leader's readiness is the replica's, as it is only ready once every rank joined)."""
-    role_spec: RoleSpec = getattr(dd.spec, role)
+    role_spec = shape(dd, role)
     pod_fields = gang.pod_fields.get(role, {"labels": {}, "annotations": {}, "spec": {}})
     revision = kv_revision(dd)
     if generation is None:
@@ -455,13 +468,15 @@ def replica_pod_group_name(gang: gangs.Gang, group: str) -> str:
 
 def worker_deployment(dd: DisaggDeployment, uid: str, role: str, gang: gangs.Gang,
                       generation: int | None = None, hold: bool = False) -> dict[str, Any]:
-    role_spec: RoleSpec = getattr(dd.spec, role)
     template = worker_pod_template(dd, role, gang, generation)
+    # a flex pod's serving role (LABEL_SERVING_ROLE) is not in its template: it changes per pod at run time,
+    # written on the pod (handlers._run_flex, or the planner), and a template change would roll every pod
+    replicas = dd.spec.flex.replicas if role == ROLE_FLEX else getattr(dd.spec, role).replicas
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",
         "metadata": _meta(dd, uid, names(dd.metadata.name)[role], role),
         "spec": {
-            "replicas": role_spec.replicas,
+            "replicas": replicas,
             "selector": {"matchLabels": selector(dd.metadata.name, role)},
             # Surge, never unavailability: a rollout never leaves zero ready workers of a role.
             # The surge covers the role's gang minimum, so a new gang (after a topology or
@@ -534,6 +549,8 @@ def router_deployment(dd: DisaggDeployment, uid: str) -> dict[str, Any]:
                  "--discovery", "endpointslices", "--namespace", dd.metadata.namespace or "default",
                  "--deployment", dd.metadata.name,
                  "--prefill-service", n[ROLE_PREFILL], "--decode-service", n[ROLE_DECODE],
+                 *(["--flex-service", n[ROLE_FLEX], "--flex-drain-seconds", str(dd.spec.flex.switch_drain_seconds)]
+                   if dd.spec.flex is not None else []),
                  # N processes on the http port, process i scraped alone on metrics-i (router/processes.py)
                  "--processes", str(r.processes), "--metrics-port", str(contract.ROUTER_METRICS_PORT),
                  "--drain-seconds", str(contract.DRAIN_SECONDS)],
@@ -604,7 +621,7 @@ def services(dd: DisaggDeployment, uid: str) -> list[dict[str, Any]]:
         # the InferencePool's endpointPickerRef names this port (its service port); gRPC in cleartext
         out[0]["spec"]["ports"].append({"name": PICKER_PORT_NAME, "port": picker.port, "targetPort": PICKER_PORT_NAME,
                                         "appProtocol": "kubernetes.io/h2c"})
-    for role in (ROLE_PREFILL, ROLE_DECODE):
+    for role in worker_roles(dd):
         out.append({
             "apiVersion": "v1", "kind": "Service",
             "metadata": _meta(dd, uid, n[role], role),
@@ -629,7 +646,8 @@ def services(dd: DisaggDeployment, uid: str) -> list[dict[str, Any]]:
 
 def _workers_of(dd_name: str) -> dict[str, Any]:
     return {"matchExpressions": [{"key": LABEL_DEPLOYMENT, "operator": "In", "values": [dd_name]},
-                                 {"key": LABEL_ROLE, "operator": "In", "values": [ROLE_PREFILL, ROLE_DECODE]}]}
+                                 {"key": LABEL_ROLE, "operator": "In",
+                                  "values": [ROLE_PREFILL, ROLE_DECODE, ROLE_FLEX]}]}
 
 
 def _tcp(*ports: int) -> list[dict[str, Any]]:
@@ -765,7 +783,7 @@ def children(dd: DisaggDeployment, uid: str, generation: int | None = None,
         out.append(network_policy(dd, uid))
         out += picker_network_policies(dd, uid)
     # a role of multi-pod replicas has no Deployment: the status loop runs its groups (operator/groups.py)
-    out += [worker_deployment(dd, uid, role, gang, generation, hold) for role in (ROLE_PREFILL, ROLE_DECODE)
+    out += [worker_deployment(dd, uid, role, gang, generation, hold) for role in worker_roles(dd)
             if not multi_pod(dd, role)]
     out.append(router_deployment(dd, uid))
     pool = inference_pool(dd, uid)

@@ -42,6 +42,8 @@ class PodView:
     group_pod: int | None = None  # its index there (0 = the leader)
     headless: bool = False        # a group's pod other than the leader: no API, not a replica of its own
     failure: str | None = None    # why its container ended, when it did (a group pod is never restarted)
+    serving_role: str | None = None   # a flex pod's role now (LABEL_SERVING_ROLE)
+    observed_role: str | None = None  # the one the operator last saw on it (ANNOTATION_OBSERVED_SERVING_ROLE)
 
 
 @dataclass
@@ -81,6 +83,7 @@ class Observed:
     group_restarts: dict[str, int] = field(default_factory=dict)
     apply_error: str | None = None          # why applying the current generation failed
     inference_pool: PoolState | None = None  # picker mode: the InferencePool (None: not applied yet)
+    flex_switches: int = 0                   # flex workers' role switches seen by this refresh (operator/flex.py)
 
 
 def _fault_detail(dd: DisaggDeployment, reason: str, message: str | None) -> str:
@@ -238,6 +241,10 @@ def compute(dd: DisaggDeployment, generation: int, previous: dict[str, Any] | No
     status = {"observedGeneration": generation, "phase": str(phase), "conditions": conds + kept,
               "prefill": roles[ROLE_PREFILL], "decode": roles[ROLE_DECODE], "router": roles[ROLE_ROUTER],
               "endpoint": endpoint}
+    if spec.flex is not None:
+        from . import flex
+
+        status["flex"] = flex.status(spec.flex.replicas, obs.pods, previous.get("flex"), obs.flex_switches)
 
     # Events: a condition that turned (True/False), or anything worth a warning when it appears or its
     # reason changes. Not a condition's first, unremarkable value, nor a new reason for the same state

@@ -245,6 +245,11 @@ class RoleDecision:
     replicas: int
     needed: int            # what the model asked for before hysteresis and clamps
     reason: str
+    # the least replicas the role keeps now: what the model asks (``needed``, headroom included, at least the
+    # floor), the current size while its observed latency is above NEAR_TARGET of its target; None where the
+    # decision did not size (a hold). What a flex worker may leave the role down to (disagg.planner.flex),
+    # cooldown and hysteresis or not: a switch is undone in seconds, where a replica given up takes a start-up
+    keep: int | None = None
 
     def direction(self, current: int) -> str:
         return "up" if self.replicas > current else "down" if self.replicas < current else "hold"
@@ -515,11 +520,19 @@ def decide(obs: Observation, target: Target, memory: Memory, model: PerfModel | 
     rd = role(target.decode, need_d, target.floor_decode, d_limit, memory.last_scale_up_decode, itl_obs,
               target.itl_target, shrink_d)
 
+    def keep(current: int, need: int, floor: int, obs_lat: float | None, slo: float) -> int:
+        if obs_lat is not None and obs_lat > NEAR_TARGET * slo:
+            return max(current, need, floor)
+        return max(need, floor)
+
+    rp = replace(rp, keep=keep(target.prefill, need_p, target.floor_prefill, ttft_obs, target.ttft_target))
+    rd = replace(rd, keep=keep(target.decode, need_d, target.floor_decode, itl_obs, target.itl_target))
+
     p, d, limited = fit_budget(rp.replicas, rd.replicas, target)
     if p != rp.replicas:
-        rp = RoleDecision(p, rp.needed, BUDGET_LIMITED)
+        rp = RoleDecision(p, rp.needed, BUDGET_LIMITED, rp.keep)
     if d != rd.replicas:
-        rd = RoleDecision(d, rd.needed, BUDGET_LIMITED)
+        rd = RoleDecision(d, rd.needed, BUDGET_LIMITED, rd.keep)
     if rp.replicas > target.prefill:
         memory = replace(memory, last_scale_up_prefill=now)
     if rd.replicas > target.decode:

@@ -15,6 +15,13 @@ METRICS_UNAVAILABLE = "MetricsUnavailable"  # Prometheus answered, a required se
 # as another model or for another GPU (the metrics were read: these never stand in for a metrics outage)
 UNKNOWN_MODEL = "UnknownModel"
 UNKNOWN_GPU = "UnknownGPU"
+# flex workers (disagg.planner.flex): a decision that moved flex workers between roles, grew the flex pool
+# (neither role had one to spare) or shrank it (both idle); a switch whose drain outlasted its bound was given
+# up (the worker stays in its old role: no request is cut to make a switch)
+ROLE_SWITCHED = "RoleSwitched"
+FLEX_GROWN = "FlexPoolGrown"
+FLEX_SHRUNK = "FlexPoolShrunk"
+SWITCH_DRAIN_TIMED_OUT = "SwitchDrainTimedOut"
 
 # the metrics source could not be read (decisions hold; SLOMet is Unknown with the same reason)
 PROMETHEUS_UNREACHABLE = "PrometheusUnreachable"  # no answer: refused, timed out, not Prometheus' API

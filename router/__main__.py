@@ -20,7 +20,7 @@ import yaml
 from aiohttp import web
 
 from disagg.api.contract import DRAIN_SECONDS
-from disagg.api.names import ROLE_DECODE, ROLE_PREFILL, local_model_path
+from disagg.api.names import ROLE_DECODE, ROLE_FLEX, ROLE_PREFILL, local_model_path
 
 from .app import make_app
 from .config import RouterConfig
@@ -91,6 +91,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--namespace", default="default")
     p.add_argument("--prefill-service")
     p.add_argument("--decode-service")
+    p.add_argument("--flex-drain-seconds", type=float,
+                   help="spec.flex.switchDrainSeconds: longest a flex worker's role switch waits for its drain")
+    p.add_argument("--flex-service", help="with --discovery endpointslices and spec.flex: the flex workers' Service "
+                                          "(each used in its pod's serving-role label)")
     p.add_argument("--deployment", help="with --discovery endpointslices: the DisaggDeployment whose worker pods "
                                         "are listed (by its label); default: the one the Services are named after")
     return p
@@ -123,7 +127,7 @@ def config_from(args: argparse.Namespace) -> RouterConfig:
             tracing["samplingRatio"] = args.trace_sampling_ratio
         data["tracing"] = tracing
     for flag in ("port", "metrics_port", "block_size", "max_model_len", "kv_events_topic", "api_keys_file",
-                 "worker_ca_file"):
+                 "worker_ca_file", "flex_drain_seconds"):
         if getattr(args, flag) is not None:
             data[flag] = getattr(args, flag)
     return RouterConfig.model_validate(data)
@@ -157,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
             kconfig.load_kube_config()
         try:
             discovery = EndpointSliceDiscovery(api_client(), args.namespace,
-                                               {ROLE_PREFILL: args.prefill_service, ROLE_DECODE: args.decode_service},
+                                               {ROLE_PREFILL: args.prefill_service, ROLE_DECODE: args.decode_service,
+                                                **({ROLE_FLEX: args.flex_service} if args.flex_service else {})},
                                                deployment=args.deployment)
         except ValueError as e:
             print(e, file=sys.stderr)

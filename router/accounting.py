@@ -7,6 +7,8 @@ from .pool import Worker
 
 def account(w: Worker, delta: int) -> None:
     w.active += delta     # the gauge reads it at scrape time (Fleet._watch)
+    if w.settled is not None:   # a flex worker's drain waits for its requests to end
+        w.settled.set()
 
 
 class Accounting:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
-from disagg.api.contract import KV_EVENTS_TOPIC
+from disagg.api.contract import KV_EVENTS_TOPIC, KV_LEASE_SECONDS
 from disagg.api.v1alpha1 import RouterSpec, TracingSpec
 
 # What the router reads from a worker into memory, at most. A worker is trusted to serve, not to be
@@ -38,6 +40,12 @@ class WorkerEndpoint(BaseModel):
                                                               "of the highest generation that has both roles.")
 
 
+class FlexEndpoint(WorkerEndpoint):
+    role: Literal["prefill", "decode"] = Field(description="The role it serves now (spec.flex: its pod's "
+                                                           "serving-role label). A change is a switch: the router "
+                                                           "drains the worker of its old role's work first.")
+
+
 class RouterConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -49,6 +57,16 @@ class RouterConfig(BaseModel):
                                                           "unset (router/tracing.py).")
     prefill: list[WorkerEndpoint] = Field(default_factory=list)
     decode: list[WorkerEndpoint] = Field(default_factory=list)
+    flex: list[FlexEndpoint] = Field(default_factory=list, description="Flex workers (spec.flex), each in its "
+                                                                       "serving role.")
+    flex_roles_file: str | None = Field(None, description="Local runs: a JSON file {worker URL: role} of the flex "
+                                                          "workers' serving roles, re-read every "
+                                                          "health_interval_s (in Kubernetes the pods' labels "
+                                                          "say it).")
+    flex_drain_seconds: float = Field(120, gt=0, description="Longest a flex worker's switch waits for its drain "
+                                                             "(spec.flex.switchDrainSeconds).")
+    kv_lease_seconds: float = Field(KV_LEASE_SECONDS, gt=0, description="How long a prefill keeps KV nobody pulled "
+                                                                        "(the workers' kv_lease_seconds).")
     # Both from the same source as the workers' (see disagg.api.contract), never a default of the router's own.
     block_size: int = Field(ge=1, description="KV block size of the workers, in tokens (vLLM's --block-size): "
                                               "prompts are hashed in blocks of this size.")

@@ -21,7 +21,7 @@ from . import pairing, policies
 from .config import RouterConfig
 from .errors import NoWorkers
 from .index import PrefixIndex, block_keys
-from .pool import Pool, Worker
+from .pool import Hold, Pool, Worker
 
 # A request's prefix counts as held by the worker it was sent to from the decision on, not only once that
 # worker's KV events arrive (after its prefill): a session's next turn, sent while the last is still being
@@ -58,6 +58,7 @@ class Route:
     # the request's trace (tracing.Trace) when tracing is on: every part handling the request opens its
     # spans under it; None (tracing off): no tracer work anywhere
     trace: Any = field(default=None, repr=False, compare=False)
+    kv_hold: Hold | None = None      # the KV its prefill holds for its decode, on a flex prefill (Fleet.hold)
 
     def headers(self) -> dict[str, str]:
         h = {"x-disagg-path": self.path, "x-disagg-decode": self.decode}

@@ -1,4 +1,6 @@
-"""Worker discovery in Kubernetes: the EndpointSlices of the deployment's prefill and decode Services.
+"""Worker discovery in Kubernetes: the EndpointSlices of the deployment's prefill and decode Services (and
+its flex Service, with spec.flex: each flex worker's serving role is its pod's LABEL_SERVING_ROLE, read from
+the same pod list; a flex pod without one yet serves nothing).
 
 Ready endpoints become workers (``http`` port -> base URL, ``kv-events`` and ``kv-replay`` ports -> ZMQ
 endpoints);
@@ -24,9 +26,10 @@ from collections.abc import Iterable
 from disagg.api import contract
 from disagg.api.contract import KV_REVISION_GENERATION_LABEL, KV_REVISION_LABEL
 from disagg.api.kube import KUBE_REQUEST_TIMEOUT
-from disagg.api.names import LABEL_DEPLOYMENT, LABEL_HEADLESS, LABEL_ROLE, ROLE_DECODE, ROLE_PREFILL, child_name
+from disagg.api.names import (LABEL_DEPLOYMENT, LABEL_HEADLESS, LABEL_ROLE, LABEL_SERVING_ROLE, ROLE_DECODE,
+                              ROLE_FLEX, ROLE_PREFILL, SERVING_ROLES, child_name)
 
-from .config import WorkerEndpoint
+from .config import FlexEndpoint, WorkerEndpoint
 
 log = logging.getLogger("disagg.router.discovery")
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
@@ -54,6 +57,22 @@ def revisions_from_metadata(items: list[dict]) -> dict[str, tuple[str, int | Non
     return _revisions((i["metadata"]["name"], i["metadata"].get("labels")) for i in items)
 
 
+def serving_roles_from_metadata(items: list[dict]) -> dict[str, str]:
+    """Pod name -> the role a flex pod serves now, of a PartialObjectMetadataList's items (JSON)."""
+    out = {}
+    for i in items:
+        labels = i["metadata"].get("labels") or {}
+        if labels.get(LABEL_ROLE) == ROLE_FLEX and labels.get(LABEL_SERVING_ROLE) in SERVING_ROLES:
+            out[i["metadata"]["name"]] = labels[LABEL_SERVING_ROLE]
+    return out
+
+
+def flex_endpoints(endpoints: list[tuple[str | None, WorkerEndpoint]], roles: dict[str, str]) -> list[FlexEndpoint]:
+    """The flex workers among (pod, endpoint) pairs, each in its pod's serving role; one whose pod has none
+    yet (the operator labels new flex pods) is left out."""
+    return [FlexEndpoint(**e.model_dump(), role=roles[pod]) for pod, e in endpoints if pod in roles]
+
+
 def deployment_of(services: dict[str, str]) -> str | None:
     """The DisaggDeployment whose role Services these are, as the operator names them
     (``names.child_name(deployment, role)``), or None when they are not named so."""
@@ -67,8 +86,14 @@ def endpoints_from_slices(slices: list, revisions: dict[str, tuple[str, int | No
                           ) -> list[WorkerEndpoint]:
     """WorkerEndpoints of the ready, not terminating endpoints in ``slices`` (V1EndpointSlice objects);
     ``revisions`` (:func:`revisions_from_pods`) gives each its pod's KV revision."""
+    return [e for _, e in pod_endpoints_from_slices(slices, revisions)]
+
+
+def pod_endpoints_from_slices(slices: list, revisions: dict[str, tuple[str, int | None]] | None = None
+                              ) -> list[tuple[str | None, WorkerEndpoint]]:
+    """:func:`endpoints_from_slices`, each with its pod's name (None when the endpoint names no pod)."""
     revisions = revisions or {}
-    out: dict[str, WorkerEndpoint] = {}
+    out: dict[str, tuple[str | None, WorkerEndpoint]] = {}
     for s in slices:
         ports = {p.name: p.port for p in (s.ports or [])}
         if "http" not in ports:
@@ -89,8 +114,8 @@ def endpoints_from_slices(slices: list, revisions: dict[str, tuple[str, int | No
                     # be paired with anything; it joins at the next poll
                     continue
                 revision, generation = revisions.get(pod, (None, None))
-                out[url] = WorkerEndpoint(url=url, kv_events=events, kv_replay=replay, revision=revision,
-                                          revision_generation=generation)
+                out[url] = (pod, WorkerEndpoint(url=url, kv_events=events, kv_replay=replay, revision=revision,
+                                                revision_generation=generation))
     return [out[k] for k in sorted(out)]
 
 
@@ -115,7 +140,8 @@ class EndpointSliceDiscovery:
         # this deployment's workers only: a namespace may hold many deployments (and other tenants' pods)
         # and of a replica that spans pods, its leader only: the others serve no API (an endpoint without a
         # pod here is left out, endpoints_from_slices)
-        self.pod_selector = (f"{LABEL_DEPLOYMENT}={deployment},{LABEL_ROLE} in ({ROLE_PREFILL},{ROLE_DECODE}),"
+        self.pod_selector = (f"{LABEL_DEPLOYMENT}={deployment},"
+                             f"{LABEL_ROLE} in ({ROLE_PREFILL},{ROLE_DECODE},{ROLE_FLEX}),"
                              f"{KV_REVISION_LABEL},!{LABEL_HEADLESS}")
         self._role_of = {svc: role for role, svc in services.items()}
         self.slice_selector = f"{SERVICE_NAME_LABEL} in ({','.join(sorted(self._role_of))})"
@@ -149,9 +175,16 @@ class EndpointSliceDiscovery:
         return revisions_from_metadata(self.worker_pods().get("items") or [])
 
     def poll(self) -> dict[str, list[WorkerEndpoint]]:
-        """Role -> its workers now (two API calls; raises what the API client raises)."""
-        revisions = self.revisions()
-        return {role: endpoints_from_slices(slices, revisions) for role, slices in self.slices().items()}
+        """Role -> its workers now (two API calls; raises what the API client raises); role "flex" (with a
+        flex Service): FlexEndpoints, each in its serving role."""
+        items = self.worker_pods().get("items") or []
+        revisions = revisions_from_metadata(items)
+        out: dict[str, list] = {}
+        for role, slices in self.slices().items():
+            pods = pod_endpoints_from_slices(slices, revisions)
+            out[role] = (flex_endpoints(pods, serving_roles_from_metadata(items)) if role == ROLE_FLEX
+                         else [e for _, e in pods])
+        return out
 
     async def run(self, update) -> None:
         """Calls ``update(role, endpoints)`` now and after every poll, until cancelled."""

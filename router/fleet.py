@@ -10,19 +10,22 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
+import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import aiohttp
 import zmq.asyncio
 
-from disagg.api.names import ROLE_PREFILL
+from disagg.api import metrics as m
+from disagg.api.names import ROLE_FLEX, ROLE_PREFILL
 
 from .calls import Calls, WorkerError, read
-from .config import MAX_ANSWER_BYTES, RouterConfig
+from .config import MAX_ANSWER_BYTES, FlexEndpoint, RouterConfig
 from .events import Subscriber
 from .index import PrefixIndex
-from .pool import Pool, Worker
+from .pool import Hold, Pool, Worker
 
 log = logging.getLogger("disagg.router")
 # /health timeouts in a row before a worker that still accepts connections counts as unhealthy: under a
@@ -59,6 +62,15 @@ class Fleet:
         self.probe_timeouts: dict[str, int] = {}
         # per prefill worker, set when it is found unhealthy: decodes waiting for its KV give up on it
         self.prefill_lost: dict[str, asyncio.Event] = {}
+        # flex workers draining for a switch, by name (update_flex)
+        self._switches: dict[str, asyncio.Task] = {}
+        self._flex_file_task: asyncio.Task | None = None
+        for role in self.index:
+            for state in ("serving", "draining"):
+                self.metrics.flex_workers.labels(role, state).set_function(
+                    lambda role=role, draining=state == "draining": sum(
+                        (w.switching_to is not None) == draining for w in self.pool.flex.values() if w.role == role))
+        self.update_flex(config.flex)
 
     def start(self) -> None:
         """Subscribes to the workers' KV events and starts the probes and discovery (after :meth:`Calls.start`)."""
@@ -73,9 +85,13 @@ class Fleet:
         self._health_task = asyncio.create_task(self._check_health())
         if self._discovery is not None:
             self._discovery_task = asyncio.create_task(self._discovery.run(self.update_workers))
+        if self.config.flex_roles_file:
+            self._flex_file_task = asyncio.create_task(self._follow_flex_roles_file())
 
     def update_workers(self, role: str, endpoints) -> None:
         """Replace a role's workers (discovery); departed workers leave the prefix index too."""
+        if role == ROLE_FLEX:
+            return self.update_flex(endpoints)
         added, removed = self.pool.set(role, endpoints)
         for w in added:
             self._watch(w)
@@ -88,8 +104,132 @@ class Fleet:
         if added or removed:
             log.info("%s workers: +%s -%s", role, [w.name for w in added], [w.name for w in removed])
 
+    # ---- flex workers (spec.flex): one engine, either role, switched after a drain
+
+    def update_flex(self, endpoints: list[FlexEndpoint]) -> None:
+        """The flex workers now, each with the role it should serve. A new one serves its role at once; one
+        whose role changed drains first (:meth:`_switch`); one asked back to the role it still serves before
+        its drain ended keeps serving it (the switch is cancelled)."""
+        wanted = {e.url.rstrip("/"): e for e in endpoints}
+        for name in [n for n in self.pool.flex if n not in wanted]:
+            w = self.pool.flex.pop(name)
+            if name in self._switches:
+                self._switches.pop(name).cancel()
+            self.pool.workers[w.role].pop(name, None)
+            self._unwatch(w)
+            self._forget(w)
+            log.info("flex worker %s left (%s)", name, w.role)
+        for name, e in wanted.items():
+            w = self.pool.flex.get(name)
+            if w is None:
+                for role, ws in self.pool.workers.items():   # listed as a dedicated worker until now
+                    if name in ws:
+                        gone = ws.pop(name)
+                        self._unwatch(gone)
+                        self._forget(gone)
+                w = self.pool.flex[name] = Worker(name=name, role=e.role, url=name, kv_events=e.kv_events,
+                                                  kv_replay=e.kv_replay, flex=True)
+                self.pool.workers[e.role][name] = w
+                self._watch(w)
+                log.info("flex worker %s serves %s", name, e.role)
+            w.revision, w.revision_generation = e.revision, e.revision_generation
+            if w.switching_to is not None and e.role == w.role:
+                self._switches.pop(name).cancel()
+            elif e.role != w.role and w.switching_to is None:
+                self._switches[name] = asyncio.create_task(self._switch(w, e.role))
+
+    def _drain_left(self, w: Worker) -> float | None:
+        """None once ``w`` has nothing of its old role left: no request in flight and no KV held for a
+        decode; else how long until that may change by itself (a hold's lease running out), at most."""
+        if w.active:
+            return math.inf
+        now = time.monotonic()
+        w.holds = {h for h in w.holds if h.deadline is None or h.deadline > now}
+        if not w.holds:
+            return None
+        if any(h.deadline is None for h in w.holds):
+            return math.inf
+        return min(h.deadline for h in w.holds) - now
+
+    async def _switch(self, w: Worker, to: str) -> None:
+        """Stop the old role's new work now (Pool.healthy leaves a switching worker out), wait until its
+        requests ended and the KV it holds for decodes was pulled or its lease ran out, then serve ``to``.
+        A drain past flex_drain_seconds is given up: the worker serves ``to`` anyway, counted and logged;
+        nothing is cut by that (the engine serves both roles: its last requests finish, a decode still
+        pulls its KV)."""
+        frm, t0 = w.role, time.monotonic()
+        w.switching_to, w.settled = to, asyncio.Event()
+        outcome = m.SWITCH_SWITCHED
+        log.info("flex worker %s: switching %s -> %s, draining (%d in flight, %d KV held)", w.name, frm, to,
+                 w.active, len(w.holds))
+        try:
+            while (wait := self._drain_left(w)) is not None:
+                left = t0 + self.config.flex_drain_seconds - time.monotonic()
+                if left <= 0:
+                    outcome = m.SWITCH_ABANDONED
+                    log.warning("flex worker %s: drain for %s -> %s given up after %.0f s (%d in flight, %d KV "
+                                "held): it serves %s now", w.name, frm, to, time.monotonic() - t0, w.active,
+                                len(w.holds), to)
+                    break
+                w.settled.clear()
+                try:
+                    await asyncio.wait_for(w.settled.wait(), min(wait, left))
+                except TimeoutError:
+                    pass
+        except asyncio.CancelledError:
+            w.switching_to, w.settled = None, None
+            self.metrics.role_switches.labels(frm, to, m.SWITCH_CANCELLED).inc()
+            log.info("flex worker %s: switch %s -> %s cancelled, it serves %s", w.name, frm, to, frm)
+            raise
+        self._switches.pop(w.name, None)
+        self._unwatch(w)
+        self._departed(w)       # the decision's per-(role, worker) counts
+        self.pool.workers[frm].pop(w.name, None)
+        w.role, w.switching_to, w.settled = to, None, None
+        self.pool.workers[to][w.name] = w
+        self._watch(w)
+        drained = time.monotonic() - t0
+        self.metrics.role_switches.labels(frm, to, outcome).inc()
+        self.metrics.switch_drain.labels(outcome).observe(drained)
+        log.info("flex worker %s serves %s (drained %s in %.2f s)", w.name, to, frm, drained)
+
+    def hold(self, w: Worker) -> Hold | None:
+        """KV blocks ``w`` now holds for a decode (its prefill answered), on flex workers: their switch
+        waits for these. Until a decode waits for them, they are freed by the lease alone."""
+        if not w.flex:
+            return None
+        h = Hold(time.monotonic() + self.config.kv_lease_seconds)
+        w.holds.add(h)
+        return h
+
+    def _released(self, w: Worker, h: Hold, pulled: bool) -> None:
+        if pulled:
+            w.holds.discard(h)
+        else:       # the decode gave up waiting: NixlConnector frees the blocks when the lease runs out
+            h.deadline = time.monotonic() + self.config.kv_lease_seconds
+        if w.settled is not None:
+            w.settled.set()
+
+    async def _follow_flex_roles_file(self) -> None:
+        """Local runs: the flex workers' roles from flex_roles_file ({url: role}), as a pod's serving-role
+        label gives them in Kubernetes. An unreadable file keeps the roles as they are."""
+        path, last = self.config.flex_roles_file, None
+        while True:
+            try:
+                with open(path) as f:
+                    roles = json.load(f)
+            except (OSError, ValueError) as e:
+                if last is not None:
+                    log.warning("flex roles file %s unreadable (%s): roles kept", path, e)
+            else:
+                if roles != last:
+                    last = roles
+                    self.update_flex([e.model_copy(update={"role": roles.get(e.url, e.role)})
+                                      for e in self.config.flex])
+            await asyncio.sleep(self.config.health_interval_s)
+
     async def close(self) -> None:
-        for task in (self._health_task, self._discovery_task):
+        for task in (self._health_task, self._discovery_task, self._flex_file_task, *self._switches.values()):
             if task:
                 task.cancel()
         for sub in self._subscribers.values():
@@ -112,8 +252,23 @@ class Fleet:
         self._departed(w)
         self.calls.forget(w)
 
+    def _unwatch(self, w: Worker) -> None:
+        """Takes ``w`` out of its role's KV event subscription and prefix index, and its role's gauges."""
+        if w.role in self._subscribers:
+            self._subscribers[w.role].unwatch(w.name)
+        else:
+            self.index[w.role].cleared(w.name)
+        for gauge in (self.metrics.active, self.metrics.kv_held):
+            try:
+                gauge.remove(w.role, w.name)
+            except KeyError:
+                pass
+
     def _watch(self, w: Worker) -> None:
         self.metrics.active.labels(w.role, w.name).set_function(lambda: w.active)
+        if w.flex:
+            self.metrics.kv_held.labels(w.role, w.name).set_function(
+                lambda: sum(h.deadline is None or h.deadline > time.monotonic() for h in w.holds))
         if w.kv_events and w.role in self._subscribers:   # subscribers exist once started
             self._subscribers[w.role].watch(w.name, w.kv_events, w.kv_replay)
 
@@ -161,15 +316,32 @@ class Fleet:
                 self.metrics.workers.labels(role, "unhealthy").set(sum(not w.healthy for w in ws))
             await asyncio.sleep(self.config.health_interval_s)
 
-    async def unless_prefill_lost(self, work: Awaitable[T], kv_from: Worker | None) -> T:
+    async def unless_prefill_lost(self, work: Awaitable[T], kv_from: Worker | None, hold: Hold | None = None,
+                                  pulled: Callable[[T], bool] = lambda out: True) -> T:
         """``work`` (a decode request: its answer, or its stream's first token); for a decode that has to
         pull its KV from ``kv_from`` first, given up (:class:`PrefillLost`) once that prefill worker is
         found unhealthy (refused, or its probes timing out): ``work`` is cancelled, which closes the
         connection, and vLLM aborts a request whose client went away. vLLM fails a pull from a dead engine
         by itself (kv_load_failure_policy "fail"), but a pull from one that is alive and not answering
-        (hung, or its node unreachable) waits, streamed or not."""
+        (hung, or its node unreachable) waits, streamed or not.
+
+        ``hold`` (:meth:`hold`, a flex prefill's): the blocks count as held while ``work`` runs, as pulled
+        once it returned what ``pulled`` accepts (a first token: the decode had them), and otherwise as
+        freed by the lease from now (the decode gave up on them)."""
         if kv_from is None:
             return await work
+        if hold is None:
+            return await self._unless_lost(work, kv_from)
+        hold.deadline = None        # the decode holds the request now: its heartbeats keep the blocks
+        got = False
+        try:
+            out = await self._unless_lost(work, kv_from)
+            got = pulled(out)
+            return out
+        finally:
+            self._released(kv_from, hold, got)
+
+    async def _unless_lost(self, work: Awaitable[T], kv_from: Worker) -> T:
         lost = self.prefill_lost.setdefault(kv_from.name, asyncio.Event())
         task, gone = asyncio.ensure_future(work), asyncio.ensure_future(lost.wait())
         try:

@@ -64,6 +64,7 @@ class Handoff:
             if not params:
                 raise WorkerError(f"prefill worker {w.name} returned no kv_transfer_params")
             route.path = m.PATH_REMOTE_PREFILL
+            route.kv_hold = self.fleet.hold(w)
             return params
         except TimeoutError:
             reason = m.FALLBACK_PREFILL_TIMEOUT
@@ -107,7 +108,7 @@ class Handoff:
                 data = await self.fleet.unless_prefill_lost(
                     self.calls.post(cur, endpoint, body, timeout=self.config.spec.request_timeout_seconds,
                                     headers=headers),
-                    plan.prefill if "kv_transfer_params" in body else None)
+                    plan.prefill if "kv_transfer_params" in body else None, route.kv_hold)
                 break
             except TimeoutError:
                 # the worker is slow, not gone: another one would be as slow, and the client has waited enough

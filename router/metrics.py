@@ -119,6 +119,17 @@ class RouterMetrics:
                                   "became of them: continued on another worker (migrated), ended by the router "
                                   "after their last token (not_needed), or not continued (exhausted, failed, "
                                   "unsupported).", ["outcome"], registry=r)
+        self.flex_workers = Gauge(m.ROUTER_FLEX_WORKERS, "Flex workers by the role they serve, and whether they "
+                                  "are draining for a switch (taking no new work).", ["role", "state"], registry=r)
+        self.role_switches = Counter(m.ROUTER_ROLE_SWITCHES, "Flex workers' role switches, by how they ended: "
+                                     "switched (drained), abandoned (the drain's bound passed; switched anyway), "
+                                     "cancelled (asked back before the drain ended).",
+                                     ["from_role", "to_role", "outcome"], registry=r)
+        self.switch_drain = Histogram(m.ROUTER_SWITCH_DRAIN_SECONDS, "A flex worker's role change seen -> it takes "
+                                      "the new role's work (its drain).", ["outcome"],
+                                      buckets=(0.1, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300), registry=r)
+        self.kv_held = Gauge(m.ROUTER_KV_HELD, "Hand-offs whose KV a flex worker holds for a decode (not yet "
+                             "pulled, lease not run out).", ["role", "worker"], registry=r)
         self.timeouts = Counter(m.ROUTER_TIMEOUTS, "Worker calls cut by a timeout, by which one.", ["kind"],
                                 registry=r)
 

@@ -6,6 +6,7 @@ EndpointSlices of the deployment's prefill and decode Services.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -15,6 +16,14 @@ from .config import RouterConfig, WorkerEndpoint
 
 if TYPE_CHECKING:       # imported where a stream first connects: the routing decision loads no HTTP client
     from .upstream import Target
+
+
+@dataclass(eq=False)
+class Hold:
+    """KV blocks a prefill holds for one hand-off until its decode pulls them. ``deadline`` (monotonic) is
+    when NixlConnector's lease frees them; None while a decode waits for them, whose heartbeats extend the
+    lease."""
+    deadline: float | None
 
 
 @dataclass
@@ -28,6 +37,13 @@ class Worker:
     healthy: bool = True
     revision: str | None = None            # KV revision: paired with the other role's of the same only
     revision_generation: int | None = None  # orders revisions (the newest complete one takes new requests)
+    # a flex worker (spec.flex) serves ``role`` until its serving role changes; then ``switching_to`` names
+    # the new one while it drains, taking no new work of either role (Fleet.update_flex)
+    flex: bool = False
+    switching_to: str | None = None
+    holds: set[Hold] = field(default_factory=set, repr=False, compare=False)
+    # set on every change a drain waits for (a request ended, a hold released), while one waits
+    settled: asyncio.Event | None = field(default=None, repr=False, compare=False)
     _target: Target | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -43,6 +59,8 @@ class Worker:
 class Pool:
     workers: dict[str, dict[str, Worker]] = field(
         default_factory=lambda: {ROLE_PREFILL: {}, ROLE_DECODE: {}})
+    # the flex workers by name, each also in workers[its serving role]
+    flex: dict[str, Worker] = field(default_factory=dict)
 
     @classmethod
     def static(cls, config: RouterConfig) -> Pool:
@@ -52,12 +70,15 @@ class Pool:
         return pool
 
     def set(self, role: str, endpoints: list[WorkerEndpoint]) -> tuple[list[Worker], list[Worker]]:
-        """Replace a role's workers, keeping the state of those that stay; returns (added, removed)."""
+        """Replace a role's dedicated workers, keeping the state of those that stay; returns (added, removed).
+        The flex workers serving it stay (Fleet.update_flex keeps them)."""
         current = self.workers[role]
         wanted = {e.url.rstrip("/"): e for e in endpoints}
-        removed = [current.pop(name) for name in list(current) if name not in wanted]
+        removed = [current.pop(name) for name in list(current) if name not in wanted and not current[name].flex]
         added = []
         for name, e in wanted.items():
+            if name in self.flex:       # one engine, two listings (a pod relabelled between polls): flex wins
+                continue
             if name not in current:
                 current[name] = Worker(name=name, role=role, url=name, kv_events=e.kv_events,
                                        kv_replay=e.kv_replay)
@@ -67,7 +88,9 @@ class Pool:
         return added, removed
 
     def healthy(self, role: str, exclude: set[str] = frozenset()) -> list[Worker]:
-        return [w for w in self.workers[role].values() if w.healthy and w.name not in exclude]
+        """Who may take new work of ``role``: a flex worker that is switching takes none (its drain)."""
+        return [w for w in self.workers[role].values()
+                if w.healthy and w.switching_to is None and w.name not in exclude]
 
     def all(self) -> list[Worker]:
         return [w for role in self.workers.values() for w in role.values()]

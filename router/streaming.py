@@ -90,7 +90,8 @@ class Streaming:
                     # up to the first token before the client sees anything: a stream that ends empty
                     # is a failure before output, served by another worker
                     head, head_error = await self.fleet.unless_prefill_lost(
-                        first_token(resp, w.name), plan.prefill if "kv_transfer_params" in body else None)
+                        first_token(resp, w.name), plan.prefill if "kv_transfer_params" in body else None,
+                        route.kv_hold, pulled=lambda out: out[1] is None)
                 except BaseException:
                     resp.close()
                     raise

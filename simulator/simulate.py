@@ -11,7 +11,14 @@ What it models (latencies from :mod:`disagg.perf.model`, optionally a
 * KV transfer to decode (bytes over the interconnect);
 * decode: continuous batching per replica (step time from the model for the batch
   and its context), admission bounded by KV memory and ``max_num_seqs`` (per data-parallel rank);
-* replicas start ``startup`` seconds after they are asked for; removed ones drain.
+* replicas start ``startup`` seconds after they are asked for; removed ones drain;
+* flex workers (``flex_max`` > 0, a policy with ``plan_flex``; :mod:`disagg.planner.flex`): replicas of the
+  one shape both roles share that serve one role at a time. A switch drains the old role (no new work; a
+  prefill's batch finishes and the KV blocks it holds for decodes wait until a decode admits the request, or
+  until their lease, ``kv_lease``, expires, which it does only while no decode serves to extend it: then
+  the decode that takes the request prefills the prompt itself, as the router's ``kv_transfer_failed``
+  fallback does), then flips in ``switch_flip`` seconds (no weight reload:
+  ``kv_both``); a drain past ``switch_drain_limit`` is given up and the worker serves its old role again.
 
 Every ``interval`` the policy sees an :class:`~disagg.planner.decide.Observation`
 built from the last interval (the same snapshot a metrics source gives) and
@@ -33,7 +40,7 @@ import itertools
 import json
 import math
 from collections import OrderedDict, deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -43,6 +50,8 @@ from disagg.api.parallelism import Layout
 from disagg.perf.parallel import group_startup, role_engine
 from disagg.planner.decide import (HISTORY, Decision, Load, Memory, Observation, RoleModels, Target, decide, react,
                                    size_decode, size_prefill)
+from disagg.planner.flex import (SERVING, STARTING, SWITCHING, FlexDecision, FlexMemory, FlexTarget, FlexWorker,
+                                 decide_flex, react_flex)
 
 from .traces import BLOCK_TOKENS, Trace
 
@@ -88,6 +97,33 @@ class SimConfig:
     prefill_data: int = 1
     decode_data: int = 1
     nvlink_domain: int = 0
+    # flex workers (one engine, kv_both, either role; the prefill and decode layouts must be one shape): the
+    # pool's bounds, how many start in each role, a switch's flip once drained (the router sees the new role
+    # label), the bound after which a drain is given up, and how long a prefill holds KV blocks for a decode
+    # that has not pulled them: NixlConnector's lease (kv_connector_extra_config kv_lease_duration, 30 s in
+    # vLLM 0.32), which the decode whose queue the request waits in extends by heartbeats; so it runs out
+    # only while no decode serves
+    flex_min: int = 0
+    flex_max: int = 0
+    flex_spare: int = 0                # flex workers kept beyond both roles' need (FlexTarget.spare)
+    initial_flex_prefill: int = 0
+    initial_flex_decode: int = 0
+    switch_flip: float = 1.0
+    switch_drain_limit: float = 120.0
+    kv_lease: float = 30.0
+
+    def with_flex(self, flex_max: int = 64, flex_min: int = 0, spare: int = 0) -> SimConfig:
+        """The same deployment with a flex pool: the dedicated pools start at their floors and the rest of the
+        initial size starts as flex workers in those roles."""
+        fp, fd = max(self.prefill_min, 1), max(self.decode_min, 1)
+        return replace(self, flex_min=flex_min, flex_max=flex_max, flex_spare=spare,
+                       initial_prefill=min(self.initial_prefill, fp), initial_decode=min(self.initial_decode, fd),
+                       initial_flex_prefill=max(self.initial_prefill - fp, 0),
+                       initial_flex_decode=max(self.initial_decode - fd, 0))
+
+    @property
+    def flex(self) -> bool:
+        return self.flex_max > 0 or self.initial_flex_prefill > 0 or self.initial_flex_decode > 0
 
     def layout(self, role: str) -> Layout:
         """One replica's layout of ``role`` (disagg.api.parallelism)."""
@@ -152,6 +188,42 @@ class PlannerPolicy:
             return None
         self.reactions.append((now, d))
         return d.prefill.replicas, d.decode.replicas
+
+
+class FlexPlannerPolicy:
+    """The SLO planner with a flex pool (:func:`disagg.planner.flex.decide_flex`): :func:`decide` unchanged on the
+    role totals, then switch flex workers before scaling, grow the pool when neither role has one to spare,
+    shrink it when both are idle. Needs a config with flex workers (``SimConfig.with_flex``)."""
+
+    name = "planner-flex"
+
+    def __init__(self, config: SimConfig, season_intervals: int = 0):
+        if not config.flex:
+            raise ValueError("planner-flex needs flex workers: SimConfig.with_flex()")
+        self.prefill_model, self.decode_model = config.planning_models()
+        self.memory = FlexMemory()
+        self.season = season_intervals
+        self.decisions: list[Decision] = []           # decide's decisions, with the flex decision's reason
+        self.flex_decisions: list[FlexDecision] = []
+        self.reactions: list[tuple[float, FlexDecision]] = []
+
+    def _models(self) -> RoleModels:
+        return RoleModels(self.prefill_model, self.decode_model)
+
+    def plan(self, obs: Observation, target: Target, now: float) -> tuple[int, int]:
+        raise TypeError("planner-flex plans with plan_flex")
+
+    def plan_flex(self, obs: Observation, target: FlexTarget, now: float) -> FlexDecision:
+        fd, self.memory = decide_flex(obs, target, self.memory, self._models(), now, self.season)
+        self.flex_decisions.append(fd)
+        self.decisions.append(replace(fd.decision, reason=fd.reason, message=fd.message))
+        return fd
+
+    def react_flex(self, obs: Observation, target: FlexTarget, now: float) -> FlexDecision | None:
+        fd, self.memory = react_flex(obs, target, self.memory, self._models(), now)
+        if fd is not None:
+            self.reactions.append((now, fd))
+        return fd
 
 
 class StaticPolicy:
@@ -281,10 +353,12 @@ class DynamoPolicy:
 
 
 class _Req:
-    __slots__ = ("r", "cached", "admit", "first", "finish", "remaining", "ctx", "reserve")
+    __slots__ = ("r", "cached", "admit", "first", "finish", "remaining", "ctx", "reserve", "src", "kv_lost")
 
     def __init__(self, r):
         self.r = r
+        self.src = None          # the flex prefill worker holding its KV blocks until a decode admits it
+        self.kv_lost = False     # the blocks' lease expired first: the decode prefills it itself
         self.cached = 0
         self.admit = self.first = self.finish = math.nan
         self.remaining = float(r.output_tokens)
@@ -307,9 +381,17 @@ class _Replica:
     step: float = 0.0
     version: int = 0
     reserved: float = 0.0
+    # flex workers: ``role`` is the role it serves (the list it is in); ``switching`` the role it drains
+    # towards, ``held`` the requests whose KV blocks it holds for a decode, ``since`` when it took its role
+    flex: bool = False
+    switching: str | None = None
+    switch_start: float = 0.0
+    switch_seq: int = 0
+    held: int = 0
+    since: float = 0.0
 
     def ready(self, now: float) -> bool:
-        return self.ready_at <= now and not self.draining and self.end is None
+        return self.ready_at <= now and not self.draining and self.end is None and self.switching is None
 
 
 @dataclass
@@ -329,6 +411,8 @@ class Interval:
     decode_queue: float = 0.0
     ready_prefill: int = 0
     ready_decode: int = 0
+    flex: int = 0              # flex workers (counted in prefill and decode by their role)
+    switches: int = 0          # role switches asked for at this decision
 
 
 @dataclass
@@ -344,6 +428,10 @@ class SimResult:
     met: int
     duration: float
     gpu_seconds: float
+    switches: int = 0                                          # role switches begun (flex workers)
+    switch_drains: list[float] = field(default_factory=list)   # seconds from asked to serving the new role
+    switches_abandoned: int = 0                                # drains past switch_drain_limit, given up
+    kv_leases_expired: int = 0                                 # KV blocks a switching prefill let go unpulled
 
     @property
     def attainment(self) -> float:
@@ -371,7 +459,10 @@ class SimResult:
                 "ttft_p_s": _round(_pct(self.ttft, self.config.percentile)),
                 "itl_p_s": _round(_pct(self.itl, self.config.percentile)),
                 "max_prefill": max((i.prefill for i in self.intervals), default=0),
-                "max_decode": max((i.decode for i in self.intervals), default=0)}
+                "max_decode": max((i.decode for i in self.intervals), default=0),
+                "max_flex": max((i.flex for i in self.intervals), default=0),
+                "role_switches": self.switches, "switches_abandoned": self.switches_abandoned,
+                "switch_drain_p90_s": _round(_pct(self.switch_drains, 90.0))}
 
     def write(self, directory: str | Path, plot: bool = True, name: str | None = None) -> dict[str, Path]:
         """``<name or trace>-<policy>``.csv (per interval), .json (summary) and .png under ``directory``."""
@@ -451,21 +542,29 @@ class Simulation:
         self._acc_decode_tokens = 0.0
         self._acc_decode_batch_s = 0.0
         self._last_queues = (0.0, 0.0, 0.0)   # (time, prefill queue, decode queue) at the last look
+        if config.flex and config.layout("prefill") != config.layout("decode"):
+            raise ValueError(f"flex workers serve both roles, so both roles need one shape: prefill "
+                             f"{config.layout('prefill')} != decode {config.layout('decode')}")
+        self.switches = 0
+        self.switch_drains: list[float] = []
+        self.switches_abandoned = 0
+        self.kv_leases_expired = 0
 
     # -- plumbing
     def _at(self, t: float, kind: str, *payload) -> None:
         heapq.heappush(self.events, (t, next(self.seq), kind, payload))
 
-    def _add(self, role: str, now: float, delay: float) -> None:
-        r = _Replica(next(self.ids), role, start=now, ready_at=now + delay, last=now)
+    def _add(self, role: str, now: float, delay: float, flex: bool = False) -> _Replica:
+        r = _Replica(next(self.ids), role, start=now, ready_at=now + delay, last=now, flex=flex, since=now)
         self.replicas[role].append(r)
         self._at(r.ready_at, "ready", r)
+        return r
 
     def _live(self, role: str) -> list[_Replica]:
         return [r for r in self.replicas[role] if r.end is None and not r.draining]
 
     def _scale(self, role: str, n: int, now: float) -> None:
-        live = self._live(role)
+        live = [r for r in self._live(role) if not r.flex]   # the dedicated replicas
         for _ in range(n - len(live)):
             self._add(role, now, self.cfg.group_startup(role))
         if n < len(live):
@@ -476,8 +575,100 @@ class Simulation:
                 self._maybe_retire(r, now)
 
     def _maybe_retire(self, r: _Replica, now: float) -> None:
-        if r.draining and r.end is None and not r.active and not r.busy:
+        if r.draining and r.end is None and not r.active and not r.busy and not r.held:
             r.end = now
+        elif r.switching is not None and not r.draining and not r.active and not r.busy and not r.held:
+            self._flip(r, now)
+
+    # -- flex workers
+    def _flex_workers(self, now: float) -> tuple[FlexWorker, ...]:
+        out = []
+        for role in ("prefill", "decode"):
+            for r in self._live(role):
+                if not r.flex:
+                    continue
+                state = SWITCHING if r.switching else STARTING if r.ready_at > now else SERVING
+                out.append(FlexWorker(str(r.id), r.switching or r.role, state,
+                                      r.switch_start if r.switching else r.since,
+                                      float(len(r.active) + r.running + r.held)))
+        return tuple(out)
+
+    def _switch(self, r: _Replica, to: str, now: float) -> None:
+        """Stop sending ``r`` its role's work; it flips once what it has in flight and the KV blocks it holds
+        for decodes are gone (``_maybe_retire``), or goes back to its role after ``switch_drain_limit``."""
+        if r.switching is not None and to == r.role:     # switching away, asked back: it serves on at once
+            r.switching = None
+            self._kick(r, now)
+            return
+        if to == r.role:
+            return
+        self.switches += 1
+        if r.ready_at > now:                             # still starting: it drains nothing
+            self.switch_drains.append(0.0)
+            self._move(r, to, now)
+            return
+        r.switching, r.switch_start = to, now
+        r.switch_seq += 1
+        self._at(now + self.cfg.switch_drain_limit, "switch_limit", r, r.switch_seq)
+        self._maybe_retire(r, now)
+
+    def _move(self, r: _Replica, to: str, now: float) -> None:
+        self.replicas[r.role].remove(r)
+        r.role, r.since = to, now
+        self.replicas[to].append(r)
+
+    def _flip(self, r: _Replica, now: float) -> None:
+        to = r.switching
+        r.switching = None
+        self.switch_drains.append(now - r.switch_start + self.cfg.switch_flip)
+        self._move(r, to, now)
+        r.ready_at = now + self.cfg.switch_flip
+        r.running, r.busy, r.step, r.last = 0, False, 0.0, now
+        self._at(r.ready_at, "ready", r)
+
+    def _switch_limit(self, r: _Replica, seq: int, now: float) -> None:
+        if r.switching is not None and r.switch_seq == seq and r.end is None:
+            r.switching = None                        # given up: it serves its old role again
+            self.switches_abandoned += 1
+            self._kick(r, now)
+
+    def _kick(self, r: _Replica, now: float) -> None:
+        if r.role == "prefill":
+            self._start_prefill(r, now)
+        else:
+            self._decode_update(r, now)
+
+    def _release(self, req: _Req, now: float) -> None:
+        """A decode admitted ``req``: the flex prefill worker that held its KV blocks lets them go."""
+        src, req.src = req.src, None
+        if src is not None:
+            src.held -= 1
+            self._maybe_retire(src, now)
+
+    def _lease(self, req: _Req, now: float) -> None:
+        if req.src is None or not math.isnan(req.admit):
+            return
+        if any(r.ready(now) for r in self.replicas["decode"]):
+            # waiting in a serving decode's queue: that decode's heartbeats extend the lease
+            self._at(now + self.cfg.kv_lease, "lease", req)
+            return
+        req.kv_lost = True
+        self.kv_leases_expired += 1
+        self._release(req, now)
+
+    def _apply_flex(self, fd: FlexDecision, now: float) -> None:
+        by_name = {str(r.id): r for role in ("prefill", "decode") for r in self._live(role) if r.flex}
+        for name in fd.remove:
+            r = by_name[name]
+            r.switching = None
+            r.draining = True
+            self._maybe_retire(r, now)
+        for name, _frm, to in fd.switches:
+            self._switch(by_name[name], to, now)
+        for role in fd.add:
+            self._add(role, now, self.cfg.group_startup(role), flex=True)
+        self._scale("prefill", fd.prefill, now)
+        self._scale("decode", fd.decode, now)
 
     def _kv_capacity_blocks(self) -> float:
         n = sum(1 for r in self.replicas["prefill"] if r.end is None)
@@ -533,6 +724,10 @@ class Simulation:
                 self.cache.popitem(last=False)
             self._at(self._handoff(now, serving.kv_transfer_time(self.prefill_model, req.r.input_tokens,
                                                                  self.decode_model.tp)), "kv_done", req)
+            if rep.flex:   # its blocks stay on this worker until a decode admits the request (or the lease ends)
+                req.src = rep
+                rep.held += 1
+                self._at(now + self.cfg.kv_lease, "lease", req)
         rep.busy = False
         rep.running = 0
         self._start_prefill(rep, now)
@@ -589,6 +784,8 @@ class Simulation:
             rep.reserved += a.reserve
             rep.active.append(a)
             admitted.append(a)
+            if a.src is not None:
+                self._release(a, now)
             if not queue:
                 self._emptied["decode"] = True
         rep.version += 1
@@ -596,6 +793,8 @@ class Simulation:
             rep.step = self.decode_model.decode_step_time(len(rep.active), sum(a.ctx for a in rep.active))
             for a in admitted:
                 a.first = now + rep.step
+                if a.kv_lost:   # its prefill let the blocks go: this decode prefills the prompt itself
+                    a.first += self.decode_model.prefill_time([(a.r.input_tokens, 0)])
                 self._ttft(a)
             k = min(math.ceil(a.remaining - 1e-6) for a in rep.active)
             self._at(now + max(k, 1) * rep.step, "decode_tick", rep, rep.version)
@@ -667,7 +866,8 @@ class Simulation:
     def _react(self, now: float) -> None:
         """A fast check between decisions: the queues and their growth, for a policy that reacts to them."""
         react_ = getattr(self.policy, "react", None)
-        if react_ is None or any(s <= now < e for s, e in self.cfg.metrics_outages):
+        react_flex_ = getattr(self.policy, "react_flex", None)
+        if (react_ is None and react_flex_ is None) or any(s <= now < e for s, e in self.cfg.metrics_outages):
             return
         live_p, live_d = self._live("prefill"), self._live("decode")
         growth = self._queue_growth(now)
@@ -677,19 +877,36 @@ class Simulation:
                           decode_ready=float(sum(r.ready(now) for r in live_d)),
                           prefill_queue_growth=growth[0], decode_queue_growth=growth[1])
         ready = all(r.ready_at <= now for r in live_p + live_d)
+        if react_flex_ is not None:
+            fd = react_flex_(obs, self._flex_target(now, ready), now)
+            if fd is not None:
+                self._apply_flex(fd, now)
+            return
         sized = react_(obs, self.cfg.target(len(live_p), len(live_d), ready=ready), now)
         if sized is not None:
             self._scale("prefill", sized[0], now)
             self._scale("decode", sized[1], now)
+
+    def _flex_target(self, now: float, ready: bool) -> FlexTarget:
+        dedicated = [sum(1 for r in self._live(role) if not r.flex) for role in ("prefill", "decode")]
+        return FlexTarget(self.cfg.target(*dedicated, ready=ready), self._flex_workers(now), self.cfg.flex_min,
+                          self.cfg.flex_max, self.cfg.flex_spare)
 
     def _plan(self, now: float) -> None:
         obs = self._observe(now)
         live_p, live_d = self._live("prefill"), self._live("decode")
         ready = all(r.ready_at <= now for r in live_p + live_d)
         target = self.cfg.target(len(live_p), len(live_d), ready=ready)
-        p, d = self.policy.plan(obs, target, now)
-        self._scale("prefill", p, now)
-        self._scale("decode", d, now)
+        plan_flex = getattr(self.policy, "plan_flex", None)
+        flex = switches = 0
+        if plan_flex is not None:
+            fd = plan_flex(obs, self._flex_target(now, ready), now)
+            self._apply_flex(fd, now)
+            p, d, flex, switches = fd.total("prefill"), fd.total("decode"), fd.flex, len(fd.switches)
+        else:
+            p, d = self.policy.plan(obs, target, now)
+            self._scale("prefill", p, now)
+            self._scale("decode", d, now)
         decisions = getattr(self.policy, "decisions", None)
         self.intervals.append(Interval(
             t=now, prefill=p, decode=d, gpus=target.gpus(p, d),
@@ -698,7 +915,8 @@ class Simulation:
             reason=decisions[-1].reason if decisions else "",
             sized_rate=decisions[-1].prediction.get("sizedRate") if decisions else None,
             prefill_queue=obs.prefill_queue or 0.0, decode_queue=obs.decode_queue or 0.0,
-            ready_prefill=sum(r.ready(now) for r in live_p), ready_decode=sum(r.ready(now) for r in live_d)))
+            ready_prefill=sum(r.ready(now) for r in live_p), ready_decode=sum(r.ready(now) for r in live_d),
+            flex=flex, switches=switches))
         self._acc_arrivals, self._acc_ttft, self._acc_itl = [], [], []
         self._acc_met = self._acc_done = self._acc_prompt = self._acc_cached = 0
         self._acc_seconds = 0.0
@@ -712,6 +930,9 @@ class Simulation:
             self._add("prefill", 0.0, 0.0)
         for _ in range(cfg.initial_decode):
             self._add("decode", 0.0, 0.0)
+        for role, n in (("prefill", cfg.initial_flex_prefill), ("decode", cfg.initial_flex_decode)):
+            for _ in range(n):
+                self._add(role, 0.0, 0.0, flex=True)
         for r in self.trace.requests:
             self._at(r.t, "arrive", _Req(r))
         end_arrivals = self.trace.duration
@@ -721,6 +942,9 @@ class Simulation:
             t, _, kind, payload = heapq.heappop(self.events)
             if t > stop:
                 break
+            if (kind == "lease" and payload[0].src is None) or (
+                    kind == "switch_limit" and (payload[0].switching is None or payload[0].switch_seq != payload[1])):
+                continue   # moot (the blocks were pulled, the switch is done): not a moment the run lasts to
             self.now = t
             if kind == "arrive":
                 self._arrive(payload[0], t)
@@ -747,6 +971,10 @@ class Simulation:
                         k += 1
             elif kind == "check":
                 self._react(t)
+            elif kind == "switch_limit":
+                self._switch_limit(payload[0], payload[1], t)
+            elif kind == "lease":
+                self._lease(payload[0], t)
         end = self.now
         gpu_s = 0.0
         for role in ("prefill", "decode"):
@@ -754,12 +982,15 @@ class Simulation:
             for r in self.replicas[role]:
                 gpu_s += ((r.end if r.end is not None else end) - r.start) * gpus
         return SimResult(self.policy.name, self.trace.name, cfg, self.intervals, self.ttft, self.itl, self.finished,
-                         len(self.trace.requests), self.met, max(end_arrivals, cfg.interval), gpu_s)
+                         len(self.trace.requests), self.met, max(end_arrivals, cfg.interval), gpu_s,
+                         self.switches, self.switch_drains, self.switches_abandoned, self.kv_leases_expired)
 
 
 def simulate(trace: Trace, policy: Policy | str = "planner", config: SimConfig = SimConfig(),
              season_intervals: int = 0) -> SimResult:
     if isinstance(policy, str):
+        if policy == "planner-flex" and not (config.initial_flex_prefill or config.initial_flex_decode):
+            config = config.with_flex(config.flex_max or 64, config.flex_min, config.flex_spare)
         policy = make_policy(policy, config, trace, season_intervals)
     return Simulation(config, trace, policy).run()
 
@@ -767,6 +998,8 @@ def simulate(trace: Trace, policy: Policy | str = "planner", config: SimConfig =
 def make_policy(name: str, config: SimConfig, trace: Trace, season_intervals: int = 0) -> Policy:
     if name == "planner":
         return PlannerPolicy(config, season_intervals)
+    if name == "planner-flex":
+        return FlexPlannerPolicy(config if config.flex else config.with_flex(), season_intervals)
     if name == "static-peak":
         return static_peak(config, trace)
     if name == "reactive":
@@ -776,7 +1009,7 @@ def make_policy(name: str, config: SimConfig, trace: Trace, season_intervals: in
     raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
 
 
-POLICIES = ("planner", "static-peak", "reactive", "dynamo")
+POLICIES = ("planner", "planner-flex", "static-peak", "reactive", "dynamo")
 
 
 def plot_results(results: list[SimResult], path: str | Path) -> Path:
@@ -844,6 +1077,9 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--season", type=int, default=0, help="season length in intervals (holt-winters)")
     p.add_argument("--reality", type=float, default=1.0,
                    help="simulated hardware is this much slower than the model the planner plans with")
+    p.add_argument("--flex-max", type=int, default=0, help="planner-flex: the flex pool's maximum (0: 64)")
+    p.add_argument("--flex-spare", type=int, default=0,
+                   help="planner-flex: flex workers kept beyond both roles' need (a pooled headroom)")
     p.add_argument("--out", default="sim-out", help="directory for the CSV, JSON summary and PNG plot")
 
 
@@ -862,7 +1098,7 @@ def run_cli(args: Any, repo: Path) -> int:
                     ttft_target=args.ttft_ms / 1000.0, itl_target=args.itl_ms / 1000.0,
                     percentile=args.percentile, interval=args.interval, cooldown=args.cooldown,
                     startup=args.startup, gpu_budget=args.gpu_budget, predictor=args.predictor,
-                    reality=args.reality)
+                    reality=args.reality, flex_max=args.flex_max, flex_spare=args.flex_spare)
     first = trace.scaled(limit=2 * cfg.interval)
     if first.requests:  # start from a size fit for the first minute's traffic
         p, d = static_peak(cfg, first).size

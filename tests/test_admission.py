@@ -195,6 +195,49 @@ def test_matching_gpu_request_is_accepted(gpus, cluster, crd_installed, namespac
     assert out.returncode == 0, out.stderr
 
 
+# spec.flex (issue 31): a flex worker serves both roles with one engine, so prefill and decode must be one
+# shape; (id, edits, what the message must name besides spec.flex)
+FLEX = {"spec.flex": {"replicas": 1, "maxReplicas": 4}}
+FLEX_INVALID = [
+    ("flex-tensor-differs", {**FLEX, "spec.decode.tensorParallelSize": 2,
+                             "spec.decode.resources": {"limits": {"nvidia.com/gpu": 2}}}, "tensor parallel size"),
+    ("flex-pods-differ", {**FLEX, "spec.prefill.tensorParallelSize": 2, "spec.decode.tensorParallelSize": 2,
+                          "spec.prefill.podsPerReplica": 2}, "podsPerReplica"),
+    ("flex-resources-differ", {**FLEX, "spec.prefill.resources": {"limits": {"nvidia.com/gpu": 1, "memory": "64Gi"}}},
+     "resources"),
+    ("flex-extra-args-differ", {**FLEX, "spec.decode.extraArgs": ["--max-num-seqs", "64"]}, "extraArgs"),
+    ("flex-multi-pod", {**FLEX, **{f"spec.{r}.{k}": v for r in ("prefill", "decode") for k, v in
+                                   (("tensorParallelSize", 2), ("podsPerReplica", 2))}}, "podsPerReplica above 1"),
+    ("flex-without-prefill-work", {**FLEX, "spec.router.disaggregation": "never"}, "router.disaggregation never"),
+    ("flex-above-max", {"spec.flex": {"replicas": 5, "maxReplicas": 4}}, "spec.flex.replicas"),
+    ("flex-min-above-replicas", {"spec.flex": {"replicas": 1, "minReplicas": 2}}, "spec.flex.minReplicas"),
+]
+
+
+@pytest.mark.parametrize("case,edits,names", FLEX_INVALID, ids=[c[0] for c in FLEX_INVALID])
+def test_flex_pool_refused_unless_both_roles_share_its_shape(case, edits, names, cluster, crd_installed, namespace):
+    doc = invalid(edits)
+    out = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(doc), check=False)
+    assert out.returncode != 0, f"{case}: accepted but should have been refused"
+    assert "spec.flex" in out.stderr and names in out.stderr, f"{case}: {out.stderr}"
+    with pytest.raises(ValidationError, match=names.removeprefix("spec.")):
+        api.DisaggDeployment.model_validate(doc)
+
+
+def test_flex_pool_of_the_shared_shape_is_accepted(cluster, crd_installed, namespace):
+    doc = invalid({**FLEX, "spec.prefill.extraArgs": ["--max-num-seqs", "64"],
+                   "spec.decode.extraArgs": ["--max-num-seqs", "64"]})
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(doc))
+    got = yaml.safe_load(cluster.kubectl("get", "dd", doc["metadata"]["name"], "-n", namespace, "-o",
+                                         "yaml").stdout)
+    assert got["spec"]["flex"] == {"replicas": 1, "maxReplicas": 4, "switchDrainSeconds": 120}
+    assert api.DisaggDeployment.model_validate({k: v for k, v in got.items() if k != "status"}).spec.flex.replicas == 1
+    # without spec.flex nothing is stored for it (the CEL rules can tell it was not written)
+    plain = yaml.safe_load(cluster.kubectl("apply", "-n", namespace, "-f", str(REPO / "examples" / "small.yaml"),
+                                           "-o", "yaml").stdout)
+    assert "flex" not in plain["spec"]
+
+
 def test_valid_example_is_accepted_with_defaults(cluster, crd_installed, namespace):
     cluster.kubectl("apply", "-n", namespace, "-f", str(REPO / "examples" / "small.yaml"))
     got = yaml.safe_load(cluster.kubectl("get", "dd", "qwen-small", "-n", namespace, "-o", "yaml").stdout)

@@ -456,3 +456,48 @@ def test_operator_follows_the_planners_replicas(cluster, api_client, namespace, 
     assert dd.apps.read_namespaced_deployment("planned-decode", namespace).spec.replicas == 3
 
 
+
+
+def test_flex_pool_pods_serve_a_role_each_and_report_switches(api_client, namespace, operator):
+    """spec.flex: a third Deployment whose engines start as kv_both, its Service for the routers' discovery;
+    each new flex pod gets a serving role (split evenly: no planner here), visible in status.flex and as a
+    gauge; a label changed as the planner would change it is reported once: event, counter, status."""
+    from disagg.api.names import ANNOTATION_OBSERVED_SERVING_ROLE, LABEL_SERVING_ROLE, ROLE_FLEX
+
+    dd = DD(api_client, namespace, dd_manifest("flexy", flex={"replicas": 3, "maxReplicas": 4}))
+    dd.wait_phase("Ready")
+    flex = wait_for(lambda: (dd.status().get("flex") or {}).get("ready") == 3 and dd.status()["flex"], 90,
+                    "three flex workers ready")
+    assert (flex["prefill"], flex["decode"], flex["desired"], flex["roleSwitches"]) == (1, 2, 3, 0), flex
+    pods = wait_for(lambda: (lambda ps: len(ps) == 3 and all(
+        LABEL_SERVING_ROLE in (p.metadata.labels or {}) for p in ps) and ps)(dd.pods(ROLE_FLEX)), 30, "labelled")
+    assert sorted(p.metadata.labels[LABEL_SERVING_ROLE] for p in pods) == ["decode", "decode", "prefill"]
+    worker = pods[0].spec.containers[0]
+    assert worker.args[worker.args.index("--role") + 1] == ROLE_FLEX      # the engine starts kv_both
+    router = dd.apps.read_namespaced_deployment("flexy-router", namespace).spec.template.spec.containers[0].args
+    assert router[router.index("--flex-service") + 1] == "flexy-flex"
+    assert router[router.index("--flex-drain-seconds") + 1] == "120"
+    assert dd.core.read_namespaced_service("flexy-flex", namespace).spec.selector == {
+        "serving.disagg.dev/deployment": "flexy", LABEL_ROLE: ROLE_FLEX}
+    url = f"http://127.0.0.1:{operator_metrics.port()}"
+    gauge = f'{m.OPERATOR_FLEX_WORKERS}{{deployment="flexy",namespace="{namespace}",role="prefill"}}'
+    wait_for(lambda: scrape(url).get(gauge) == 1, 30, "the flex gauge")
+
+    # the planner's move: a decode worker to prefill
+    moved = next(p for p in pods if p.metadata.labels[LABEL_SERVING_ROLE] == "decode")
+    dd.core.patch_namespaced_pod(moved.metadata.name, namespace,
+                                 {"metadata": {"labels": {LABEL_SERVING_ROLE: "prefill"}}})
+    flex = wait_for(lambda: (dd.status().get("flex") or {}).get("roleSwitches") == 1 and dd.status()["flex"], 30,
+                    "the switch in status")
+    assert (flex["prefill"], flex["decode"]) == (2, 1), flex
+    events = wait_for(lambda: [e for e in dd.core.list_namespaced_event(
+        namespace, field_selector="involvedObject.name=flexy").items if e.reason == "RoleSwitched"], 30, "event")
+    assert len(events) == 1 and f"flex worker {moved.metadata.name}: decode -> prefill" in events[0].message
+    switches = f'{m.OPERATOR_ROLE_SWITCHES}{{deployment="flexy",from_role="decode",namespace="{namespace}",' \
+               'to_role="prefill"}'
+    wait_for(lambda: scrape(url).get(switches) == 1, 30, "the switch counter")
+    assert dd.core.read_namespaced_pod(moved.metadata.name, namespace).metadata.annotations[
+        ANNOTATION_OBSERVED_SERVING_ROLE] == "prefill"
+    # a role someone set is never changed by the operator: the label stays what the planner wrote
+    assert dd.core.read_namespaced_pod(moved.metadata.name, namespace).metadata.labels[LABEL_SERVING_ROLE] == "prefill"
+    assert dd.status()["flex"]["roleSwitches"] == 1          # counted once

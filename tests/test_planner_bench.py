@@ -14,7 +14,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 WORKLOADS = {"mooncake", "step", "diurnal", "bursty", "step-slow", "step-fast", "heavy-lognormal", "heavy-pareto",
              "tenants", "flash"}
-POLICIES = {"planner", "static-peak", "reactive", "dynamo"}
+POLICIES = {"planner", "planner-flex", "static-peak", "reactive", "dynamo"}
 
 
 def test_planner_bench_quick_runs_every_workload_and_policy(tmp_path):
@@ -34,6 +34,9 @@ def test_planner_bench_quick_runs_every_workload_and_policy(tmp_path):
     for w in WORKLOADS:  # static-peak never changes size: its GPU-hours are its size for the whole run
         st = next(r for r in rows if r["workload"] == w and r["policy"] == "static-peak")
         assert st["gpu_hours"] >= (st["max_prefill"] + st["max_decode"]) * 300 / 3600 * 0.99, st
+    for r in rows:   # flex workers' switches lose no request, and a drain is given up only past its bound
+        if r["policy"] == "planner-flex":
+            assert r["finished"] == r["requests"] and r["switches_abandoned"] == 0, r
     assert {e["workload"] for e in doc["table"]} == WORKLOADS
     assert all(doc["goal"][p]["rows"] == len(WORKLOADS) for p in POLICIES)
     table = (tmp_path / "table.md").read_text()

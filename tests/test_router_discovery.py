@@ -165,3 +165,36 @@ def test_the_deployment_is_the_one_its_services_are_named_after_or_given():
         assert disc.pod_selector.startswith(f"{LABEL_DEPLOYMENT}=llm,")
     finally:
         api.close()
+
+
+@pytest.mark.cluster
+def test_flex_workers_are_found_in_the_role_their_pod_label_says(api_client, namespace):
+    """spec.flex: the flex Service's endpoints are flex workers, each in its pod's serving-role label (one
+    without the label yet serves nothing); a relabelled pod is the same worker in its new role."""
+    from kubernetes import client
+
+    from disagg.api.names import LABEL_SERVING_ROLE, ROLE_FLEX
+
+    core, api = client.CoreV1Api(api_client), client.DiscoveryV1Api(api_client)
+    for name, serving in (("f-flex-0", ROLE_PREFILL), ("f-flex-1", None)):
+        p = _worker_pod(name, "f", ROLE_FLEX)
+        if serving:
+            p["metadata"]["labels"][LABEL_SERVING_ROLE] = serving
+        core.create_namespaced_pod(namespace, p)
+    s = _slice("fx-1", "f-flex", [("192.0.2.7", True), ("192.0.2.8", True)])
+    for ep, pod_name in zip(s["endpoints"], ("f-flex-0", "f-flex-1")):
+        ep["targetRef"] = {"kind": "Pod", "name": pod_name, "namespace": namespace}
+    api.create_namespaced_endpoint_slice(namespace, s)
+    disc = EndpointSliceDiscovery(api_client, namespace, {ROLE_PREFILL: "f-prefill", ROLE_DECODE: "f-decode",
+                                                          ROLE_FLEX: "f-flex"})
+    found = disc.poll()
+    assert [(e.url, e.role, e.revision) for e in found[ROLE_FLEX]] == [("http://192.0.2.7:8000", ROLE_PREFILL, "rev-1")]
+    router = Router(RouterConfig(model="m", tokenizer="unused", block_size=16), tokenizer=None, metrics=RouterMetrics())
+    for role, endpoints in found.items():
+        router.update_workers(role, endpoints)
+    assert list(router.pool.workers[ROLE_PREFILL]) == ["http://192.0.2.7:8000"]
+    assert router.pool.workers[ROLE_PREFILL]["http://192.0.2.7:8000"].flex
+
+    core.patch_namespaced_pod("f-flex-1", namespace, {"metadata": {"labels": {LABEL_SERVING_ROLE: ROLE_DECODE}}})
+    assert sorted((e.url, e.role) for e in disc.poll()[ROLE_FLEX]) == [
+        ("http://192.0.2.7:8000", ROLE_PREFILL), ("http://192.0.2.8:8000", ROLE_DECODE)]

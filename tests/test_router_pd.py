@@ -51,7 +51,7 @@ CHATS = [[{"role": "user", "content": "Say hello to the parser."}],
 MAX_TOKENS = 12
 # How long the failure tests' setup waits for decode-b, started alone after the tests on the pair
 # (`decode_b`): a start-up takes ~1 min on a quiet machine, 4-5 at a load average of 20-60 here. The
-# first failure test, whose setup this is, has its own pytest limit (FIRST_FAILURE_TEST_TIMEOUT) so a
+# first flex test, whose setup this is, has its own pytest limit (FIRST_FAILURE_TEST_TIMEOUT) so a
 # slow start-up reaches this wait's message, with decode-b's log, rather than pytest's 600 s cut.
 DECODE_B_WAIT_S = 1200
 FIRST_FAILURE_TEST_TIMEOUT = DECODE_B_WAIT_S + 600
@@ -117,9 +117,11 @@ def _first_pull(prefill_url: str, decode_url: str) -> None:
 
 @pytest.fixture(scope="module")
 def decode_b(pd, tiny_model, worker_python, tmp_path_factory):
-    """A second decode worker (core 0) that only the failure tests' router knows. Started alone, once the
-    tests on the pair have run (the first failure test asks for it), so its start-up competes with no
-    other. (Engines that started beside others used to "hang" here: the idle engines' NIXL progress
+    """A third engine (core 0), started as a flex worker (kv_role kv_both, spec.flex): the flex tests'
+    router switches it between prefill and decode, then the failure tests' router uses it as a second
+    decode worker. One engine for both: CI's time has no room for another engine's start-up. Started
+    alone, once the tests on the pair have run (the first flex test asks for it), so its start-up competes
+    with no other. (Engines that started beside others used to "hang" here: the idle engines' NIXL progress
     threads busy-polled a core each and starved the starting one, pinned to a busy core, of CPU; the
     engines' sitecustomize now gives that thread a poll timeout, tests/test_nixl_progress.py.)
 
@@ -134,7 +136,7 @@ def decode_b(pd, tiny_model, worker_python, tmp_path_factory):
     about that stall; should it return, the first pull fails the test with both engines' logs, and so
     does a start-up that LocalProcess had to restart (_started_once): neither is retried away."""
     logs = tmp_path_factory.mktemp("decode-b")
-    p = worker("decode-b", cpu_settings("decode", tiny_model, "0"), worker_python, logs)
+    p = worker("decode-b", cpu_settings("flex", tiny_model, "0"), worker_python, logs)
     try:
         p.start().wait_ready(DECODE_B_WAIT_S)
         _started_once(p)
@@ -464,6 +466,221 @@ class _DecodeProxy(_Proxy):
         self.after = None
 
 
+# ---------------------------------------------------------------- a flex worker switched between roles
+# decode-b is the flex worker here (kv_both): a third router uses the prefill, the decode (through a
+# _GateProxy, which can keep one decode from pulling its KV) and decode-b in the role a roles file gives it,
+# as a pod's serving-role label gives it in Kubernetes. The test writes that file where the planner would
+# write the label: the planner process does not drive switches yet (planner/README).
+FLEX_LONG_TOKENS, FLEX_SHORT_TOKENS = 48, 2
+
+
+class _GateProxy(_Proxy):
+    """In front of a decode worker, relaying each response line by line. Once armed, it holds the next
+    request that carries a prefill's KV (kv_transfer_params) before the worker sees it, so the KV stays
+    unpulled on the prefill until :meth:`release`."""
+
+    def __init__(self, target: str):
+        self.target, self.armed = target, False
+        self.holding, self.released = threading.Event(), threading.Event()
+        self.held_body: dict | None = None
+        super().__init__()
+
+    def handle(self, request: BaseHTTPRequestHandler, body: bytes | None) -> None:
+        if body and self.armed and b"kv_transfer_params" in body:
+            self.armed = False
+            self.held_body = json.loads(body)
+            self.holding.set()
+            self.released.wait(300)
+        try:
+            r = self.upstream(self.target, request, body)
+        except OSError:
+            request.send_error(502, "decode unreachable")
+            return
+        with r:
+            request.send_response(r.status)
+            request.send_header("Content-Type", r.headers.get("Content-Type", "application/json"))
+            request.end_headers()          # HTTP/1.0, no length: the body ends when the connection does
+            for line in r:
+                request.wfile.write(line)
+                request.wfile.flush()
+
+    def arm(self) -> None:
+        self.holding.clear()
+        self.released.clear()
+        self.armed = True
+
+    def release(self) -> None:
+        self.released.set()
+
+
+@pytest.fixture(scope="module")
+def flex(pd, decode_b, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("pd-flex")
+    first = json.loads(Path(pd["router"].argv[-1]).read_text())
+    gate = _GateProxy(pd["decode"].url)
+    roles = logs / "flex-roles.json"
+    roles.write_text(json.dumps({decode_b.url: "prefill"}))
+    port = free_port()
+    config = {"model": first["model"], "tokenizer": first["tokenizer"], "block_size": first["block_size"],
+              "port": port, "host": "127.0.0.1", "health_interval_s": 1,
+              # round-robin: which prefill and decode a request gets is the test's to know
+              "spec": {"disaggregation": "always", "policy": "round-robin", "connectTimeoutSeconds": 30,
+                       "prefillTimeoutSeconds": 120},
+              "prefill": [{"url": pd["prefill"].url, "kv_events": first["prefill"][0]["kv_events"]}],
+              "decode": [{"url": gate.url}],
+              "flex": [{"url": decode_b.url, "role": "prefill"}], "flex_roles_file": str(roles)}
+    (logs / "router.json").write_text(json.dumps(config))
+    r = router(logs / "router.json", port, logs)
+    try:
+        r.start().wait_ready()
+        yield {"router": r, "gate": gate, "roles": roles, "worker": decode_b, "prefill": pd["prefill"],
+               "decode": pd["decode"]}
+    finally:
+        r.stop()
+        gate.close()
+
+
+def _flex_request(url: str, prompt: str, max_tokens: int) -> tuple[dict, str, dict]:
+    """A streamed completion through the flex router: (route headers, text, usage); an error event, a
+    refusal or a broken stream raises."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    text, usage = [], {}
+    with urllib.request.urlopen(req, timeout=300) as r:
+        route = {k.lower(): v for k, v in r.headers.items() if k.lower().startswith("x-disagg-")}
+        for line in r:
+            if not line.startswith(b"data: {"):
+                continue
+            event = json.loads(line[6:])
+            assert "error" not in event, f"an error event: {str(event)[:300]}"
+            if event.get("usage"):
+                usage = event["usage"]
+            if event["choices"]:
+                text.append(event["choices"][0]["text"])
+    return route, "".join(text), usage
+
+
+def _flex_log_tails(flex) -> str:
+    return "\n".join(f"--- {p.name} (log tail):\n{p.tail(40)}"
+                     for p in (flex["router"], flex["worker"], flex["prefill"], flex["decode"]))
+
+
+def _switch(flex, role: str) -> float:
+    """The decision, as the planner writes it: the flex worker's role. Returns when it was written."""
+    flex["roles"].write_text(json.dumps({flex["worker"].url: role}))
+    return time.monotonic()
+
+
+def _switches(flex, frm: str, to: str, outcome: str = m.SWITCH_SWITCHED) -> float:
+    return scrape(flex["router"].url).get(
+        f'{m.ROUTER_ROLE_SWITCHES}{{from_role="{frm}",outcome="{outcome}",to_role="{to}"}}', 0)
+
+
+def _serving(flex, role: str, state: str = "serving") -> float:
+    return scrape(flex["router"].url).get(f'{m.ROUTER_FLEX_WORKERS}{{role="{role}",state="{state}"}}', 0)
+
+
+@pytest.mark.timeout(FIRST_FAILURE_TEST_TIMEOUT)     # its setup waits for decode-b (DECODE_B_WAIT_S)
+def test_a_flex_prefill_holding_kv_for_a_decode_switches_only_after_the_pull(flex):
+    """The flex worker prefilled a request whose decode has not pulled the KV yet (the gate holds the
+    decode's request before the decode engine sees it). Told to serve decode, it takes no new prefill, and
+    does not flip while the blocks wait: a whole other request goes through meanwhile. Once the decode gets
+    the request and pulls the blocks, it flips; the held request finishes whole, nothing failed."""
+    url, gate, worker = flex["router"].url, flex["gate"], flex["worker"]
+    wait_for(lambda: _serving(flex, "prefill") == 1, 60, "the flex worker serving prefill")
+    held = None
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        for _ in range(2):                  # round-robin: the first or the second request prefills on it
+            gate.arm()
+            held = pool.submit(_flex_request, url, "The held request's prompt, long enough " * 8, 8)
+            gate.holding.wait(300)
+            assert gate.holding.is_set(), _flex_log_tails(flex)
+            key = f'{m.ROUTER_KV_HELD}{{role="prefill",worker="{worker.url}"}}'
+            if scrape(url).get(key) == 1:
+                break
+            gate.release()                  # the dedicated prefill did this one
+            held.result(timeout=300)
+        assert scrape(url).get(key) == 1
+        remote = gate.held_body["kv_transfer_params"]
+        decided = _switch(flex, "decode")
+        wait_for(lambda: _serving(flex, "prefill", "draining") == 1, 30, "the router to see the decision")
+        # the drain waits: a whole request (prefilled by the dedicated prefill) goes through meanwhile
+        route, text, usage = pool.submit(_flex_request, url, "Meanwhile another request " * 4,
+                                         FLEX_SHORT_TOKENS).result(timeout=300)
+        assert route["x-disagg-prefill"] == flex["prefill"].url and usage["completion_tokens"] == FLEX_SHORT_TOKENS
+        assert _switches(flex, "prefill", "decode") == 0 and scrape(url).get(key) == 1
+        pulls = metric_sum(scrape(flex["decode"].url), m.VLLM_NIXL_BYTES_TRANSFERRED + "_count")
+        gate.release()
+        wait_for(lambda: _switches(flex, "prefill", "decode") == 1, 120, "the flip after the pull")
+        flipped = time.monotonic()
+        route, text, usage = held.result(timeout=300)
+    assert route["x-disagg-prefill"] == worker.url and route["x-disagg-path"] == m.PATH_REMOTE_PREFILL
+    assert usage["completion_tokens"] == 8 and "x-disagg-fallback" not in route
+    assert remote.get("remote_engine_id")                       # the decode pulled from the flex engine
+    wait_for(lambda: metric_sum(scrape(flex["decode"].url), m.VLLM_NIXL_BYTES_TRANSFERRED + "_count") > pulls, 60,
+             "the decode engine to count its pull from the flex engine")
+    assert _serving(flex, "decode") == 1 and _switches(flex, "prefill", "decode", m.SWITCH_ABANDONED) == 0
+    print(f"flex switch prefill -> decode: {flipped - decided:.1f} s from the decision, held by one unpulled "
+          "hand-off")
+
+
+def test_a_load_step_switches_the_flex_worker_and_no_request_fails(flex):
+    """Output-heavy streams decode on the flex worker (serving decode); the decision for prompt-heavy
+    traffic switches it to prefill while its streams are in flight: they finish whole, it takes no new
+    decode meanwhile, and then prefills. The step to output-heavy traffic switches it back while its
+    prefills' KV waits to be pulled. Every request of the whole run succeeds."""
+    url, worker = flex["router"].url, flex["worker"]
+    wait_for(lambda: _serving(flex, "decode") == 1, 60, "the flex worker serving decode")
+    long_prompt = "Summarise the following paragraph of text in detail please " * 12
+    results: list = []
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        # output-heavy: decodes alternate between the decode worker and the flex worker
+        streams = [pool.submit(_flex_request, url, f"Story {i}: once upon a time", FLEX_LONG_TOKENS) for i in range(4)]
+        key = f'{m.ROUTER_ACTIVE_REQUESTS}{{role="decode",worker="{worker.url}"}}'
+        wait_for(lambda: scrape(url).get(key, 0) >= 1, 300, "streams decoding on the flex worker")
+        decided = _switch(flex, "prefill")           # prompt-heavy traffic is coming
+        wait_for(lambda: _serving(flex, "decode", "draining") == 1 or _switches(flex, "decode", "prefill") == 1,
+                 30, "the router to see the decision")
+        prompt_heavy = [pool.submit(_flex_request, url, f"{i} {long_prompt}", FLEX_SHORT_TOKENS) for i in range(6)]
+        for f in streams:
+            results.append(f.result(timeout=300))
+        on_flex = [r for r in results if r[0]["x-disagg-decode"] == worker.url]
+        assert on_flex, "no stream decoded on the flex worker"
+        assert all(r[2]["completion_tokens"] == FLEX_LONG_TOKENS for r in results)   # whole, none cut
+        wait_for(lambda: _switches(flex, "decode", "prefill") == 1, 120, "the flip to prefill")
+        to_prefill = time.monotonic() - decided
+        for f in prompt_heavy:
+            results.append(f.result(timeout=300))
+        # no decode went to the flex worker after the decision: the prompt-heavy requests decoded elsewhere
+        assert all(r[0]["x-disagg-decode"] != worker.url for r in results[len(streams):])
+        more = [pool.submit(_flex_request, url, f"{i} more: {long_prompt}", FLEX_SHORT_TOKENS) for i in range(4)]
+        step = [r.result(timeout=300) for r in more]
+        results += step
+        assert any(r[0]["x-disagg-prefill"] == worker.url for r in step), "the flex worker prefilled nothing"
+        # the step to output-heavy traffic, with prefills of the flex worker in flight
+        in_flight = [pool.submit(_flex_request, url, f"{i} last: {long_prompt}", FLEX_SHORT_TOKENS)
+                     for i in range(4)]
+        decided = _switch(flex, "decode")
+        wait_for(lambda: _switches(flex, "prefill", "decode") == 2, 120, "the flip back to decode")
+        to_decode = time.monotonic() - decided
+        results += [f.result(timeout=300) for f in in_flight]
+        after = [pool.submit(_flex_request, url, f"Tale {i}: far away", FLEX_LONG_TOKENS) for i in range(2)]
+        results += [f.result(timeout=300) for f in after]
+    assert any(r[0]["x-disagg-decode"] == worker.url for r in results[-2:]), "no decode on the flex worker"
+    assert all(r[2]["completion_tokens"] in (FLEX_LONG_TOKENS, FLEX_SHORT_TOKENS) for r in results)
+    routed = scrape(url)
+    failed = {k: v for k, v in routed.items() if k.startswith(m.ROUTER_REQUESTS) and v
+              and f'outcome="{m.OUTCOME_SUCCESS}"' not in k}
+    assert failed == {}, failed                                 # zero failed requests, the whole module's flex run
+    assert metric_sum(routed, m.ROUTER_FALLBACKS) == 0
+    assert _switches(flex, "decode", "prefill", m.SWITCH_ABANDONED) == 0
+    assert _switches(flex, "prefill", "decode", m.SWITCH_ABANDONED) == 0
+    print(f"flex switches under load: decode -> prefill {to_prefill:.1f} s (its streams' drain), "
+          f"prefill -> decode {to_decode:.1f} s from the decision")
+
+
 @pytest.fixture(scope="module")
 def failures(pd, decode_b, jaeger, tmp_path_factory):
     """A second router over the same prefill (through a :class:`_KillingProxy`) and both decode workers:
@@ -577,7 +794,6 @@ def _router_sees(failures) -> None:
         pytest.fail(f"{e}\n{_log_tails(failures)}")
 
 
-@pytest.mark.timeout(FIRST_FAILURE_TEST_TIMEOUT)     # its setup waits for decode-b (DECODE_B_WAIT_S)
 def test_a_decode_killed_mid_stream_is_continued_with_the_same_text(failures):
     url = failures["router"].url
     _router_sees(failures)

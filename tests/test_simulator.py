@@ -189,7 +189,7 @@ def test_cli_simulate(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     summaries = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    assert [s["policy"] for s in summaries] == ["planner", "static-peak", "reactive", "dynamo"]
+    assert [s["policy"] for s in summaries] == ["planner", "planner-flex", "static-peak", "reactive", "dynamo"]
     assert all(s["requests"] == s["finished"] > 0 for s in summaries)
     assert (tmp_path / "bursty-all.png").stat().st_size > 10_000
     bad = subprocess.run([exe, "simulate", "--trace", "nonsense.csv", "--out", str(tmp_path)],

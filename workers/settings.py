@@ -12,10 +12,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from disagg.api.contract import DRAIN_SECONDS, KV_REPLAY_PORT
+from disagg.api.contract import DRAIN_SECONDS, KV_LEASE_SECONDS, KV_REPLAY_PORT
 from disagg.api.names import DISK_OFFLOAD_PATH, ROLE_DECODE, ROLE_PREFILL
 
-Role = Literal["prefill", "decode"]
+Role = Literal["prefill", "decode", "flex"]
 assert {ROLE_PREFILL, ROLE_DECODE} == {"prefill", "decode"}
 
 
@@ -27,7 +27,8 @@ DISK_STAGING_GIB = 1.0
 class WorkerSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    role: Role = Field(description="prefill produces KV for others to pull; decode pulls it (or prefills locally).")
+    role: Role = Field(description="prefill produces KV for others to pull; decode pulls it (or prefills locally); "
+                                   "flex does either, per request, as the router uses it (kv_role kv_both).")
     model: str = Field(min_length=1, description="Local path of the model (weights, config, tokenizer).")
     served_model_name: str | None = Field(None, description="Name clients send as `model` (default: the path).")
     host: str = Field("0.0.0.0", description="Address vLLM's HTTP server and its KV event sockets bind "
@@ -50,7 +51,7 @@ class WorkerSettings(BaseModel):
                             "memory otherwise (resolved_buffer_device).")
     nixl_backends: list[str] = Field(default_factory=lambda: ["UCX"], min_length=1)
     ucx_tls: str | None = Field(None, description="UCX transports (UCX_TLS); on CPU it must include tcp.")
-    kv_lease_seconds: int = Field(30, ge=1, description="How long a prefill keeps KV that nobody pulled.")
+    kv_lease_seconds: int = Field(KV_LEASE_SECONDS, ge=1, description="How long a prefill keeps KV that nobody pulled.")
     nixl_progress_delay_us: int | None = Field(
         None, ge=0, description="Poll timeout (µs) of NIXL's UCX progress thread (it still wakes at once on UCX "
                                 "events). nixl 1.5 busy-polls (0), one core per idle engine; default: 1000 on the CPU "

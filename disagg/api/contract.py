@@ -40,6 +40,10 @@ DRAIN_MARGIN_SECONDS = 30
 
 # The ZMQ topic workers publish their KV events on and routers subscribe to.
 KV_EVENTS_TOPIC = "kv-events"
+# How long a prefill keeps KV blocks nobody pulled (NixlConnector's kv_lease_duration, which a decode holding
+# the request extends by heartbeats): the workers start vLLM with it and the router waits for it when a flex
+# worker's switch drains blocks a decode gave up on.
+KV_LEASE_SECONDS = 30
 # Where a worker's vLLM answers requests to resend KV event batches a router missed (its KV events'
 # replay_endpoint; container and Service port "kv-replay"): a router heals its prefix index from it.
 KV_REPLAY_PORT = 5558

@@ -38,6 +38,11 @@ ROUTER_MIGRATIONS = "disagg_router_migrations_total"                # counter; l
 ROUTER_AUTH_FAILURES = "disagg_router_auth_failures_total"          # counter; labels: reason (401s: never in ROUTER_REQUESTS, whose rate the planner reads as load)
 ROUTER_API_KEYS = "disagg_router_api_keys"                          # gauge: API keys loaded (spec.router.auth)
 ROUTER_PAIRING_REFUSALS = "disagg_router_pairing_refusals_total"  # counter; labels: reason (a request not paired with a prefill of another KV revision)
+# flex workers (spec.flex): each router drains a worker whose serving role changed before it sends it the new role's work
+ROUTER_FLEX_WORKERS = "disagg_router_flex_workers"                  # gauge; labels: role (serving it), state (serving, draining: taking no new work until its drain ends)
+ROUTER_ROLE_SWITCHES = "disagg_router_role_switches_total"          # counter; labels: from_role, to_role, outcome (switched, abandoned: the drain's bound passed, cancelled: asked back before it ended)
+ROUTER_SWITCH_DRAIN_SECONDS = "disagg_router_switch_drain_seconds"  # histogram; labels: outcome: the serving role changed -> the worker takes the new role's work
+ROUTER_KV_HELD = "disagg_router_kv_held_requests"                   # gauge; labels: role, worker: hand-offs whose KV the prefill holds (decode not yet pulled, lease not run out)
 # picker mode (spec.router.mode: picker): the gateway carries the bytes, the router answers where they go
 ROUTER_PICKER_DECISION_SECONDS = "disagg_router_picker_decision_seconds"  # histogram; labels: kind (plan: an OpenAI request parsed, tokenized and planned, before any prefill; other: any other path)
 ROUTER_PICKER_STREAMS = "disagg_router_picker_streams"              # gauge: the gateway's ext_proc streams open now
@@ -95,6 +100,11 @@ MIGRATION_DISABLED = "disabled"                   # maxMigrations 0 (never count
 # why the router refused to pair a request's decode with a healthy prefill (ROUTER_PAIRING_REFUSALS{reason=...})
 PAIRING_OTHER_REVISION = "other_revision"        # healthy prefills, none of the decode's KV revision: decode-only
 
+# what became of a flex worker's role switch (ROUTER_ROLE_SWITCHES{outcome=...}; PLANNER_ROLE_SWITCHES uses the same)
+SWITCH_SWITCHED = "switched"
+SWITCH_ABANDONED = "abandoned"
+SWITCH_CANCELLED = "cancelled"
+
 # ---- vLLM's own metrics, as the router, tests and planner read them from workers' /metrics
 VLLM_NIXL_BYTES_TRANSFERRED = "vllm:nixl_bytes_transferred"        # histogram (bytes per transfer)
 VLLM_NIXL_FAILED_TRANSFERS = "vllm:nixl_num_failed_transfers"      # counter
@@ -119,6 +129,12 @@ PLANNER_METRICS_AVAILABLE = "disagg_planner_metrics_available"      # gauge 0/1
 PLANNER_MODEL_KNOWN = "disagg_planner_model_known"                  # gauge 0/1: the model and GPU are in the performance model's data (0: it holds)
 PLANNER_ERRORS = "disagg_planner_errors_total"                      # counter; labels: stage, error (a failed call costs one pass, never the process; no deployment labels)
 PLANNER_LAST_PASS = "disagg_planner_last_pass_timestamp_seconds"    # gauge, unix seconds: the loop's last progress (no deployment labels; /healthz reads the same heartbeat)
+# flex workers (issue 31; named here for the design in planner/README.md "Flex workers": the simulator reports the
+# same quantities, the executor does not expose them yet). PLANNER_DECISIONS and PLANNER_DESIRED_REPLICAS carry
+# role="flex" for the pool; a switch counts role=<to> direction=up and role=<from> direction=down, reason RoleSwitched
+PLANNER_FLEX_WORKERS = "disagg_planner_flex_workers"                # gauge; labels: role (serving it or switching to it)
+PLANNER_ROLE_SWITCHES = "disagg_planner_role_switches_total"        # counter; labels: from_role, to_role, outcome (switched, cancelled, abandoned)
+PLANNER_SWITCH_DRAIN_SECONDS = "disagg_planner_switch_drain_seconds"  # histogram: a switch asked -> the worker serving its new role
 
 # ---- operator
 OPERATOR_RECONCILES = "disagg_operator_reconciles_total"            # counter; labels: result (applied, unchanged, conflict, error, invalid, blocked, unsupported)
@@ -129,4 +145,7 @@ OPERATOR_DRIFT_REVERTS = "disagg_operator_drift_reverts_total"      # counter; l
 OPERATOR_GROUP_RESTARTS = "disagg_operator_group_restarts_total"
 OPERATOR_STATUS_WRITES = "disagg_operator_status_writes_total"      # counter
 OPERATOR_DEPLOYMENTS = "disagg_operator_deployments"                # gauge; labels: phase
+# flex workers (spec.flex): per deployment, by the serving-role label the operator reads on their pods
+OPERATOR_FLEX_WORKERS = "disagg_operator_flex_workers"              # gauge; labels: namespace, deployment, role
+OPERATOR_ROLE_SWITCHES = "disagg_operator_role_switches_total"      # counter; labels: namespace, deployment, from_role, to_role (a flex pod's serving-role label changed)
 OPERATOR_CONDITION = "disagg_operator_condition"                    # gauge 0/1; labels: namespace, deployment, type, reason

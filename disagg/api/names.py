@@ -41,6 +41,15 @@ ROLE_PREFILL = "prefill"
 ROLE_DECODE = "decode"
 ROLE_ROUTER = "router"
 ROLES = (ROLE_PREFILL, ROLE_DECODE, ROLE_ROUTER)
+# The flex pool (spec.flex): its pods carry LABEL_ROLE=flex for their whole life (the Deployment's selector
+# is immutable), and the role each serves now in LABEL_SERVING_ROLE, which changes at run time: the planner
+# (or, with no planner, the operator's initial split) writes it, routers follow it after a drain.
+ROLE_FLEX = "flex"
+SERVING_ROLES = (ROLE_PREFILL, ROLE_DECODE)
+LABEL_SERVING_ROLE = f"{GROUP}/serving-role"
+# The serving role the operator last saw on a flex pod: a label that differs from it is a switch, which
+# the operator reports (event RoleSwitched, metric) once, whoever wrote the label.
+ANNOTATION_OBSERVED_SERVING_ROLE = f"{GROUP}/observed-serving-role"
 
 # A pvc://<claim>/<path> model source is mounted read-only at MODEL_MOUNT_ROOT/<claim>.
 MODEL_MOUNT_ROOT = "/models"

@@ -17,7 +17,8 @@ from pydantic.alias_generators import to_camel
 
 from . import contract
 from . import parallelism as par
-from .names import DNS1035_LABEL, DNS1123_SUBDOMAIN, GROUP, MAX_GROUP_REPLICAS, MAX_NAME_LENGTH
+from .names import (DNS1035_LABEL, DNS1123_SUBDOMAIN, GROUP, LABEL_SERVING_ROLE, MAX_GROUP_REPLICAS,
+                    MAX_NAME_LENGTH)
 
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -745,6 +746,102 @@ class OffloadSpec(_Model):
                           description="Local-disk KV cache tier per replica, GiB (0: off).")
 
 
+# What a flex pool needs of prefill and decode (spec.flex): one engine serves both roles, so both must be
+# one shape. Why not a shape of its own: the planner sizes a flex worker as a replica of either role with
+# that role's performance model, the router pairs a prefill with a decode only within one KV layout
+# revision, and one set of engine arguments must serve both roles (planner/README, flex workers).
+FLEX_SHAPE_MESSAGE = ("spec.flex needs prefill and decode of one shape, since a flex worker serves either "
+                      "with one engine: spec.prefill and spec.decode differ in {what}")
+FLEX_MULTI_POD_MESSAGE = ("spec.flex: flex workers of replicas that span several pods (podsPerReplica above 1) "
+                          "are not supported yet")
+FLEX_NEEDS_PREFILL_MESSAGE = ("spec.flex needs a prefill role to switch to: router.disaggregation never "
+                              "sends no work to prefill workers")
+
+
+class FlexSpec(_Model):
+    """A third pool whose workers serve prefill or decode, one at a time, switched at run time."""
+
+    model_config = ConfigDict(json_schema_extra=_validations(
+        cel("!has(self.minReplicas) || self.minReplicas <= self.replicas",
+            "minReplicas must not exceed replicas", field_path=".minReplicas"),
+        cel("!has(self.maxReplicas) || self.replicas <= self.maxReplicas",
+            "replicas must not exceed maxReplicas", field_path=".replicas"),
+        cel("!has(self.minReplicas) || !has(self.maxReplicas) || self.minReplicas <= self.maxReplicas",
+            "minReplicas must not exceed maxReplicas", field_path=".minReplicas"),
+    ))
+
+    replicas: int = Field(1, ge=0, le=1024,
+                          description="Flex workers. Owned by the planner's field manager when "
+                                      "spec.planner.enabled is true. Each runs one engine with kv_role kv_both "
+                                      "in the shape prefill and decode share, and serves one role at a time: "
+                                      f"its pod's label {LABEL_SERVING_ROLE}.")
+    min_replicas: int | None = Field(None, ge=0, le=1024, description="Fewest flex workers the planner may keep.")
+    max_replicas: int | None = Field(None, ge=1, le=1024, description="Most flex workers the planner may keep.")
+    switch_drain_seconds: int = Field(120, ge=1, le=3600,
+                                      description="Longest a role switch waits for the worker's drain (its "
+                                                  "in-flight requests of the old role, and the KV blocks it "
+                                                  "holds for decodes, until pulled or their lease ran out). "
+                                                  "Past it the switch goes ahead, counted "
+                                                  "(disagg_router_role_switches_total outcome abandoned): the "
+                                                  "engine serves both roles, so what was left still completes.")
+
+    @model_validator(mode="after")
+    def _check(self) -> FlexSpec:
+        if self.min_replicas is not None and self.min_replicas > self.replicas:
+            raise ValueError(f"flex.minReplicas ({self.min_replicas}) must not exceed flex.replicas "
+                             f"({self.replicas})")
+        if self.max_replicas is not None and self.replicas > self.max_replicas:
+            raise ValueError(f"flex.replicas ({self.replicas}) must not exceed flex.maxReplicas "
+                             f"({self.max_replicas})")
+        if self.min_replicas is not None and self.max_replicas is not None and self.min_replicas > self.max_replicas:
+            raise ValueError("flex.minReplicas must not exceed flex.maxReplicas")
+        return self
+
+
+def _cel_opt(path: str, field: str, empty: str) -> str:
+    return f"(has({path}.{field}) ? {path}.{field} : {empty})"
+
+
+# (what differs, as the message says it; the CEL that holds when both roles agree on it)
+_FLEX_SHAPE = [
+    ("tensor parallel size (parallelism.tensor / tensorParallelSize)",
+     f"{_cel_tensor('self.prefill')} == {_cel_tensor('self.decode')}"),
+    ("parallelism.data", f"{_cel_size('self.prefill', 'data')} == {_cel_size('self.decode', 'data')}"),
+    ("parallelism.expert",
+     f"({_cel_has('self.prefill', 'expert')} && self.prefill.parallelism.expert) == "
+     f"({_cel_has('self.decode', 'expert')} && self.decode.parallelism.expert)"),
+    ("podsPerReplica", f"{_cel_pods('self.prefill')} == {_cel_pods('self.decode')}"),
+    # each role's resources is an object type of its own to CEL, which has no equality between two such:
+    # their maps are compared
+    ("resources", " && ".join(
+        f"(has(self.prefill.resources) && has(self.prefill.resources.{k}) ? self.prefill.resources.{k} : "
+        "{}) == "
+        f"(has(self.decode.resources) && has(self.decode.resources.{k}) ? self.decode.resources.{k} : "
+        "{})" for k in ("limits", "requests"))),
+    ("extraArgs", "has(self.prefill.extraArgs) == has(self.decode.extraArgs) && "
+                  "(!has(self.prefill.extraArgs) || self.prefill.extraArgs == self.decode.extraArgs)"),
+]
+
+
+def flex_shape_differences(prefill: RoleSpec, decode: RoleSpec) -> list[str]:
+    """What keeps prefill and decode from being one shape (the same checks as the CEL rules)."""
+    p, d = prefill.layout(), decode.layout()
+    out = []
+    if p.tensor != d.tensor:
+        out.append(_FLEX_SHAPE[0][0])
+    if p.data != d.data:
+        out.append("parallelism.data")
+    if prefill.parallelism.expert != decode.parallelism.expert:
+        out.append("parallelism.expert")
+    if prefill.pods_per_replica != decode.pods_per_replica:
+        out.append("podsPerReplica")
+    if prefill.resources != decode.resources:
+        out.append("resources")
+    if prefill.extra_args != decode.extra_args:
+        out.append("extraArgs")
+    return out
+
+
 class KVCacheSpec(_Model):
     offload: OffloadSpec = Field(default_factory=OffloadSpec, description="KV cache offload tiers.")
 
@@ -765,6 +862,12 @@ class DisaggDeploymentSpec(_Model):
             "planner.gpuBudget is below the GPUs the gang minimum needs", field_path=".planner.gpuBudget"),
         *(cel(f"{_cel_size(f'self.{role}', 'pipeline')} == 1", par.PIPELINE,
               field_path=f".{role}.parallelism.pipeline") for role in ("prefill", "decode")),
+        *(cel(f"!has(self.flex) || ({rule})", FLEX_SHAPE_MESSAGE.format(what=what), field_path=".flex")
+          for what, rule in _FLEX_SHAPE),
+        cel(f"!has(self.flex) || {_cel_pods('self.prefill')} == 1", FLEX_MULTI_POD_MESSAGE, field_path=".flex",
+            reason="FieldValueForbidden"),
+        cel("!has(self.flex) || !has(self.router.disaggregation) || self.router.disaggregation != 'never'",
+            FLEX_NEEDS_PREFILL_MESSAGE, field_path=".flex", reason="FieldValueForbidden"),
     ))
 
     model: ModelSpec = Field(description="The model to serve.")
@@ -780,6 +883,11 @@ class DisaggDeploymentSpec(_Model):
     kv_cache: KVCacheSpec = Field(default_factory=KVCacheSpec, description="KV cache tiers.")
     tracing: TracingSpec | None = Field(None, description="OpenTelemetry traces of each request across the "
                                                           "router and both workers; off when unset.")
+    flex: FlexSpec | None = Field(None, json_schema_extra={NO_DEFAULT: True},
+                                  description="Flex workers: a third pool whose engines (kv_role kv_both) serve "
+                                              "prefill or decode, one role at a time, switched at run time "
+                                              "after a drain. Absent: no flex pool. Needs prefill and decode "
+                                              "of one shape.")
 
     @model_validator(mode="after")
     def _check(self) -> DisaggDeploymentSpec:
@@ -797,6 +905,14 @@ class DisaggDeploymentSpec(_Model):
         for role in ("prefill", "decode"):
             if getattr(self, role).parallelism.pipeline != 1:
                 raise ValueError(f"{role}: {par.PIPELINE} (pipeline {getattr(self, role).parallelism.pipeline})")
+        if self.flex is not None:
+            differ = flex_shape_differences(self.prefill, self.decode)
+            if differ:
+                raise ValueError(FLEX_SHAPE_MESSAGE.format(what=", ".join(differ)))
+            if self.prefill.pods_per_replica > 1:
+                raise ValueError(FLEX_MULTI_POD_MESSAGE)
+            if self.router.disaggregation == Disaggregation.NEVER:
+                raise ValueError(FLEX_NEEDS_PREFILL_MESSAGE)
         return self
 
     def gang_min_gpus(self) -> int:
@@ -832,6 +948,16 @@ class RoleStatus(_Model):
     group_restarts: int | None = Field(None, ge=0, description="Multi-pod replicas recreated as a whole since this "
                                                                 "DisaggDeployment was created (one of their pods "
                                                                 "failed or went; events GroupRestarted say which).")
+
+
+class FlexStatus(_Model):
+    desired: int = Field(0, ge=0, description="Flex workers wanted now.")
+    ready: int = Field(0, ge=0, description="Flex workers ready to serve.")
+    prefill: int = Field(0, ge=0, description="Flex workers whose serving role is prefill.")
+    decode: int = Field(0, ge=0, description="Flex workers whose serving role is decode.")
+    role_switches: int = Field(0, ge=0, description="Role switches the operator has seen since it started "
+                                                    "(events RoleSwitched say which).")
+    summary: str = Field("0/0", max_length=32, description="ready/desired, for kubectl's columns.")
 
 
 class LatencyStatus(_Model):
@@ -873,6 +999,7 @@ class DisaggDeploymentStatus(_Model):
     prefill: RoleStatus = Field(default_factory=RoleStatus, description="Prefill replicas.")
     decode: RoleStatus = Field(default_factory=RoleStatus, description="Decode replicas.")
     router: RouterStatus = Field(default_factory=RouterStatus, description="Router replicas.")
+    flex: FlexStatus | None = Field(None, description="Flex workers, per serving role (spec.flex).")
     endpoint: str = Field("", max_length=2048, description="OpenAI-compatible base URL inside the cluster.")
     latency: LatencyStatus = Field(default_factory=LatencyStatus, description="Observed latency.")
     planner: PlannerStatus | None = Field(None, description="The planner's last decision.")

@@ -68,10 +68,11 @@
 {{- end }}
 # Its children's pods: placement and faults in status (watch), which gang they belong to (list); the pods
 # of replicas that span several pods it runs itself (create, delete: operator/groups.py), which the
-# chart's operator-writes admission policy holds to what it renders.
+# chart's operator-writes admission policy holds to what it renders; a flex pod's serving-role label and
+# the operator's record of it (patch: operator/flex.py), which that policy allows and nothing else.
 - apiGroups: [""]
   resources: [pods]
-  verbs: [list, watch, create, delete]
+  verbs: [list, watch, create, delete, patch]
 # Events for every decision.
 - apiGroups: [""]
   resources: [events]
