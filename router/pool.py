@@ -28,6 +28,10 @@ class Worker:
     healthy: bool = True
     revision: str | None = None            # KV revision: paired with the other role's of the same only
     revision_generation: int | None = None  # orders revisions (the newest complete one takes new requests)
+    # LoRA adapters it holds, as the router loaded them or saw them on its /v1/models (router/adapters.py);
+    # a request for an adapter goes only to a worker holding it
+    adapters: set[str] = field(default_factory=set)
+    adapter_errors: dict[str, str] = field(default_factory=dict)   # adapter -> why its load failed here
     _target: Target | None = field(default=None, repr=False, compare=False)
 
     @property

@@ -18,12 +18,13 @@ from disagg.api.names import ROLE_DECODE, ROLE_PREFILL
 
 from . import pairing
 from .accounting import Accounting
+from .adapters import Declared
 from .admission import Admission
 from .calls import Calls
 from .config import RouterConfig
 from .continuation import Continuation
 from .decision import Decider, Plan, Route
-from .errors import BadRequest, NoWorkers, NotFound, RouterError, UpstreamRejected
+from .errors import BadRequest, NoWorkers, RouterError, UpstreamRejected
 from .fleet import Fleet
 from .handoff import REMOTE_DECODE, Handoff
 from .index import PrefixIndex
@@ -41,12 +42,15 @@ class Router:
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.pool = pool or Pool.static(config)
+        self.declared = Declared(config.model, max_loras=config.max_loras)
+        self.declared.set(config.adapters)
         self.index = {ROLE_PREFILL: PrefixIndex(), ROLE_DECODE: PrefixIndex()}
         self.decider = Decider(config, self.pool, self.index, metrics)
         self.policy = self.decider.policy
         self.needs_ids = self.decider.needs_ids
         self.calls = Calls(config, metrics)
-        self.fleet = Fleet(config, metrics, self.pool, self.index, self.calls, self.decider.forget, discovery)
+        self.fleet = Fleet(config, metrics, self.pool, self.index, self.calls, self.decider.forget, discovery,
+                           self.declared)
         spec = config.spec
         self.admission = Admission(spec.max_in_flight, spec.max_queued, spec.queue_timeout_seconds, metrics)
         self.accounting = Accounting(metrics, self.needs_ids)
@@ -79,14 +83,17 @@ class Router:
 
     # ---------------------------------------------------------------- routing
     def plan(self, token_ids: list[int], exclude: set[str] = frozenset(),
-             revision: str | None | pairing.Unset = pairing.UNSET) -> Plan:
-        return self.decider.plan(token_ids, exclude, revision)
+             revision: str | None | pairing.Unset = pairing.UNSET, adapter: str | None = None) -> Plan:
+        return self.decider.plan(token_ids, exclude, revision, adapter)
 
     # ---------------------------------------------------------------- requests
     def _check_model(self, req: CompletionRequest | ChatCompletionRequest) -> None:
-        if req.model != self.config.model:
-            raise NotFound(f"The model `{req.model}` does not exist; this router serves `{self.config.model}`.",
-                           param="model")
+        self.declared.adapter_of(req.model)     # the base model, or a declared adapter; else a 404
+
+    def ready_adapters(self) -> list[str]:
+        """The declared adapters some healthy decode worker holds: those a request can be served with."""
+        held = {a for w in self.pool.healthy(ROLE_DECODE) for a in w.adapters}
+        return sorted(a for a in self.declared.paths if a in held)
 
     def validate(self, req: CompletionRequest | ChatCompletionRequest) -> list[int]:
         self._check_model(req)
@@ -121,15 +128,16 @@ class Router:
             self.metrics.input_tokens.observe(len(ids))
         return ids
 
-    async def plan_or_probe(self, ids: list[int], exclude: set[str] = frozenset()) -> Plan:
+    async def plan_or_probe(self, ids: list[int], exclude: set[str] = frozenset(),
+                            adapter: str | None = None) -> Plan:
         """A plan; when no worker looked healthy at the last check, the unhealthy ones are asked again, once,
         before the NoWorkers (503) that is then counted."""
         try:
-            return self.plan(ids, exclude)
+            return self.plan(ids, exclude, adapter=adapter)
         except NoWorkers:
             await asyncio.gather(*(self.fleet.probe(w, 1) for w in self.pool.all() if not w.healthy))
             try:
-                return self.plan(ids, exclude)
+                return self.plan(ids, exclude, adapter=adapter)
             except NoWorkers:
                 self.metrics.requests.labels(m.OUTCOME_NO_WORKERS, "none").inc()
                 raise
@@ -143,9 +151,10 @@ class Router:
         start = time.monotonic()
         arrival = start if arrival is None else arrival
         ids = await self.prompt_ids(req)
-        plan = await self.plan_or_probe(ids)
+        plan = await self.plan_or_probe(ids, adapter=self.declared.adapter_of(req.model))
         route = Route(m.PATH_LOCAL_PREFILL, plan.decode.name, plan.prefill.name if plan.prefill else None,
-                      revision=plan.decode.revision, local_reason=plan.reason if plan.prefill is None else None)
+                      revision=plan.decode.revision, local_reason=plan.reason if plan.prefill is None else None,
+                      adapter=plan.adapter)
         try:
             kv_params = await self.handoff.prefill(endpoint, plan, body, route)
             if self.needs_ids:
