@@ -86,6 +86,7 @@ class Fleet:
         if self._discovery is not None:
             if hasattr(self._discovery, "on_adapters"):
                 self._discovery.on_adapters = self.set_adapters
+                self._discovery.adapter_status = self.adapter_status
             self._discovery_task = asyncio.create_task(self._discovery.run(self.update_workers))
         if self._adapter_file is not None:
             self._adapter_file_task = asyncio.create_task(self._watch_adapter_file())
