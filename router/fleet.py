@@ -152,8 +152,9 @@ class Fleet:
             self.prefill_lost.pop(w.name).set()
         if w.healthy and self.max_model_len is None:
             await self._learn_context(w, timeout)
-        if w.healthy:
-            await self.sync_adapters(w)
+        if w.healthy and self._lora_on(w):
+            # beside the probes, not inside them: a slow adapter load must not hold up every worker's probe
+            self._spawn_sync(w)
 
     async def _learn_context(self, w: Worker, timeout: float) -> None:
         """The context length vLLM derived (no --max-model-len in the engine args), from the model card
@@ -190,9 +191,15 @@ class Fleet:
     def _sync_all(self) -> None:
         for w in self.pool.all():
             if w.healthy:
-                task = asyncio.create_task(self.sync_adapters(w))
-                self._adapter_tasks.add(task)
-                task.add_done_callback(self._adapter_tasks.discard)
+                self._spawn_sync(w)
+
+    def _spawn_sync(self, w: Worker) -> None:
+        lock = self._adapter_locks.get(w.name)
+        if lock is not None and lock.locked():      # one sync per worker at a time; the next probe retries
+            return
+        task = asyncio.create_task(self.sync_adapters(w))
+        self._adapter_tasks.add(task)
+        task.add_done_callback(self._adapter_tasks.discard)
 
     async def _watch_adapter_file(self) -> None:
         while True:
