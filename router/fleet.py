@@ -33,6 +33,8 @@ log = logging.getLogger("disagg.router")
 PROBE_TIMEOUTS_TO_UNHEALTHY = 3
 # how often an adapters file (RouterConfig.adapters_file) is checked for a change
 ADAPTER_FILE_POLL_S = 1.0
+# passes of one adapter sync while the declared adapters keep changing under it
+MAX_SYNC_PASSES = 3
 T = TypeVar("T")
 
 
@@ -221,35 +223,47 @@ class Fleet:
         if lock.locked():
             return
         async with lock:
-            loaded = await self._loaded_adapters(w, timeout)
-            if loaded is None:
-                return
-            want = dict(self.declared.paths)
-            for name, path in list(loaded.items()):
-                if want.get(name) != path:
-                    status, _ = await self._post(w, "/v1/unload_lora_adapter", {"lora_name": name}, timeout)
-                    if status in (200, 404):
-                        loaded.pop(name)
-                        self.metrics.adapter_loads.labels(m.ADAPTER_UNLOADED).inc()
-            for name, path in want.items():
-                if loaded.get(name) == path:
-                    continue
-                status, message = await self._post(w, "/v1/load_lora_adapter",
-                                                   {"lora_name": name, "lora_path": path}, timeout)
-                if status == 200:
-                    loaded[name] = path
-                    w.adapter_errors.pop(name, None)
-                    self.metrics.adapter_loads.labels(m.ADAPTER_LOADED).inc()
-                else:
-                    w.adapter_errors[name] = message
-                    self.metrics.adapter_loads.labels(m.ADAPTER_LOAD_FAILED).inc()
-                    log.warning("adapter %s failed to load on %s: %s", name, w.name, message)
-            now = self.declared.paths      # declared again: it may have changed while the calls were out
-            held = {n for n, p in loaded.items() if now.get(n) == p}
-            if held != w.adapters:
-                log.info("%s holds adapters %s", w.name, sorted(held))
-            w.adapters = held
-            self._adapters_changed()
+            # again while the declared adapters changed during a pass (set_adapters skips a worker whose
+            # sync is under way): a removal is carried out now, not at the next probe
+            for _ in range(MAX_SYNC_PASSES):
+                want = dict(self.declared.paths)
+                if not await self._sync_once(w, want, timeout) or self.declared.paths == want:
+                    break
+
+    async def _sync_once(self, w: Worker, want: dict[str, str], timeout: float) -> bool:
+        """One pass of :meth:`sync_adapters` towards ``want``; False when the worker did not answer."""
+        loaded = await self._loaded_adapters(w, timeout)
+        if loaded is None:
+            return False
+        for name, path in list(loaded.items()):
+            if want.get(name) != path:
+                status, _ = await self._post(w, "/v1/unload_lora_adapter", {"lora_name": name}, timeout)
+                if status in (200, 404):
+                    loaded.pop(name)
+                    self.metrics.adapter_loads.labels(m.ADAPTER_UNLOADED).inc()
+        for name, path in want.items():
+            if loaded.get(name) == path:
+                continue
+            status, message = await self._post(w, "/v1/load_lora_adapter",
+                                               {"lora_name": name, "lora_path": path}, timeout)
+            if status == 200:
+                loaded[name] = path
+                w.adapter_errors.pop(name, None)
+                self.metrics.adapter_loads.labels(m.ADAPTER_LOADED).inc()
+            else:
+                w.adapter_errors[name] = message
+                self.metrics.adapter_loads.labels(m.ADAPTER_LOAD_FAILED).inc()
+                log.warning("adapter %s failed to load on %s: %s", name, w.name, message)
+        now = self.declared.paths      # declared again: it may have changed while the calls were out
+        held = {n for n, p in loaded.items() if now.get(n) == p}
+        if held != w.adapters:
+            log.info("%s holds adapters %s", w.name, sorted(held))
+        w.adapters = held
+        for name in list(w.adapter_errors):
+            if name not in now:
+                del w.adapter_errors[name]
+        self._adapters_changed()
+        return True
 
     async def _loaded_adapters(self, w: Worker, timeout: float) -> dict[str, str] | None:
         """The adapters ``w`` lists on /v1/models (vLLM's cards with a parent), name -> path; None when it
