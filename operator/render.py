@@ -37,6 +37,7 @@ from disagg.api.names import (
 )
 from disagg.api.v1alpha1 import (
     API_VERSION,
+    DEFAULT_MAX_LORA_RANK,
     GPU_RESOURCE,
     KIND,
     PLURAL,
@@ -198,7 +199,7 @@ def worker_args(dd: DisaggDeployment, role: str, rank: tuple[int, int] | None = 
     # adapter); the adapters themselves are loaded at run time by the routers, so they are not here
     if spec.model.max_loras is not None:
         inside += ["--enable-lora", "--max-loras", str(spec.model.max_loras),
-                   "--max-lora-rank", str(spec.model.max_lora_rank)]
+                   "--max-lora-rank", str(spec.model.max_lora_rank or DEFAULT_MAX_LORA_RANK)]
     if rank is not None:
         replica, index = rank
         inside += parallelism.rank_flags(parallelism.layout(role_spec), index, leader_address(dd, role, replica))

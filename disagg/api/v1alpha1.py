@@ -137,6 +137,7 @@ ADAPTERS_NEED_LORA = ("adapters need maxLoras (LoRA on in every worker; set it b
 ADAPTER_NAMES_UNIQUE = "adapters: each name must be unique"
 ADAPTER_NOT_BASE = "adapters: a name must differ from the base model's name (clients pick an adapter by name)"
 MAX_ADAPTERS = 64
+DEFAULT_MAX_LORA_RANK = 16
 
 
 class AdapterSpec(_Model):
@@ -187,10 +188,10 @@ class ModelSpec(_Model):
                                               "most this many adapters in one batch (--max-loras); more may be "
                                               "loaded, and wait for a slot. Unset: LoRA off. Changing it restarts "
                                               "the workers; adding adapters does not.")
-    max_lora_rank: Literal[1, 8, 16, 32, 64, 128, 256, 320, 512] = Field(16,
-                               description="Largest adapter rank the workers accept (--max-lora-rank; vLLM's "
-                                           "allowed values); an adapter of a higher rank fails to load and is "
-                                           "reported not ready.")
+    max_lora_rank: Literal[1, 8, 16, 32, 64, 128, 256, 320, 512] | None = Field(
+        None, description=f"Largest adapter rank the workers accept (--max-lora-rank; vLLM's allowed values; "
+                          f"unset: {DEFAULT_MAX_LORA_RANK}); an adapter of a higher rank fails to load and is "
+                          "reported not ready.")
 
     @model_validator(mode="after")
     def _check(self) -> ModelSpec:
