@@ -165,3 +165,45 @@ def test_the_deployment_is_the_one_its_services_are_named_after_or_given():
         assert disc.pod_selector.startswith(f"{LABEL_DEPLOYMENT}=llm,")
     finally:
         api.close()
+
+
+@pytest.mark.cluster
+def test_the_adapters_come_from_the_deployment_and_their_status_goes_back_to_it(api_client, crd_installed,
+                                                                                 namespace):
+    """The router's discovery, on a real API server: each poll hands the fleet its DisaggDeployment's
+    spec.model.adapters (added and removed with no restart), and writes status.adapters when the fleet's
+    view changes, under the routers' own field manager (the operator's status fields are not touched)."""
+    from kubernetes import client
+
+    from disagg.e2e.testing import dd_manifest
+    from disagg.router.discovery import ROUTER_FIELD_MANAGER
+
+    custom = client.CustomObjectsApi(api_client)
+    group, version, plural = "serving.disagg.dev", "v1alpha1", "disaggdeployments"
+    manifest = dd_manifest("lora", model={"maxLoras": 2, "adapters": [{"name": "sql", "source": "hf://org/sql"}]})
+    custom.create_namespaced_custom_object(group, version, namespace, plural, manifest)
+    disc = EndpointSliceDiscovery(api_client, namespace, {ROLE_PREFILL: "lora-prefill", ROLE_DECODE: "lora-decode"},
+                                  interval_s=0.2)
+    seen: list[dict] = []
+    status = [{"name": "sql", "prefill": 1, "decode": 2, "ready": True, "message": ""}]
+    disc.on_adapters = seen.append
+    disc.adapter_status = lambda: status
+
+    def dd() -> dict:
+        return custom.get_namespaced_custom_object(group, version, namespace, plural, "lora")
+
+    async def main() -> None:
+        task = asyncio.create_task(disc.run(lambda role, endpoints: None))
+        try:
+            await asyncio.to_thread(wait_for, lambda: (dd().get("status") or {}).get("adapters") == status, 30,
+                                    "status.adapters written")
+            assert seen[-1] == {"sql": "hf://org/sql"}
+            custom.patch_namespaced_custom_object(group, version, namespace, plural, "lora",
+                                                  {"spec": {"model": {"adapters": []}}})
+            await asyncio.to_thread(wait_for, lambda: seen[-1] == {}, 30, "the adapter's removal seen")
+        finally:
+            task.cancel()
+
+    asyncio.run(main())
+    managers = {f["manager"]: f for f in dd()["metadata"]["managedFields"] if f.get("subresource") == "status"}
+    assert "f:adapters" in str(managers[ROUTER_FIELD_MANAGER]["fieldsV1"])
