@@ -15,6 +15,7 @@ from disagg.api import contract, parallelism
 from disagg.api import inferencepool as pools
 from disagg.api.names import (
     DISK_OFFLOAD_PATH,
+    GROUP,
     LABEL_DEPLOYMENT,
     LABEL_GROUP,
     LABEL_GROUP_POD,
@@ -37,8 +38,10 @@ from disagg.api.names import (
 )
 from disagg.api.v1alpha1 import (
     API_VERSION,
+    DEFAULT_MAX_LORA_RANK,
     GPU_RESOURCE,
     KIND,
+    PLURAL,
     DisaggDeployment,
     GangBackend,
     RoleSpec,
@@ -213,6 +216,11 @@ def worker_args(dd: DisaggDeployment, role: str, rank: tuple[int, int] | None = 
         args += ["--tokenizer", spec.model.tokenizer]
     if spec.tracing is not None:
         args += tracing_args(spec.tracing)
+    # LoRA on in every worker of both roles alike (a prefill and its decode must be able to run the same
+    # adapter); the adapters themselves are loaded at run time by the routers, so they are not here
+    if spec.model.max_loras is not None:
+        inside += ["--enable-lora", "--max-loras", str(spec.model.max_loras),
+                   "--max-lora-rank", str(spec.model.max_lora_rank or DEFAULT_MAX_LORA_RANK)]
     if rank is not None:
         replica, index = rank
         inside += parallelism.rank_flags(parallelism.layout(role_spec), index, leader_address(dd, role, replica))
@@ -222,10 +230,18 @@ def worker_args(dd: DisaggDeployment, role: str, rank: tuple[int, int] | None = 
     return args + ["--", *inside, *spec.engine.args, *role_spec.extra_args]
 
 
-def _model_volumes(dd: DisaggDeployment) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(volumes, mounts) for pvc:// model and tokenizer sources: each claim read-only at
-    MODEL_MOUNT_ROOT/<claim>, where local_model_path() points the worker and the router."""
-    claims = dict.fromkeys(c for c in (model_claim(dd.spec.model.source), model_claim(dd.spec.model.tokenizer)) if c)
+LORA_RUNTIME_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+
+
+def _model_volumes(dd: DisaggDeployment, adapters: bool = True) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, mounts) for pvc:// model, tokenizer and adapter sources: each claim read-only at
+    MODEL_MOUNT_ROOT/<claim>, where local_model_path() points the worker and the router. Adapters on a claim
+    already mounted (the model's, or another adapter's) change nothing here, so adding one rolls no pod; the
+    first adapter on a new claim adds its volume (the one adapter change that restarts the workers)."""
+    model = dd.spec.model
+    claims = dict.fromkeys(c for c in (model_claim(model.source), model_claim(model.tokenizer)) if c)
+    if adapters:   # the router tokenizes with the base model's tokenizer: adapters' claims are the workers' alone
+        claims.update(dict.fromkeys(sorted({c for a in model.adapters if (c := model_claim(a.source))})))
     volumes = [{"name": f"model-{i}", "persistentVolumeClaim": {"claimName": c, "readOnly": True}}
                for i, c in enumerate(claims)]
     mounts = [{"name": f"model-{i}", "mountPath": f"{MODEL_MOUNT_ROOT}/{c}", "readOnly": True}
@@ -348,6 +364,9 @@ def worker_pod_template(dd: DisaggDeployment, role: str, gang: gangs.Gang, gener
            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
            {"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "value": "$(POD_IP)"},
            *({"name": e.name, "value": e.value} for e in dd.spec.engine.env)]
+    if dd.spec.model.max_loras is not None and LORA_RUNTIME_ENV not in {e.name for e in dd.spec.engine.env}:
+        # /v1/load_lora_adapter and /v1/unload_lora_adapter, which the routers call (router/adapters.py)
+        env.append({"name": LORA_RUNTIME_ENV, "value": "True"})
     env += _credentials(dd)
     scratch_env, scratch_volume, scratch_mount = _scratch({e.name for e in dd.spec.engine.env})
     env = [*scratch_env, *env]
@@ -532,6 +551,7 @@ def router_deployment(dd: DisaggDeployment, uid: str) -> dict[str, Any]:
                  "--block-size", str(contract.block_size(engine_args)),
                  *(["--max-model-len", str(context)] if context is not None else []),
                  "--kv-events-topic", contract.KV_EVENTS_TOPIC,
+                 *(["--max-loras", str(dd.spec.model.max_loras)] if dd.spec.model.max_loras is not None else []),
                  "--policy", r.policy, "--overlap-weight", str(r.overlap_weight),
                  "--max-load-skew", str(r.max_load_skew), "--disaggregation", r.disaggregation,
                  "--local-prefill-threshold-tokens", str(r.local_prefill_threshold_tokens),
@@ -578,7 +598,7 @@ def router_deployment(dd: DisaggDeployment, uid: str) -> dict[str, Any]:
     scratch_env, scratch_volume, scratch_mount = _scratch(set())
     container["env"] = [*scratch_env, *_credentials(dd)]
     container["securityContext"] = _container_security()
-    volumes, mounts = _model_volumes(dd)
+    volumes, mounts = _model_volumes(dd, adapters=False)
     # the router keeps its ServiceAccount token: it watches the workers' EndpointSlices (router_rbac)
     pod_spec: dict[str, Any] = {"serviceAccountName": n[ROLE_ROUTER], "containers": [container],
                                 # preStop sleep + the streams' drain + the margin: without it, the kubelet's
@@ -737,14 +757,21 @@ def inference_pool(dd: DisaggDeployment, uid: str) -> dict[str, Any] | None:
 
 def router_rbac(dd: DisaggDeployment, uid: str) -> list[dict[str, Any]]:
     """The router discovers workers from the role Services' EndpointSlices, and each worker's KV revision
-    from its pod's labels: it lists both, in its namespace, and nothing else (tests/test_rbac.py audits the
+    from its pod's labels: it lists both, in its namespace; it reads its own DisaggDeployment's adapters and
+    writes their status, and nothing else (tests/test_rbac.py audits the
     router's own account: every verb here used, none denied)."""
     name = names(dd.metadata.name)[ROLE_ROUTER]
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(dd, uid, name, ROLE_ROUTER)},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _meta(dd, uid, name, ROLE_ROUTER),
          "rules": [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list"]},
-                   {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}]},
+                   {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
+                   # its own DisaggDeployment only: the LoRA adapters it loads onto the workers (spec.model),
+                   # and status.adapters, which it alone can tell (router/adapters.py)
+                   {"apiGroups": [GROUP], "resources": [PLURAL], "resourceNames": [dd.metadata.name],
+                    "verbs": ["get"]},
+                   {"apiGroups": [GROUP], "resources": [f"{PLURAL}/status"], "resourceNames": [dd.metadata.name],
+                    "verbs": ["patch"]}]},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
          "metadata": _meta(dd, uid, name, ROLE_ROUTER),
          "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},

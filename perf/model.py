@@ -546,6 +546,19 @@ def planning_calibration(hw: GPUSpec, dtype_bytes: int = 2, path: str | Path | N
 
 # ---------------------------------------------------------------- the model
 
+# LoRA adapters (spec.model.adapters) in one batch: each distinct adapter active in a step adds this share of the
+# step's time. vLLM runs a batch's adapters as segments of one batched LoRA kernel (punica's SGMV/BGMV),
+# whose cost grows with the number of distinct adapters in the batch, on top of the base model's step. A
+# simple assumed factor, not measured here (no GPU run of it): the planner's online correction absorbs what
+# it gets wrong, and it only matters where many adapters run at once.
+LORA_STEP_COST_PER_ADAPTER = 0.05
+
+
+def lora_step_factor(active_adapters: float) -> float:
+    """A step's time with ``active_adapters`` distinct LoRA adapters in its batch over the base model's."""
+    return 1.0 + LORA_STEP_COST_PER_ADAPTER * max(active_adapters, 0.0)
+
+
 @dataclass(frozen=True)
 class PerfModel:
     """Latency of one replica (``tp`` GPUs) of ``shape`` on ``hw``.
@@ -564,6 +577,7 @@ class PerfModel:
     decode_scale: float = 1.0
     tp_comm: bool = True
     calibration: Calibration | None = field(default=None, compare=False)
+    lora_adapters: float = 0.0     # distinct LoRA adapters active in a batch (lora_step_factor)
 
     @classmethod
     def analytic(cls, model_name: str, gpu_name: str, tp: int = 1, link: str = "infiniband-ndr",
@@ -665,6 +679,10 @@ class PerfModel:
     def corrected(self, prefill_scale: float = 1.0, decode_scale: float = 1.0) -> PerfModel:
         return replace(self, prefill_scale=prefill_scale, decode_scale=decode_scale)
 
+    def with_lora(self, active_adapters: float) -> PerfModel:
+        """The same replica running ``active_adapters`` distinct LoRA adapters in a batch."""
+        return replace(self, lora_adapters=active_adapters)
+
     # -- prefill --------------------------------------------------------
     def prefill_flops(self, new_tokens: float, cached_tokens: float = 0.0) -> float:
         return (self.shape.matmul_flops_per_token * new_tokens
@@ -693,7 +711,7 @@ class PerfModel:
             est = max(flops / (self.tp * self.hw.flops * self.eff.prefill_mfu),
                       reads / (self.tp * self.hw.hbm_bandwidth * self.eff.decode_mbu)) + self.eff.step_overhead_seconds
         comm = self.tp_comm_time(sum(n for n, _ in batch))
-        return max(est * self.prefill_scale + comm, floor)
+        return max(est * self.prefill_scale * lora_step_factor(self.lora_adapters) + comm, floor)
 
     def ttft(self, prompt_tokens: float, cached_tokens: float = 0.0, batch: int = 1) -> float:
         """Prefill latency of ``batch`` identical prompts run together (no queueing, no transfer)."""
@@ -724,7 +742,8 @@ class PerfModel:
                      + 4.0 * self.shape.layers * self.shape.q_dim * context_total)
             est = max(reads / (self.tp * self.hw.hbm_bandwidth * self.eff.decode_mbu),
                       flops / (self.tp * self.hw.flops * self.eff.prefill_mfu)) + self.eff.step_overhead_seconds
-        return max(est * self.decode_scale + self.tp_comm_time(concurrency), floor)
+        return max(est * self.decode_scale * lora_step_factor(self.lora_adapters) + self.tp_comm_time(concurrency),
+                   floor)
 
     def mixed_step_floor(self, concurrency: float, context_total: float,
                          prefill: Sequence[tuple[float, float]] = (), prefill_fraction: float = 1.0) -> float:
@@ -763,7 +782,7 @@ class PerfModel:
             memory = reads / (self.tp * self.hw.hbm_bandwidth * self.eff.decode_mbu)
             scale = self.prefill_scale if compute >= memory else self.decode_scale
             est = (max(compute, memory) + self.eff.step_overhead_seconds) * scale
-        return max(est + self.tp_comm_time(concurrency + new), floor)
+        return max(est * lora_step_factor(self.lora_adapters) + self.tp_comm_time(concurrency + new), floor)
 
     def itl(self, concurrency: float, context_tokens: float) -> float:
         """Inter-token latency at ``concurrency`` requests of ``context_tokens`` each."""

@@ -88,6 +88,10 @@ class Observation:
     # how fast each waiting queue grew over the last short window (requests/s; the fast path reads it)
     prefill_queue_growth: float | None = None
     decode_queue_growth: float | None = None
+    # LoRA adapters ready on the decode workers (the routers' disagg_router_adapter_workers): taken as the
+    # distinct adapters in a batch (an upper bound: every served adapter in every batch), which slows each
+    # step by perf.model.lora_step_factor
+    lora_adapters: float | None = None
     # means over the interval (the simulator fills them; the Dynamo-style baseline reads them, as
     # Dynamo's planner reads average TTFT, ITL and request duration; decide() reads percentiles)
     ttft_mean: float | None = None
@@ -112,7 +116,7 @@ class Observation:
                     "output_tokens_p", "prefix_hit_ratio", "prefill_queue", "decode_queue", "prefill_running",
                     "decode_running", "decode_kv_usage", "prefill_ready", "decode_ready",
                     "prefill_saturated_tokens", "decode_saturated_tokens", "decode_saturated_batch",
-                    "prefill_queue_growth", "decode_queue_growth"):
+                    "prefill_queue_growth", "decode_queue_growth", "lora_adapters"):
             v = getattr(self, key)
             if v is not None and math.isfinite(v):
                 out[_camel(key)] = round(float(v), 6)
@@ -284,6 +288,9 @@ class RoleModels:
         return RoleModels(self.prefill.corrected(prefill_scale, decode_scale),
                           self.decode.corrected(prefill_scale, decode_scale))
 
+    def with_lora(self, active_adapters: float) -> RoleModels:
+        return RoleModels(self.prefill.with_lora(active_adapters), self.decode.with_lora(active_adapters))
+
     @classmethod
     def from_spec(cls, spec: Any, model_name: str, gpu_name: str, profile: Any = None) -> RoleModels:
         """Each role's model from its layout (:func:`disagg.perf.parallel.role_engine`): a data-parallel,
@@ -407,6 +414,8 @@ def decide(obs: Observation, target: Target, memory: Memory, model: PerfModel | 
     if first:  # the planner's start counts as a scale-up: no shrinking on cold-start samples
         memory = replace(memory, last_scale_up_prefill=now, last_scale_up_decode=now)
     # (an infinite latency is a queue that never drains: a breach, though nothing to learn from)
+    if obs.lora_adapters:      # the adapters in the batches slow every step (perf.model.lora_step_factor)
+        model = RoleModels.of(model).with_lora(obs.lora_adapters)
     ttft_obs = obs.ttft if obs.ttft is not None and not math.isnan(obs.ttft) else None
     itl_obs = obs.itl if obs.itl is not None and not math.isnan(obs.itl) else None
     # plan with what was learnt up to the last interval; this interval's lesson applies from the next

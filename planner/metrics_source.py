@@ -175,6 +175,8 @@ def queries(namespace: str, name: str, percentile: float, window_seconds: float,
         "prefill_running": f"sum({vllm(m.VLLM_NUM_REQUESTS_RUNNING, 'prefill')})",
         "decode_running": f"sum({vllm(m.VLLM_NUM_REQUESTS_RUNNING, 'decode')})",
         "decode_kv_usage": f"avg({vllm(m.VLLM_KV_CACHE_USAGE, 'decode')})",
+        # LoRA adapters some decode worker holds (each router reports the same workers: max by adapter)
+        "lora_adapters": (f'count(max by (adapter) ({m.ROUTER_ADAPTER_WORKERS}{{{sel},role="decode"}}) > 0)'),
         # replicas serving: the engines reporting
         "prefill_ready": f"count(sum by (instance) ({vllm(m.VLLM_NUM_REQUESTS_RUNNING, 'prefill')}))",
         "decode_ready": f"count(sum by (instance) ({vllm(m.VLLM_NUM_REQUESTS_RUNNING, 'decode')}))",
@@ -317,6 +319,7 @@ class PrometheusSource:
             prefill_queue=values["prefill_queue"], decode_queue=values["decode_queue"],
             prefill_running=values["prefill_running"], decode_running=values["decode_running"],
             decode_kv_usage=values["decode_kv_usage"], prefill_ready=values["prefill_ready"],
+            lora_adapters=values["lora_adapters"],
             decode_ready=values["decode_ready"], prefill_saturated_tokens=values["prefill_saturated_tokens"],
             decode_saturated_tokens=values["decode_saturated_tokens"],
             decode_saturated_batch=values["decode_saturated_batch"], missing=missing, reads=tuple(reads))

@@ -70,6 +70,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="share of requests traced, 0..1 (spec.tracing.samplingRatio; default 1)")
     p.add_argument("--worker-ca-file", help="PEM certificate authorities for https:// workers (in place of the "
                                             "system's trust store)")
+    p.add_argument("--max-loras", type=int, help="the workers' LoRA adapter slots (spec.model.maxLoras)")
+    p.add_argument("--adapters-file", help="JSON object of LoRA adapter name -> source, re-read when it changes "
+                                           "(local runs; with --discovery endpointslices the DisaggDeployment's "
+                                           "spec.model.adapters are read instead)")
     p.add_argument("--discovery", choices=["static", "endpointslices"], default="static")
     p.add_argument("--event-loop", choices=["uvloop", "asyncio"], default="uvloop",
                    help="asyncio: Python's own loop (to compare; bench/router_vs_vllm_router.py)")
@@ -127,7 +131,7 @@ def config_from(args: argparse.Namespace) -> RouterConfig:
             tracing["samplingRatio"] = args.trace_sampling_ratio
         data["tracing"] = tracing
     for flag in ("port", "metrics_port", "block_size", "max_model_len", "kv_events_topic", "api_keys_file",
-                 "worker_ca_file", "flex_drain_seconds"):
+                 "worker_ca_file", "flex_drain_seconds", "max_loras", "adapters_file"):
         if getattr(args, flag) is not None:
             data[flag] = getattr(args, flag)
     return RouterConfig.model_validate(data)

@@ -233,9 +233,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def models(request: web.Request) -> web.Response:
-    cfg = request.app[ROUTER_KEY].config
+    """The base model and every adapter a request can be served with now (loaded on a healthy decode)."""
+    router = request.app[ROUTER_KEY]
+    cfg, now = router.config, int(time.time())
     return web.json_response({"object": "list", "data": [
-        {"id": cfg.model, "object": "model", "created": int(time.time()), "owned_by": "disagg"}]})
+        {"id": cfg.model, "object": "model", "created": now, "owned_by": "disagg"},
+        *({"id": a, "object": "model", "created": now, "owned_by": "disagg", "parent": cfg.model}
+          for a in router.ready_adapters())]})
 
 
 async def metrics(request: web.Request) -> web.Response:

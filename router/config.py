@@ -88,6 +88,14 @@ class RouterConfig(BaseModel):
                                                          "unset: the system's.")
     api_keys_file: str | None = Field(None, description="File of API keys, one a line (spec.router.auth, "
                                                          "mounted from its Secret); unset: no authentication.")
+    adapters: dict[str, str] = Field(default_factory=dict,
+                                     description="LoRA adapters served, name -> source (spec.model.adapters); "
+                                                 "loaded onto every worker at run time (router/adapters.py).")
+    adapters_file: str | None = Field(None, description="A JSON file of name -> source, re-read when it changes, "
+                                                         "in place of `adapters` (local runs; with discovery, "
+                                                         "the DisaggDeployment's spec.model.adapters).")
+    max_loras: int | None = Field(None, ge=1, description="The workers' adapter slots (spec.model.maxLoras, "
+                                                          "vLLM --max-loras): the lora_affinity scorer's.")
     host: str = "0.0.0.0"
     port: int = Field(8080, ge=0, le=65535)
     metrics_port: int | None = Field(None, ge=1, le=65535,

@@ -73,7 +73,9 @@ class Continuation:
         while excludes:
             exclude = excludes.pop(0)
             try:
-                plan = self.decider.plan(ids, exclude, revision)
+                # the stream's own adapter: its tokens so far are that adapter's
+                plan = self.decider.plan(ids, exclude, revision,
+                                         None if body.get("model") == self.config.model else body.get("model"))
             except NoWorkers as e:
                 err = e
                 continue

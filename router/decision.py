@@ -17,6 +17,7 @@ from disagg.api import metrics as m
 from disagg.api.names import ROLE_DECODE, ROLE_PREFILL
 from disagg.api.v1alpha1 import Disaggregation
 
+from . import adapters as lora
 from . import pairing, policies
 from .config import RouterConfig
 from .errors import NoWorkers
@@ -32,6 +33,11 @@ from .pool import Hold, Pool, Worker
 # and conditional disaggregation's uncached length): by the time the engine schedules the later request,
 # the earlier one has computed those blocks into its prefix cache, or is computing them.
 MAX_PREDICTED_BLOCKS = 1_000_000
+# A worker counts an adapter as active (in its batch: lora_affinity's 1.0) for this long after the router last
+# sent it a request of that adapter. The router's own decisions stand in for vLLM's
+# vllm:lora_requests_info (running/waiting adapters), which only a /metrics scrape per worker would give;
+# a request of the tiny adapters served here lasts well under it, and a busy adapter is re-sent within it.
+ADAPTER_ACTIVE_S = 10.0
 
 
 @dataclass
@@ -42,6 +48,7 @@ class Plan:
     cached_tokens: int
     # why: m.REASON_REMOTE with a prefill, else why the decode prefills itself (m.LOCAL_*)
     reason: str = m.REASON_REMOTE
+    adapter: str | None = None      # the LoRA adapter both legs run (None: the base model)
 
 
 @dataclass
@@ -59,6 +66,7 @@ class Route:
     # spans under it; None (tracing off): no tracer work anywhere
     trace: Any = field(default=None, repr=False, compare=False)
     kv_hold: Hold | None = None      # the KV its prefill holds for its decode, on a flex prefill (Fleet.hold)
+    adapter: str | None = None       # the LoRA adapter both legs ran (Plan.adapter)
 
     def headers(self) -> dict[str, str]:
         h = {"x-disagg-path": self.path, "x-disagg-decode": self.decode}
@@ -72,6 +80,8 @@ class Route:
             h["x-disagg-revision"] = self.revision
         if self.trace is not None:
             h.update(self.trace.response_headers())
+        if self.adapter:
+            h["x-disagg-adapter"] = self.adapter
         return h
 
 
@@ -101,14 +111,47 @@ class Decider:
         self.predicted = {role: PrefixIndex() for role in (ROLE_PREFILL, ROLE_DECODE)}
         self._predictions: deque[tuple[float, str, str, list[int]]] = deque()   # (expiry, role, worker, keys)
         self._predicted_blocks = 0
+        # (role, worker) -> adapter -> until when it counts as active there (ADAPTER_ACTIVE_S)
+        self._adapter_active: dict[tuple[str, str], dict[str, float]] = {}
+
+    def active_adapters(self, w: Worker, now: float | None = None) -> set[str]:
+        """The adapters the router sent ``w`` requests of within ADAPTER_ACTIVE_S."""
+        recent = self._adapter_active.get((w.role, w.name))
+        if not recent:
+            return set()
+        now = time.monotonic() if now is None else now
+        for name in [n for n, until in recent.items() if until <= now]:
+            del recent[name]
+        return set(recent)
+
+    def with_adapter(self, adapter: str | None, workers: list[Worker]) -> list[Worker]:
+        """Of ``workers``, those that can run ``adapter``: holding it, and of those the best lora_affinity
+        tier (adapter active there, then a free slot, then queued, then full). Every worker for the base
+        model."""
+        if adapter is None:
+            return workers
+        holding = [w for w in workers if adapter in w.adapters]
+        if not holding:
+            return []
+        now = time.monotonic()
+        scores = {w.name: lora.lora_affinity(adapter, self.active_adapters(w, now), set(), self.config.max_loras)
+                  for w in holding}
+        best = max(scores.values())
+        return [w for w in holding if scores[w.name] == best]
 
     def pick(self, role: str, keys: list[int], exclude: set[str] = frozenset(),
-             workers: list[Worker] | None = None, notes: dict | None = None) -> tuple[Worker, int]:
-        """A worker of ``role`` (of ``workers`` when given, else any healthy one not in ``exclude``).
-        ``notes`` (a traced request's): gets ``notes[role] = (candidates as (name, active), overlap per
-        worker in blocks, the policy's Decision)``."""
+             workers: list[Worker] | None = None, notes: dict | None = None,
+             adapter: str | None = None) -> tuple[Worker, int]:
+        """A worker of ``role`` (of ``workers`` when given, else any healthy one not in ``exclude``) that
+        holds ``adapter`` (None: the base model). ``notes`` (a traced request's): gets ``notes[role] =
+        (candidates as (name, active), overlap per worker in blocks, the policy's Decision)``."""
         if workers is None:
             workers = self.pool.healthy(role, exclude)
+        if adapter is not None:
+            workers = self.with_adapter(adapter, workers)
+            if not workers:
+                raise lora.AdapterNotReady(f"The adapter `{adapter}` is not loaded on any healthy {role} worker "
+                                           "yet; retry later.")
         if not workers:
             raise NoWorkers(f"no healthy {role} workers are available")
         t0 = time.perf_counter()
@@ -122,6 +165,8 @@ class Decider:
         if self.kv_aware and keys and self.prediction_ttl_s > 0:
             self._predict(role, d.worker, keys)
         self._routing_seconds[role].observe(time.perf_counter() - t0)
+        if adapter is not None:
+            self._adapter_active.setdefault((role, d.worker), {})[adapter] = time.monotonic() + ADAPTER_ACTIVE_S
         decisions = self._decisions.get((role, d.worker))
         if decisions is None:
             decisions = self._decisions[role, d.worker] = self.metrics.decisions.labels(
@@ -157,16 +202,23 @@ class Decider:
         self._predicted_blocks += len(keys)
 
     def plan(self, token_ids: list[int], exclude: set[str] = frozenset(),
-             revision: str | None | pairing.Unset = pairing.UNSET, notes: dict | None = None) -> Plan:
-        """``notes``: see :meth:`pick` (both roles' when both are picked)."""
-        keys = block_keys(token_ids, self.config.block_size)
+             revision: str | None | pairing.Unset = pairing.UNSET, notes: dict | None = None,
+             adapter: str | None = None) -> Plan:
+        """``notes``: see :meth:`pick` (both roles' when both are picked). ``adapter``: the LoRA adapter the
+        request names (None: the base model). Its blocks are keyed under the adapter (the same tokens under
+        another adapter are other KV), and both legs go to workers holding it: a decode without it is never
+        chosen (none: AdapterNotReady, a 503), and where no prefill holds it the decode prefills itself, so a
+        prefill and its decode never run different adapters (the decode's body names the same adapter, which
+        vLLM refuses with a 404 rather than answer with the base model should the worker have dropped it
+        since)."""
+        keys = block_keys(token_ids, self.config.block_size, lora.root(adapter))
         bs = self.config.block_size
         # prefill and decode of one KV revision only: the newest complete one for a new request, the
         # request's own for one under way (pairing.py)
         pair = pairing.choose(self.pool, exclude, revision)
-        decode, decode_overlap = self.pick(ROLE_DECODE, keys, exclude, pair.decodes, notes)
+        decode, decode_overlap = self.pick(ROLE_DECODE, keys, exclude, pair.decodes, notes=notes, adapter=adapter)
         mode = self.config.spec.disaggregation
-        prefills = pair.prefills
+        prefills = self.with_adapter(adapter, pair.prefills)
         remote = bool(prefills) and mode != Disaggregation.NEVER
         if pair.refused and mode != Disaggregation.NEVER:
             self.metrics.pairing_refusals.labels(m.PAIRING_OTHER_REVISION).inc()
@@ -178,19 +230,22 @@ class Decider:
             elif min(w.active for w in prefills) >= self.config.max_prefill_active:
                 remote, reason = False, m.LOCAL_SATURATED
         if not remote:
-            return Plan(decode, None, len(token_ids), min(decode_overlap * bs, len(token_ids)), reason)
-        prefill, overlap = self.pick(ROLE_PREFILL, keys, workers=prefills, notes=notes)
-        return Plan(decode, prefill, len(token_ids), min(overlap * bs, len(token_ids)))
+            return Plan(decode, None, len(token_ids), min(decode_overlap * bs, len(token_ids)), reason,
+                        adapter=adapter)
+        prefill, overlap = self.pick(ROLE_PREFILL, keys, workers=prefills, notes=notes, adapter=adapter)
+        return Plan(decode, prefill, len(token_ids), min(overlap * bs, len(token_ids)), adapter=adapter)
 
-    def another_decode(self, failed: Worker, ids: list[int], tried: list[str]) -> Worker | None:
+    def another_decode(self, failed: Worker, ids: list[int], tried: list[str],
+                       adapter: str | None = None) -> Worker | None:
         """A decode to retry on after ``failed``: one not yet ``tried`` first, else any healthy one (one
-        that still looks healthy may be tried again when there is no other); None when none is left."""
-        keys = block_keys(ids, self.config.block_size)
+        that still looks healthy may be tried again when there is no other); None when none is left.
+        Of those holding ``adapter``, the request's."""
+        keys = block_keys(ids, self.config.block_size, lora.root(adapter))
         for exclude in (set(tried), set()):
             try:
                 # a decode of the request's own KV revision: its body was made for that model
                 return self.pick(ROLE_DECODE, keys, workers=pairing.choose(
-                    self.pool, exclude, failed.revision).decodes)[0]
+                    self.pool, exclude, failed.revision).decodes, adapter=adapter)[0]
             except NoWorkers:
                 continue
         return None
@@ -199,6 +254,7 @@ class Decider:
         """Drops the decision counts and predicted prefixes of a worker that left, so /metrics stops
         listing it and no request follows it."""
         self.predicted[w.role].cleared(w.name)
+        self._adapter_active.pop((w.role, w.name), None)
         try:
             self.metrics.decisions.remove(self.config.spec.policy, w.role, w.name)
         except KeyError:        # never chosen

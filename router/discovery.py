@@ -26,8 +26,9 @@ from collections.abc import Iterable
 from disagg.api import contract
 from disagg.api.contract import KV_REVISION_GENERATION_LABEL, KV_REVISION_LABEL
 from disagg.api.kube import KUBE_REQUEST_TIMEOUT
-from disagg.api.names import (LABEL_DEPLOYMENT, LABEL_HEADLESS, LABEL_ROLE, LABEL_SERVING_ROLE, ROLE_DECODE,
-                              ROLE_FLEX, ROLE_PREFILL, SERVING_ROLES, child_name)
+from disagg.api.names import (GROUP, LABEL_DEPLOYMENT, LABEL_HEADLESS, LABEL_ROLE, LABEL_SERVING_ROLE,
+                              ROLE_DECODE, ROLE_FLEX, ROLE_PREFILL, SERVING_ROLES, child_name)
+from disagg.api.v1alpha1 import API_VERSION, KIND, PLURAL, VERSION
 
 from .config import FlexEndpoint, WorkerEndpoint
 
@@ -35,6 +36,8 @@ log = logging.getLogger("disagg.router.discovery")
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 # the API server answers a list with the objects' metadata alone (meta.k8s.io/v1, Kubernetes >= 1.15)
 PARTIAL_METADATA_LIST = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
+# the field manager of status.adapters (the operator's status fields are its own)
+ROUTER_FIELD_MANAGER = "disagg-router"
 
 
 def _revisions(pods: Iterable[tuple[str, dict | None]]) -> dict[str, tuple[str, int | None]]:
@@ -145,6 +148,29 @@ class EndpointSliceDiscovery:
                              f"{KV_REVISION_LABEL},!{LABEL_HEADLESS}")
         self._role_of = {svc: role for role, svc in services.items()}
         self.slice_selector = f"{SERVICE_NAME_LABEL} in ({','.join(sorted(self._role_of))})"
+        self._custom = client.CustomObjectsApi(api_client)
+        # set by the fleet: told the deployment's LoRA adapters (spec.model.adapters, name -> source) at every
+        # poll, so an adapter added or removed reaches the router with no restart (router/adapters.py)
+        self.on_adapters = None
+        # set by the fleet: status.adapters as the router sees it, written when it changes
+        self.adapter_status = None
+        self._reported: list | None = None
+
+    def report_adapters(self, adapters: list[dict]) -> None:
+        """status.adapters written (server-side apply, the routers' own field manager: the operator's status
+        fields stay its own). Every router replica writes the same counts, seen from the same workers."""
+        body = {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": self.deployment},
+                "status": {"adapters": adapters}}
+        self._custom.patch_namespaced_custom_object_status(
+            GROUP, VERSION, self.namespace, PLURAL, self.deployment, body, field_manager=ROUTER_FIELD_MANAGER,
+            force=True, _content_type="application/apply-patch+yaml", _request_timeout=self.timeout_s)
+
+    def adapters(self) -> dict[str, str]:
+        """The DisaggDeployment's LoRA adapters, name -> source (one ``get`` of that object alone)."""
+        dd = self._custom.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.deployment,
+                                                       _request_timeout=self.timeout_s)
+        model = (dd.get("spec") or {}).get("model") or {}
+        return {a["name"]: a["source"] for a in model.get("adapters") or []}
 
     def slices(self) -> dict[str, list]:
         """Role -> the EndpointSlices of its Service (one list for every role)."""
@@ -196,4 +222,20 @@ class EndpointSliceDiscovery:
             else:
                 for role, endpoints in workers.items():
                     update(role, endpoints)
+            if self.on_adapters is not None:
+                try:
+                    sources = await asyncio.to_thread(self.adapters)
+                except Exception as e:  # the last adapters stay
+                    log.warning("reading the adapters of %s failed: %s", self.deployment, e)
+                else:
+                    self.on_adapters(sources)
+            if self.adapter_status is not None:
+                status = self.adapter_status()
+                if status != self._reported:
+                    try:
+                        await asyncio.to_thread(self.report_adapters, status)
+                    except Exception as e:  # tried again at the next poll
+                        log.warning("writing the adapters' status of %s failed: %s", self.deployment, e)
+                    else:
+                        self._reported = status
             await asyncio.sleep(self.interval_s)

@@ -25,6 +25,7 @@ import zmq.asyncio
 
 from disagg.api import metrics as m
 
+from .adapters import root as adapter_root
 from .config import MAX_KV_EVENT_MESSAGE_BYTES, MAX_KV_REPLAY_BYTES
 from .index import PrefixIndex
 
@@ -39,6 +40,7 @@ class BlockStored(msgspec.Struct, tag=True):
     token_ids: list[int]
     block_size: int
     medium: str | None = None
+    lora_name: str | None = None     # the adapter whose KV these blocks are (router/adapters.py: root)
 
 
 class BlockRemoved(msgspec.Struct, tag=True):
@@ -79,7 +81,8 @@ def apply(index: PrefixIndex, worker: str, payload: bytes, block_size: int | Non
                               "are not indexed (set the same --block-size in spec.engine.args for both)",
                               worker, ev.block_size, block_size)
                 continue
-            stored += index.stored(worker, ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size)
+            stored += index.stored(worker, ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size,
+                                   adapter_root(ev.lora_name))
         elif isinstance(ev, BlockRemoved):
             if ev.medium in GPU_MEDIA:
                 index.removed(worker, ev.block_hashes)

@@ -19,10 +19,11 @@ import aiohttp
 import zmq.asyncio
 
 from disagg.api import metrics as m
-from disagg.api.names import ROLE_FLEX, ROLE_PREFILL
+from disagg.api.names import ROLE_DECODE, ROLE_FLEX, ROLE_PREFILL
 
+from .adapters import Declared, FileWatch
 from .calls import Calls, WorkerError, read
-from .config import MAX_ANSWER_BYTES, FlexEndpoint, RouterConfig
+from .config import MAX_ANSWER_BYTES, MAX_ERROR_BODY_BYTES, FlexEndpoint, RouterConfig
 from .events import Subscriber
 from .index import PrefixIndex
 from .pool import Hold, Pool, Worker
@@ -32,6 +33,10 @@ log = logging.getLogger("disagg.router")
 # burst of thousands of streams a busy (but serving) worker or router may answer a probe late, and taking
 # every worker out at once turned that into 503s for everyone (bench/router_vs_vllm_router.py, 2,000 streams)
 PROBE_TIMEOUTS_TO_UNHEALTHY = 3
+# how often an adapters file (RouterConfig.adapters_file) is checked for a change
+ADAPTER_FILE_POLL_S = 1.0
+# passes of one adapter sync while the declared adapters keep changing under it
+MAX_SYNC_PASSES = 3
 T = TypeVar("T")
 
 
@@ -45,7 +50,8 @@ class Fleet:
     (the decision's counts) goes with it."""
 
     def __init__(self, config: RouterConfig, metrics, pool: Pool, index: dict[str, PrefixIndex], calls: Calls,
-                 departed: Callable[[Worker], None] = lambda w: None, discovery=None) -> None:
+                 departed: Callable[[Worker], None] = lambda w: None, discovery=None,
+                 declared: Declared | None = None) -> None:
         self.config = config
         self.metrics = metrics
         self.pool = pool
@@ -62,6 +68,13 @@ class Fleet:
         self.probe_timeouts: dict[str, int] = {}
         # per prefill worker, set when it is found unhealthy: decodes waiting for its KV give up on it
         self.prefill_lost: dict[str, asyncio.Event] = {}
+        # LoRA adapters (router/adapters.py): declared here, loaded onto each worker by sync_adapters
+        self.declared = declared or Declared(config.model)
+        self._adapter_locks: dict[str, asyncio.Lock] = {}
+        self._adapter_tasks: set[asyncio.Task] = set()
+        self._adapter_file = FileWatch(config.adapters_file) if config.adapters_file else None
+        self._adapter_file_task: asyncio.Task | None = None
+        self.adapters_listener: Callable[[], None] | None = None   # told when adapter readiness may have changed
         # flex workers draining for a switch, by name (update_flex)
         self._switches: dict[str, asyncio.Task] = {}
         self._flex_file_task: asyncio.Task | None = None
@@ -84,9 +97,16 @@ class Fleet:
             self._watch(w)
         self._health_task = asyncio.create_task(self._check_health())
         if self._discovery is not None:
+            if hasattr(self._discovery, "on_adapters"):
+                self._discovery.on_adapters = self.set_adapters
+                self._discovery.adapter_status = self.adapter_status
             self._discovery_task = asyncio.create_task(self._discovery.run(self.update_workers))
         if self.config.flex_roles_file:
             self._flex_file_task = asyncio.create_task(self._follow_flex_roles_file())
+        if self._adapter_file is not None:
+            self._adapter_file_task = asyncio.create_task(self._watch_adapter_file())
+        elif self.declared.paths:
+            self._sync_all()
 
     def update_workers(self, role: str, endpoints) -> None:
         """Replace a role's workers (discovery); departed workers leave the prefix index too."""
@@ -229,7 +249,8 @@ class Fleet:
             await asyncio.sleep(self.config.health_interval_s)
 
     async def close(self) -> None:
-        for task in (self._health_task, self._discovery_task, self._flex_file_task, *self._switches.values()):
+        for task in (self._health_task, self._discovery_task, self._flex_file_task, self._adapter_file_task,
+                     *self._switches.values(), *self._adapter_tasks):
             if task:
                 task.cancel()
         for sub in self._subscribers.values():
@@ -242,6 +263,7 @@ class Fleet:
         (rollouts, scaling, restarts under new pod IPs) it would otherwise grow for as long as the router
         runs, and /metrics would list every worker it ever knew."""
         self.probe_timeouts.pop(w.name, None)
+        self._adapter_locks.pop(w.name, None)
         # a decode still waiting for this prefill's KV holds the event itself; no probe sets it any more,
         # so that decode ends at its first-token timeout, as it would have before the worker left
         self.prefill_lost.pop(w.name, None)
@@ -287,6 +309,9 @@ class Fleet:
             self.prefill_lost.pop(w.name).set()
         if w.healthy and self.max_model_len is None:
             await self._learn_context(w, timeout)
+        if w.healthy and self._lora_on(w):
+            # beside the probes, not inside them: a slow adapter load must not hold up every worker's probe
+            self._spawn_sync(w)
 
     async def _learn_context(self, w: Worker, timeout: float) -> None:
         """The context length vLLM derived (no --max-model-len in the engine args), from the model card
@@ -306,6 +331,143 @@ class Fleet:
                 self.max_model_len = length
                 log.info("context length %d learned from %s /v1/models", length, w.name)
                 return
+
+    # ---------------------------------------------------------------- LoRA adapters
+    def set_adapters(self, sources: dict[str, str]) -> None:
+        """The declared adapters (name -> source) replaced: one removed (or moved to another source) is no
+        longer routed to at once, and every worker is brought in line now, not at its next probe."""
+        changed, removed = self.declared.set(sources)
+        if not changed and not removed:
+            return
+        log.info("adapters: +%s -%s", sorted(changed), sorted(removed))
+        for w in self.pool.all():
+            w.adapters -= changed | removed
+        self._adapters_changed()
+        self._sync_all()
+
+    def _sync_all(self) -> None:
+        for w in self.pool.all():
+            if w.healthy:
+                self._spawn_sync(w)
+
+    def _spawn_sync(self, w: Worker) -> None:
+        lock = self._adapter_locks.get(w.name)
+        if lock is not None and lock.locked():      # one sync per worker at a time; the next probe retries
+            return
+        task = asyncio.create_task(self.sync_adapters(w))
+        self._adapter_tasks.add(task)
+        task.add_done_callback(self._adapter_tasks.discard)
+
+    async def _watch_adapter_file(self) -> None:
+        while True:
+            sources = self._adapter_file.changed()
+            if sources is not None:
+                self.set_adapters(sources)
+            await asyncio.sleep(ADAPTER_FILE_POLL_S)
+
+    def _lora_on(self, w: Worker) -> bool:
+        return bool(self.config.max_loras is not None or self.declared.paths or w.adapters)
+
+    async def sync_adapters(self, w: Worker, timeout: float = 30) -> None:
+        """Loads the declared adapters ``w`` lacks and unloads those it holds that are no longer declared (or
+        from another source), then records what it holds: what its /v1/models lists, so a worker that
+        restarted (and lost its adapters) is found out and reloaded. One sync per worker at a time."""
+        if not self._lora_on(w):
+            return
+        lock = self._adapter_locks.setdefault(w.name, asyncio.Lock())
+        if lock.locked():
+            return
+        async with lock:
+            # again while the declared adapters changed during a pass (set_adapters skips a worker whose
+            # sync is under way): a removal is carried out now, not at the next probe
+            for _ in range(MAX_SYNC_PASSES):
+                want = dict(self.declared.paths)
+                if not await self._sync_once(w, want, timeout) or self.declared.paths == want:
+                    break
+
+    async def _sync_once(self, w: Worker, want: dict[str, str], timeout: float) -> bool:
+        """One pass of :meth:`sync_adapters` towards ``want``; False when the worker did not answer."""
+        loaded = await self._loaded_adapters(w, timeout)
+        if loaded is None:
+            return False
+        for name, path in list(loaded.items()):
+            if want.get(name) != path:
+                status, _ = await self._post(w, "/v1/unload_lora_adapter", {"lora_name": name}, timeout)
+                if status in (200, 404):
+                    loaded.pop(name)
+                    self.metrics.adapter_loads.labels(m.ADAPTER_UNLOADED).inc()
+        for name, path in want.items():
+            if loaded.get(name) == path:
+                continue
+            status, message = await self._post(w, "/v1/load_lora_adapter",
+                                               {"lora_name": name, "lora_path": path}, timeout)
+            if status == 200:
+                loaded[name] = path
+                w.adapter_errors.pop(name, None)
+                self.metrics.adapter_loads.labels(m.ADAPTER_LOADED).inc()
+            else:
+                w.adapter_errors[name] = message
+                self.metrics.adapter_loads.labels(m.ADAPTER_LOAD_FAILED).inc()
+                log.warning("adapter %s failed to load on %s: %s", name, w.name, message)
+        now = self.declared.paths      # declared again: it may have changed while the calls were out
+        held = {n for n, p in loaded.items() if now.get(n) == p}
+        if held != w.adapters:
+            log.info("%s holds adapters %s", w.name, sorted(held))
+        w.adapters = held
+        for name in list(w.adapter_errors):
+            if name not in now:
+                del w.adapter_errors[name]
+        self._adapters_changed()
+        return True
+
+    async def _loaded_adapters(self, w: Worker, timeout: float) -> dict[str, str] | None:
+        """The adapters ``w`` lists on /v1/models (vLLM's cards with a parent), name -> path; None when it
+        does not answer."""
+        try:
+            async with self.calls.session.get(f"{w.url}/v1/models",
+                                              timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+                if r.status != 200:
+                    return None
+                cards = json.loads((await read(r, MAX_ANSWER_BYTES))[0]).get("data") or []
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):
+            return None
+        return {c["id"]: c.get("root") for c in cards if isinstance(c, dict) and c.get("parent")
+                and c.get("id") != self.config.model}
+
+    async def _post(self, w: Worker, path: str, body: dict, timeout: float) -> tuple[int, str]:
+        try:
+            async with self.calls.session.post(f"{w.url}{path}", json=body,
+                                               timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+                raw = (await read(r, MAX_ERROR_BODY_BYTES))[0]
+                status = r.status
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            return 0, f"{path}: {e or type(e).__name__}"
+        text = raw.decode(errors="replace")
+        try:
+            text = json.loads(text)["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            pass
+        return status, text
+
+    def _adapters_changed(self) -> None:
+        for name in self.declared.paths:
+            for role in self.index:
+                self.metrics.adapter_workers.labels(name, role).set(
+                    sum(name in w.adapters for w in self.pool.workers[role].values()))
+        if self.adapters_listener is not None:
+            self.adapters_listener()
+
+    def adapter_status(self) -> list[dict]:
+        """Per declared adapter, the workers of each role holding it (status.adapters)."""
+        out = []
+        for name in sorted(self.declared.paths):
+            counts = {role: sum(name in w.adapters and w.healthy for w in self.pool.workers[role].values())
+                      for role in self.index}
+            errors = sorted({f"{w.name}: {w.adapter_errors[name]}" for w in self.pool.all()
+                             if name in w.adapter_errors})
+            out.append({"name": name, **counts, "ready": counts.get(ROLE_DECODE, 0) > 0,
+                        "message": "; ".join(errors)[:4096]})
+        return out
 
     async def _check_health(self) -> None:
         while True:

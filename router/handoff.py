@@ -156,7 +156,7 @@ class Handoff:
         log.warning("decode on %s failed before any output: %s", failed.name, err)
         nxt = None
         if len(tried) < self.config.decode_attempts:
-            nxt = self.decider.another_decode(failed, ids, tried)
+            nxt = self.decider.another_decode(failed, ids, tried, route.adapter)
         if nxt is None:
             self.metrics.requests.labels(m.OUTCOME_UPSTREAM_ERROR, route.path).inc()
             raise UpstreamFailed(f"the decode worker failed: {err}")

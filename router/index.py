@@ -43,12 +43,13 @@ class PrefixIndex:
 
     # ---- ingest (from KV events)
     def stored(self, worker: str, engine_hashes: Sequence[object], parent_engine_hash: object | None,
-               token_ids: Sequence[int], block_size: int) -> int:
+               token_ids: Sequence[int], block_size: int, root: int = ROOT) -> int:
         """Index blocks a worker stored; returns how many were indexed. Blocks whose parent the
-        index has never seen (events missed before the router subscribed) cannot be keyed."""
+        index has never seen (events missed before the router subscribed) cannot be keyed. ``root``: the
+        first block's parent key, its adapter's (router/adapters.py) for blocks computed under a LoRA."""
         keys_of = self._keys.setdefault(worker, {})
         if parent_engine_hash is None:
-            parent = ROOT
+            parent = root
         else:
             parent = keys_of.get(parent_engine_hash)
             if parent is None:

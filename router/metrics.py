@@ -132,6 +132,11 @@ class RouterMetrics:
                              "pulled, lease not run out).", ["role", "worker"], registry=r)
         self.timeouts = Counter(m.ROUTER_TIMEOUTS, "Worker calls cut by a timeout, by which one.", ["kind"],
                                 registry=r)
+        self.adapter_workers = Gauge(m.ROUTER_ADAPTER_WORKERS, "Workers holding each declared LoRA adapter "
+                                     "(spec.model.adapters), by role, as the router loaded or saw it.",
+                                     ["adapter", "role"], registry=r)
+        self.adapter_loads = Counter(m.ROUTER_ADAPTER_LOADS, "LoRA adapter load and unload calls to workers, by "
+                                     "outcome.", ["outcome"], registry=r)
 
     def kv_resynced(self, reason: str, outcome: str, missed: int) -> None:
         self.kv_index_resyncs.labels(reason, outcome).inc()

@@ -156,11 +156,12 @@ class Picker:
                                          f"({router.config.spec.max_body_bytes} bytes).")
         req, body = parse_body(raw, model)
         ids = await router.prompt_ids(req, pick.trace)
-        plan = await router.plan_or_probe(ids, self._outside(subset), pick.trace)
+        plan = await router.plan_or_probe(ids, self._outside(subset), pick.trace,
+                                          router.declared.adapter_of(req.model))
         self._decision.observe(time.perf_counter() - t0)   # the decision alone; a prefill's wait is its own
         route = Route(m.PATH_LOCAL_PREFILL, plan.decode.name, plan.prefill.name if plan.prefill else None,
                       revision=plan.decode.revision, local_reason=plan.reason if plan.prefill is None else None,
-                      trace=pick.trace)
+                      trace=pick.trace, adapter=plan.adapter)
         pick.route, pick.decode, pick.destination = route, plan.decode, destination(plan.decode)
         pick.plan, pick.endpoint, pick.request = plan, endpoint, body
         account(plan.decode, +1)

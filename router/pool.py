@@ -44,6 +44,10 @@ class Worker:
     holds: set[Hold] = field(default_factory=set, repr=False, compare=False)
     # set on every change a drain waits for (a request ended, a hold released), while one waits
     settled: asyncio.Event | None = field(default=None, repr=False, compare=False)
+    # LoRA adapters it holds, as the router loaded them or saw them on its /v1/models (router/adapters.py);
+    # a request for an adapter goes only to a worker holding it
+    adapters: set[str] = field(default_factory=set)
+    adapter_errors: dict[str, str] = field(default_factory=dict)   # adapter -> why its load failed here
     _target: Target | None = field(default=None, repr=False, compare=False)
 
     @property

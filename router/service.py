@@ -18,12 +18,13 @@ from disagg.api.names import ROLE_DECODE, ROLE_PREFILL
 
 from . import pairing
 from .accounting import Accounting
+from .adapters import Declared
 from .admission import Admission
 from .calls import Calls
 from .config import RouterConfig
 from .continuation import Continuation
 from .decision import Decider, Plan, Route
-from .errors import BadRequest, NoWorkers, NotFound, RouterError, UpstreamRejected
+from .errors import BadRequest, NoWorkers, RouterError, UpstreamRejected
 from .fleet import Fleet
 from .handoff import REMOTE_DECODE, Handoff
 from .index import PrefixIndex
@@ -42,12 +43,15 @@ class Router:
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.pool = pool or Pool.static(config)
+        self.declared = Declared(config.model, max_loras=config.max_loras)
+        self.declared.set(config.adapters)
         self.index = {ROLE_PREFILL: PrefixIndex(), ROLE_DECODE: PrefixIndex()}
         self.decider = Decider(config, self.pool, self.index, metrics)
         self.policy = self.decider.policy
         self.needs_ids = self.decider.needs_ids
         self.calls = Calls(config, metrics)
-        self.fleet = Fleet(config, metrics, self.pool, self.index, self.calls, self.decider.forget, discovery)
+        self.fleet = Fleet(config, metrics, self.pool, self.index, self.calls, self.decider.forget, discovery,
+                           self.declared)
         spec = config.spec
         self.admission = Admission(spec.max_in_flight, spec.max_queued, spec.queue_timeout_seconds, metrics)
         self.accounting = Accounting(metrics, self.needs_ids)
@@ -84,62 +88,18 @@ class Router:
 
     # ---------------------------------------------------------------- routing
     def plan(self, token_ids: list[int], exclude: set[str] = frozenset(),
-             revision: str | None | pairing.Unset = pairing.UNSET, notes: dict | None = None) -> Plan:
-        return self.decider.plan(token_ids, exclude, revision, notes)
-
-    async def tokenize(self, req: CompletionRequest | ChatCompletionRequest, trace: Trace | None = None,
-                       big: bool | None = None) -> list[int]:
-        """The prompt's ids where routing uses them (validated), else [] (the model checked). A client's
-        mistake is counted here. ``big``: whether it tokenizes off the event loop (default: by its length)."""
-        span = trace.span(TOKENIZE) if trace is not None else None
-        try:
-            if self.needs_ids:
-                # long prompts tokenize off the event loop, so they do not stall every other stream
-                if big is None:
-                    big = len(raw_text(req)) > TOKENIZE_INLINE_CHARS
-                return await asyncio.to_thread(self.validate, req) if big else self.validate(req)
-            self._check_model(req)
-            return []
-        except RouterError as e:
-            self.metrics.requests.labels(m.OUTCOME_CLIENT_ERROR, "none").inc()
-            if span is not None:
-                failed(span, e)
-            raise
-        finally:
-            if span is not None:
-                span.end()
-
-    async def route(self, ids: list[int], exclude: set[str] = frozenset(), trace: Trace | None = None) -> Plan:
-        """The plan for a new request; when no worker looked healthy at the last check, the unhealthy
-        ones are asked again, once, before NoWorkers (a 503)."""
-        span = notes = None
-        if trace is not None:
-            span, notes = trace.span(ROUTING), {}
-        try:
-            try:
-                plan = self.plan(ids, exclude, notes=notes)
-            except NoWorkers:
-                # none looked healthy at the last check: ask the unhealthy ones again, once, before a 503
-                await asyncio.gather(*(self.fleet.probe(w, 1) for w in self.pool.all() if not w.healthy))
-                try:
-                    plan = self.plan(ids, exclude, notes=notes)
-                except NoWorkers as e:
-                    self.metrics.requests.labels(m.OUTCOME_NO_WORKERS, "none").inc()
-                    if span is not None:
-                        failed(span, e)
-                    raise
-            if span is not None and span.is_recording():
-                span.set_attributes(routing_attributes(plan, notes, self.config.spec.policy))
-            return plan
-        finally:
-            if span is not None:
-                span.end()
+             revision: str | None | pairing.Unset = pairing.UNSET, notes: dict | None = None,
+             adapter: str | None = None) -> Plan:
+        return self.decider.plan(token_ids, exclude, revision, notes=notes, adapter=adapter)
 
     # ---------------------------------------------------------------- requests
     def _check_model(self, req: CompletionRequest | ChatCompletionRequest) -> None:
-        if req.model != self.config.model:
-            raise NotFound(f"The model `{req.model}` does not exist; this router serves `{self.config.model}`.",
-                           param="model")
+        self.declared.adapter_of(req.model)     # the base model, or a declared adapter; else a 404
+
+    def ready_adapters(self) -> list[str]:
+        """The declared adapters some healthy decode worker holds: those a request can be served with."""
+        held = {a for w in self.pool.healthy(ROLE_DECODE) for a in w.adapters}
+        return sorted(a for a in self.declared.paths if a in held)
 
     def validate(self, req: CompletionRequest | ChatCompletionRequest) -> list[int]:
         self._check_model(req)
@@ -182,7 +142,7 @@ class Router:
         return ids
 
     async def plan_or_probe(self, ids: list[int], exclude: set[str] = frozenset(),
-                            trace: Trace | None = None) -> Plan:
+                            trace: Trace | None = None, adapter: str | None = None) -> Plan:
         """A plan; when no worker looked healthy at the last check, the unhealthy ones are asked again, once,
         before the NoWorkers (503) that is then counted."""
         span = notes = None
@@ -190,11 +150,11 @@ class Router:
             span, notes = trace.span(ROUTING), {}
         try:
             try:
-                plan = self.plan(ids, exclude, notes=notes)
+                plan = self.plan(ids, exclude, notes=notes, adapter=adapter)
             except NoWorkers:
                 await asyncio.gather(*(self.fleet.probe(w, 1) for w in self.pool.all() if not w.healthy))
                 try:
-                    plan = self.plan(ids, exclude, notes=notes)
+                    plan = self.plan(ids, exclude, notes=notes, adapter=adapter)
                 except NoWorkers as e:
                     self.metrics.requests.labels(m.OUTCOME_NO_WORKERS, "none").inc()
                     if span is not None:
@@ -218,10 +178,10 @@ class Router:
         start = time.monotonic()
         arrival = start if arrival is None else arrival
         ids = await self.prompt_ids(req, trace)
-        plan = await self.plan_or_probe(ids, trace=trace)
+        plan = await self.plan_or_probe(ids, trace=trace, adapter=self.declared.adapter_of(req.model))
         route = Route(m.PATH_LOCAL_PREFILL, plan.decode.name, plan.prefill.name if plan.prefill else None,
                       revision=plan.decode.revision, local_reason=plan.reason if plan.prefill is None else None,
-                      trace=trace)
+                      trace=trace, adapter=plan.adapter)
         try:
             kv_params = await self.handoff.prefill(endpoint, plan, body, route)
             if self.needs_ids:

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from disagg.perf import serving
-from disagg.perf.model import PerfModel
+from disagg.perf.model import PerfModel, lora_step_factor
 from disagg.api.parallelism import Layout
 from disagg.perf.parallel import group_startup, role_engine
 from disagg.planner.decide import (HISTORY, Decision, Load, Memory, Observation, RoleModels, Target, decide, react,
@@ -124,6 +124,12 @@ class SimConfig:
     @property
     def flex(self) -> bool:
         return self.flex_max > 0 or self.initial_flex_prefill > 0 or self.initial_flex_decode > 0
+    # LoRA adapters: each adapter's share of the requests (the rest ask for the base model), given to the
+    # trace's requests at random (seeded), and the engines' adapter slots (spec.model.maxLoras). A step runs
+    # perf.model.lora_step_factor slower per distinct adapter in its batch (at most max_loras of them)
+    adapter_mix: tuple[float, ...] = ()
+    max_loras: int = 4
+    adapter_seed: int = 0
 
     def layout(self, role: str) -> Layout:
         """One replica's layout of ``role`` (disagg.api.parallelism)."""
@@ -500,10 +506,31 @@ def _round(v: float | None) -> float | None:
     return None if v is None else round(v, 4)
 
 
+def with_adapters(trace: Trace, mix: tuple[float, ...], seed: int = 0) -> Trace:
+    """``trace`` with each request given an adapter (``lora-<i>``) with probability ``mix[i]``, else none."""
+    if not mix:
+        return trace
+    import random
+
+    if any(p < 0 for p in mix) or sum(mix) > 1 + 1e-9:
+        raise ValueError(f"adapter_mix: shares must be >= 0 and sum to at most 1: {mix}")
+    rng = random.Random(seed)
+    names = [f"lora-{i}" for i in range(len(mix))]
+
+    def pick() -> str:
+        u, acc = rng.random(), 0.0
+        for name, p in zip(names, mix):
+            acc += p
+            if u < acc:
+                return name
+        return ""
+    return replace(trace, requests=tuple(replace(r, adapter=pick()) for r in trace.requests))
+
+
 class Simulation:
     def __init__(self, config: SimConfig, trace: Trace, policy: Policy):
         self.cfg = config
-        self.trace = trace
+        self.trace = with_adapters(trace, config.adapter_mix, config.adapter_seed)
         self.policy = policy
         pm, dm = config.planning_models()
         self.prefill_model = pm.corrected(config.reality, config.reality)
@@ -709,7 +736,15 @@ class Simulation:
         rep.busy = True
         rep.running = len(batch)
         t = self.prefill_model.prefill_time([(b.r.input_tokens - b.cached, b.cached) for b in batch])
+        t *= self._lora_factor(batch)
         self._at(now + t, "prefill_done", rep, batch)
+
+    def _lora_factor(self, batch) -> float:
+        """How much slower a step runs for the distinct adapters in ``batch`` (1.0 without a mix)."""
+        if not self.cfg.adapter_mix:
+            return 1.0
+        distinct = len({b.r.adapter for b in batch} - {""})
+        return lora_step_factor(min(distinct, self.cfg.max_loras))
 
     def _prefill_done(self, rep: _Replica, batch: list[_Req], now: float) -> None:
         cap = self._kv_capacity_blocks()
@@ -790,7 +825,8 @@ class Simulation:
                 self._emptied["decode"] = True
         rep.version += 1
         if rep.active:
-            rep.step = self.decode_model.decode_step_time(len(rep.active), sum(a.ctx for a in rep.active))
+            rep.step = (self.decode_model.decode_step_time(len(rep.active), sum(a.ctx for a in rep.active))
+                        * self._lora_factor(rep.active))
             for a in admitted:
                 a.first = now + rep.step
                 if a.kv_lost:   # its prefill let the blocks go: this decode prefills the prompt itself
@@ -846,6 +882,8 @@ class Simulation:
             prefill_running=float(sum(r.running for r in self.replicas["prefill"] if r.end is None)),
             decode_queue=float(len(self.decode_queue)),
             decode_running=float(sum(len(r.active) for r in self.replicas["decode"] if r.end is None)),
+            # as the routers report them: every adapter of the mix is loaded on the decode workers
+            lora_adapters=float(len(self.cfg.adapter_mix)) or None,
             ttft_mean=_mean(self._acc_ttft), itl_mean=_mean(self._acc_itl),
             request_seconds_mean=self._acc_seconds / self._acc_done if self._acc_done else None,
             prefill_ready=float(ready["prefill"]), decode_ready=float(ready["decode"]),

@@ -33,6 +33,7 @@ class Request:
     output_tokens: int
     prefix_group: str = ""
     blocks: tuple[int | str, ...] = ()  # prefix block ids, one per BLOCK_TOKENS of input
+    adapter: str = ""                # the LoRA adapter it names ("": the base model)
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,14 @@ def tiny_model(worker_python) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_adapter(tiny_model, tmp_path_factory) -> str:
+    """A LoRA adapter (rank 8, random non-zero weights, peft's file layout) of the tiny model."""
+    from disagg.workers.tinyadapter import make_adapter
+
+    return str(make_adapter(Path(tiny_model), tmp_path_factory.mktemp("tiny-adapter")))
+
+
+@pytest.fixture(scope="session")
 def cluster(tmp_path_factory):
     """The local control plane (etcd, kube-apiserver, scheduler, controller-manager, kwok GPU pools),
     started once for the test run and torn down after it."""

@@ -74,6 +74,18 @@ INVALID = [
     ("router-picker-selector-without-values", {"spec.router.mode": "picker", "spec.router.picker": {
         "gatewayNamespaceSelector": {"matchExpressions": [{"key": "team", "operator": "In"}]}}},
      "spec.router.picker.gatewayNamespaceSelector.matchExpressions[0].values"),
+    # LoRA adapters (spec.model.adapters): LoRA must be on first, names unique and not the base model's
+    ("adapters-without-max-loras", {"spec.model.adapters": [{"name": "sql", "source": "hf://org/sql-lora"}]},
+     "spec.model.maxLoras"),
+    ("adapter-names-duplicate", {"spec.model.maxLoras": 2, "spec.model.adapters": [
+        {"name": "sql", "source": "hf://org/sql-lora"}, {"name": "sql", "source": "/adapters/sql"}]},
+     "spec.model.adapters"),
+    ("adapter-named-as-the-base", {"spec.model.maxLoras": 2, "spec.model.adapters": [
+        {"name": "qwen2.5-1.5b-instruct", "source": "hf://org/sql-lora"}]}, "spec.model.adapters"),
+    ("adapter-from-s3", {"spec.model.maxLoras": 2, "spec.model.adapters": [
+        {"name": "sql", "source": "s3://bucket/sql-lora"}]}, "spec.model.adapters[0].source"),
+    ("adapter-rank-not-vllms", {"spec.model.maxLoras": 2, "spec.model.maxLoraRank": 12},
+     "spec.model.maxLoraRank"),
 ]
 
 

@@ -422,3 +422,43 @@ def test_proxy_mode_renders_nothing_of_the_picker():
     picker = {(o["kind"], o["metadata"]["name"]) for o in render.children(_dd(router={"mode": "picker"}), "uid")[0]}
     prunable = {(kind, render.names("demo")[which]) for _, kind, which in render.PRUNABLE if which in render.PICKER_ONLY}
     assert prunable == picker - {(o["kind"], o["metadata"]["name"]) for o in objs}
+
+
+def _templates(dd):
+    manifests, _ = render.children(dd, "uid")
+    return {m["metadata"]["name"]: m["spec"]["template"] for m in manifests if m["kind"] == "Deployment"}
+
+
+def test_lora_is_on_in_every_worker_and_adding_or_removing_an_adapter_rolls_no_pod():
+    """spec.model.maxLoras turns LoRA on in both roles alike (flags and the runtime-loading switch), and the
+    router is told the slots; the adapters themselves never reach a pod template, so adding or removing one
+    (from the hub, the image, or a claim the workers already mount) leaves every template, and so every
+    pod, as it is: the routers load them (router/adapters.py)."""
+    from disagg.router.__main__ import _parser, config_from
+
+    model = {"name": "m", "source": "pvc://weights/base", "maxLoras": 4, "maxLoraRank": 8}
+    bare = _dd(model=model)
+    for role in ("prefill", "decode"):
+        args = render.worker_args(bare, role)
+        engine = args[args.index("--") + 1:]
+        assert engine[engine.index("--enable-lora"):][:5] == ["--enable-lora", "--max-loras", "4", "--max-lora-rank",
+                                                              "8"]
+    templates = _templates(bare)
+    for name in ("demo-prefill", "demo-decode"):
+        env = {e["name"]: e.get("value") for e in templates[name]["spec"]["containers"][0]["env"]}
+        assert env[render.LORA_RUNTIME_ENV] == "True"
+    router_args = templates["demo-router"]["spec"]["containers"][0]["args"]
+    assert config_from(_parser().parse_args(router_args)).max_loras == 4
+    adapters = [{"name": "sql", "source": "hf://org/sql-lora"}, {"name": "chat", "source": "/adapters/chat"},
+                {"name": "legal", "source": "pvc://weights/adapters/legal"}]
+    for some in (adapters[:1], adapters, adapters[1:]):
+        assert _templates(_dd(model={**model, "adapters": some})) == templates
+    # a claim the workers do not mount yet is the one adapter change that adds a volume (so a rollout)
+    other = _templates(_dd(model={**model, "adapters": [{"name": "x", "source": "pvc://loras/x"}]}))
+    assert other["demo-router"] == templates["demo-router"]
+    assert "loras" in {v["persistentVolumeClaim"]["claimName"] for v in other["demo-decode"]["spec"]["volumes"]
+                       if "persistentVolumeClaim" in v}
+    # LoRA off (no maxLoras): nothing of it rendered
+    plain = _dd(model={"name": "m", "source": "pvc://weights/base"})
+    assert "--enable-lora" not in render.worker_args(plain, "decode")
+    assert render.LORA_RUNTIME_ENV not in {e["name"] for e in _templates(plain)["demo-decode"]["spec"]["containers"][0]["env"]}

@@ -553,3 +553,22 @@ def test_fast_path_grows_decode_when_requests_wait_for_admission():
                        decode_queue=5 * per, decode_queue_growth=0.2 * per, decode_ready=1.0)
     d, _ = dc.react(q, t, m, MODEL, now=15)
     assert d is not None and d.decode.replicas >= 2 and d.prefill.replicas == 1
+
+
+def test_many_active_lora_adapters_need_more_replicas_and_are_an_input():
+    """The routers' adapters (Observation.lora_adapters, disagg_router_adapter_workers) slow every step of the
+    model the planner sizes with (perf.model.lora_step_factor): at the same load it asks for more decode, and
+    says what it read."""
+    load = dc.Load(rate=30, input_mean=3000, input_p=6000, output_mean=400)
+    plain, _ = dc.size_decode(MODEL, load, 0.03, 90)
+    loaded, _ = dc.size_decode(dc.RoleModels.of(MODEL).with_lora(16), load, 0.03, 90)
+    assert loaded > plain
+    o = obs(rate=30, inp=3000, out=400, itl=0.03, lora_adapters=16)
+    assert o.inputs()["loraAdapters"] == 16
+    with_lora, _ = dc.decide(o, target(), dc.Memory(), MODEL, now=0.0)
+    without, _ = dc.decide(obs(rate=30, inp=3000, out=400, itl=0.03), target(), dc.Memory(), MODEL, now=0.0)
+    assert with_lora.decode.replicas > without.decode.replicas
+    from disagg.api import metrics as m
+    from disagg.planner.metrics_source import queries
+
+    assert m.ROUTER_ADAPTER_WORKERS in queries("ns", "dd", 90, 60)["lora_adapters"]

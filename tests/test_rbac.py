@@ -227,6 +227,9 @@ def router_scenario(cluster, api_client, tmp_path: Path) -> tuple[str, dict[Gran
         revisions = discovery.revisions()
         for role in ("prefill", "decode"):
             discovery.list(role, revisions)
+        # the LoRA adapters it loads, and their status it writes (router/adapters.py)
+        discovery.report_adapters([{"name": a, "prefill": 0, "decode": 0}
+                                   for a in sorted(discovery.adapters())])
     finally:
         router_api.close()
     role = client.RbacAuthorizationV1Api(api_client).read_namespaced_role(account, AUDITED_NAMESPACE)

@@ -157,3 +157,127 @@ def test_every_decision_says_why_the_decode_prefills_itself():
     moved = Route(m.PATH_FALLBACK, "http://d0:8000", "http://p0:8000", fallback="kv_transfer_failed",
                   local_reason=None)
     assert "x-disagg-local-reason" not in moved.headers()
+
+
+# ---------------------------------------------------------------- LoRA adapters (router/adapters.py)
+
+def _lora_decider(prefill, decode, max_loras=None) -> Decider:
+    """``prefill``/``decode``: name -> the adapters that worker holds."""
+    cfg = RouterConfig(model="tiny", tokenizer="unused", block_size=16, spec={"disaggregation": "always"},
+                       prefill=[{"url": f"http://{n}:8000"} for n in prefill],
+                       decode=[{"url": f"http://{n}:8000"} for n in decode], prefix_prediction_s=0,
+                       max_loras=max_loras)
+    d = Decider(cfg, Pool.static(cfg), {ROLE_PREFILL: PrefixIndex(), ROLE_DECODE: PrefixIndex()}, RouterMetrics())
+    for role, held in ((ROLE_PREFILL, prefill), (ROLE_DECODE, decode)):
+        for n, adapters in held.items():
+            d.pool.workers[role][f"http://{n}:8000"].adapters = set(adapters)
+    return d
+
+
+def test_a_shared_prefix_under_two_adapters_is_indexed_apart():
+    """vLLM's KV events carry the adapter (lora_name): the same tokens stored under sql and under chat (and
+    under none) are three different prefixes, each matched only by requests of its own adapter."""
+    import msgspec
+
+    from disagg.router import adapters as lora
+    from disagg.router.events import apply
+
+    idx = PrefixIndex()
+    toks = PROMPT[:32]
+
+    def stored(hashes, adapter):
+        return msgspec.msgpack.encode([1.0, [{"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": None,
+                                              "token_ids": toks, "block_size": 16, "lora_id": None, "medium": "GPU",
+                                              "lora_name": adapter}], 0])
+    assert apply(idx, "http://w-sql:8000", stored([1, 2], "sql")) == 2
+    assert apply(idx, "http://w-chat:8000", stored([3, 4], "chat")) == 2
+    assert apply(idx, "http://w-base:8000", stored([5, 6], None)) == 2
+    keys = {a: block_keys(toks, 16, lora.root(a)) for a in ("sql", "chat", None)}
+    assert len({tuple(k) for k in keys.values()}) == 3
+    assert idx.match(keys["sql"]) == {"http://w-sql:8000": 2}
+    assert idx.match(keys["chat"]) == {"http://w-chat:8000": 2}
+    assert idx.match(keys[None]) == {"http://w-base:8000": 2}
+    # the decision keys a request the same way: the sql request follows the sql blocks, not the base ones
+    d = _lora_decider({"p": {"sql"}}, {"d-base": {"sql"}, "d-sql": {"sql"}})
+    d.index[ROLE_DECODE].add_keys("http://d-base:8000", keys[None])
+    d.index[ROLE_DECODE].add_keys("http://d-sql:8000", keys["sql"])
+    d.pool.workers[ROLE_DECODE]["http://d-sql:8000"].active = 1    # busier, and still the holder of its KV
+    assert d.plan(toks, adapter="sql").decode.name == "http://d-sql:8000"
+    assert d.plan(toks).decode.name == "http://d-base:8000"
+
+
+def test_a_worker_without_the_adapter_is_never_chosen_when_one_with_it_is_ready():
+    d = _lora_decider({"p-none": set(), "p-sql": {"sql"}}, {"d-none": set(), "d-sql": {"sql"}})
+    # the workers without it hold the whole prompt and are idle; those with it are busy
+    for role, name in ((ROLE_PREFILL, "p-none"), (ROLE_DECODE, "d-none")):
+        d.index[role].add_keys(f"http://{name}:8000", block_keys(PROMPT, 16))
+    for role, name in ((ROLE_PREFILL, "p-sql"), (ROLE_DECODE, "d-sql")):
+        d.pool.workers[role][f"http://{name}:8000"].active = 50
+    for _ in range(5):
+        plan = d.plan(PROMPT, adapter="sql")
+        assert (plan.prefill.name, plan.decode.name, plan.adapter) == ("http://p-sql:8000", "http://d-sql:8000", "sql")
+    # a retry after the decode failed stays with the adapter: the only other decode lacks it
+    assert d.another_decode(plan.decode, PROMPT, [plan.decode.name], "sql").name == "http://d-sql:8000"
+    # the base model's requests still go anywhere
+    assert d.plan(PROMPT).decode.name == "http://d-none:8000"
+
+
+def test_a_prefill_and_its_decode_never_run_different_adapters():
+    """No prefill holds the adapter: the decode that does prefills itself (local, no_prefill), never a prefill
+    that would compute the KV with the base model."""
+    d = _lora_decider({"p0": set(), "p1": {"chat"}}, {"d0": {"sql", "chat"}})
+    plan = d.plan(PROMPT, adapter="sql")
+    assert plan.prefill is None and plan.decode.name == "http://d0:8000" and plan.reason == m.LOCAL_NO_PREFILL
+    plan = d.plan(PROMPT, adapter="chat")
+    assert plan.prefill.name == "http://p1:8000" and "chat" in plan.prefill.adapters and "chat" in plan.decode.adapters
+
+
+def test_an_adapter_no_decode_holds_is_a_503_not_the_base_model():
+    from disagg.router.adapters import AdapterNotReady
+    from disagg.router.errors import NoWorkers
+
+    d = _lora_decider({"p0": {"sql"}}, {"d0": set(), "d1": {"chat"}})
+    try:
+        d.plan(PROMPT, adapter="sql")
+    except AdapterNotReady as e:
+        assert e.status == 503 and "`sql`" in str(e) and isinstance(e, NoWorkers)
+    else:
+        raise AssertionError("planned a request for an adapter no decode holds")
+    d.pool.workers[ROLE_DECODE]["http://d1:8000"].adapters.add("sql")
+    d.pool.workers[ROLE_DECODE]["http://d1:8000"].healthy = False     # held, but by an unhealthy worker only
+    try:
+        d.plan(PROMPT, adapter="sql")
+    except AdapterNotReady:
+        pass
+    else:
+        raise AssertionError("planned a request on an unhealthy worker")
+
+
+def test_lora_affinity_scores_as_the_gateway_extension_does():
+    from disagg.router.adapters import lora_affinity
+
+    assert lora_affinity("a", {"a", "b"}, set(), 2) == 1.0          # in the batch now
+    assert lora_affinity("a", {"b"}, set(), 2) == 0.8               # a free slot
+    assert lora_affinity("a", {"b"}, {"a"}, 2) == 0.6               # queued for a slot
+    assert lora_affinity("a", {"b", "c"}, set(), 2) == 0.0          # full
+    assert lora_affinity("a", {"b", "c"}, set(), None) == 0.8       # no limit known
+
+
+def test_the_decision_prefers_the_adapter_active_then_a_free_slot():
+    """Every decode holds sql; d-active runs it now, d-free has a slot left, d-full's slots are taken by
+    other adapters (max_loras 2): requests go to d-active, and without it to d-free, never to d-full."""
+    d = _lora_decider({"p": {"sql", "x", "y"}}, {n: {"sql", "x", "y"} for n in ("d-active", "d-free", "d-full")},
+                      max_loras=2)
+    workers = d.pool.workers[ROLE_DECODE]
+    # the router's own recent decisions say what runs where (decision.ADAPTER_ACTIVE_S)
+    d.pick(ROLE_DECODE, [], workers=[workers["http://d-active:8000"]], adapter="sql")
+    d.pick(ROLE_DECODE, [], workers=[workers["http://d-full:8000"]], adapter="x")
+    d.pick(ROLE_DECODE, [], workers=[workers["http://d-full:8000"]], adapter="y")
+    workers["http://d-active:8000"].active = 5           # the busiest, and still where sql runs
+    for _ in range(3):
+        assert d.plan(PROMPT, adapter="sql").decode.name == "http://d-active:8000"
+    d.forget(workers["http://d-active:8000"])
+    workers["http://d-active:8000"].healthy = False
+    workers["http://d-full:8000"].active = 0
+    workers["http://d-free:8000"].active = 3
+    assert d.plan(PROMPT, adapter="sql").decode.name == "http://d-free:8000"

@@ -198,3 +198,44 @@ def test_flex_workers_are_found_in_the_role_their_pod_label_says(api_client, nam
     core.patch_namespaced_pod("f-flex-1", namespace, {"metadata": {"labels": {LABEL_SERVING_ROLE: ROLE_DECODE}}})
     assert sorted((e.url, e.role) for e in disc.poll()[ROLE_FLEX]) == [
         ("http://192.0.2.7:8000", ROLE_PREFILL), ("http://192.0.2.8:8000", ROLE_DECODE)]
+
+
+def test_the_adapters_come_from_the_deployment_and_their_status_goes_back_to_it(api_client, crd_installed,
+                                                                                 namespace):
+    """The router's discovery, on a real API server: each poll hands the fleet its DisaggDeployment's
+    spec.model.adapters (added and removed with no restart), and writes status.adapters when the fleet's
+    view changes, under the routers' own field manager (the operator's status fields are not touched)."""
+    from kubernetes import client
+
+    from disagg.e2e.testing import dd_manifest
+    from disagg.router.discovery import ROUTER_FIELD_MANAGER
+
+    custom = client.CustomObjectsApi(api_client)
+    group, version, plural = "serving.disagg.dev", "v1alpha1", "disaggdeployments"
+    manifest = dd_manifest("lora", model={"maxLoras": 2, "adapters": [{"name": "sql", "source": "hf://org/sql"}]})
+    custom.create_namespaced_custom_object(group, version, namespace, plural, manifest)
+    disc = EndpointSliceDiscovery(api_client, namespace, {ROLE_PREFILL: "lora-prefill", ROLE_DECODE: "lora-decode"},
+                                  interval_s=0.2)
+    seen: list[dict] = []
+    status = [{"name": "sql", "prefill": 1, "decode": 2, "ready": True, "message": ""}]
+    disc.on_adapters = seen.append
+    disc.adapter_status = lambda: status
+
+    def dd() -> dict:
+        return custom.get_namespaced_custom_object(group, version, namespace, plural, "lora")
+
+    async def main() -> None:
+        task = asyncio.create_task(disc.run(lambda role, endpoints: None))
+        try:
+            await asyncio.to_thread(wait_for, lambda: (dd().get("status") or {}).get("adapters") == status, 30,
+                                    "status.adapters written")
+            assert seen[-1] == {"sql": "hf://org/sql"}
+            custom.patch_namespaced_custom_object(group, version, namespace, plural, "lora",
+                                                  {"spec": {"model": {"adapters": []}}})
+            await asyncio.to_thread(wait_for, lambda: seen[-1] == {}, 30, "the adapter's removal seen")
+        finally:
+            task.cancel()
+
+    asyncio.run(main())
+    managers = {f["manager"]: f for f in dd()["metadata"]["managedFields"] if f.get("subresource") == "status"}
+    assert "f:adapters" in str(managers[ROUTER_FIELD_MANAGER]["fieldsV1"])

@@ -57,8 +57,26 @@ DECODE_B_WAIT_S = 1200
 FIRST_FAILURE_TEST_TIMEOUT = DECODE_B_WAIT_S + 600
 
 
-def _complete(client: OpenAI, prompt: str) -> str:
-    return client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+# LoRA on in every engine of this module (the reference, the pair, decode-b), so the adapter tests reuse
+# them: its runtime loading needs the switch, and the base model's answers must not change with LoRA on
+ADAPTER = "tiny-sql"
+LORA_ARGS = ["--max-num-seqs", "64", "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"]
+LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+
+
+def _engine(name: str, settings, worker_python: str, logs: Path):
+    """A worker (workers/local.py) with LoRA on and adapters loadable at run time."""
+    p = worker(name, settings, worker_python, logs)
+    p.env.update(LORA_ENV)
+    return p
+
+
+def _lora(role: str, tiny_model: str, cores: str, **kw):
+    return cpu_settings(role, tiny_model, cores, engine_args=LORA_ARGS, **kw)
+
+
+def _complete(client: OpenAI, prompt: str, model: str = "tiny") -> str:
+    return client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
                                      seed=7).choices[0].text
 
 
@@ -68,16 +86,19 @@ def _chat(client: OpenAI, messages) -> str:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model, worker_python, tmp_path_factory):
-    """What one ordinary (aggregated, no NIXL) vLLM server answers, at temperature 0."""
+def reference(tiny_model, tiny_adapter, worker_python, tmp_path_factory):
+    """What one ordinary (aggregated, no NIXL) vLLM server answers, at temperature 0: with the base model,
+    and with the tiny LoRA adapter (loaded the way the router loads it)."""
     logs = tmp_path_factory.mktemp("reference")
-    agg = worker("aggregated", cpu_settings("decode", tiny_model, "0-1", kv_transfer=False), worker_python, logs)
+    agg = _engine("aggregated", _lora("decode", tiny_model, "0-1", kv_transfer=False), worker_python, logs)
     agg.start()
     try:
         agg.wait_ready()
         _started_once(agg)
         client = OpenAI(base_url=f"{agg.url}/v1", api_key="unused")
         answers = {"completions": [_complete(client, p) for p in PROMPTS], "chat": [_chat(client, c) for c in CHATS]}
+        _post(agg.url, "/v1/load_lora_adapter", {"lora_name": ADAPTER, "lora_path": tiny_adapter})
+        answers["adapter"] = [_complete(client, p, ADAPTER) for p in PROMPTS]
     finally:
         agg.stop()          # before the P/D workers start: two cores are all there is
     return answers
@@ -85,6 +106,13 @@ def reference(tiny_model, worker_python, tmp_path_factory):
 
 # decode-b's first KV pull from the (long-running) prefill, made before the failure tests, bounded
 FIRST_PULL_S = 90
+
+
+def _post(url: str, path: str, body: dict, timeout: float = 60) -> bytes:
+    req = urllib.request.Request(f"{url}{path}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return r.read()
 
 
 def _started_once(*procs) -> None:
@@ -136,7 +164,7 @@ def decode_b(pd, tiny_model, worker_python, tmp_path_factory):
     about that stall; should it return, the first pull fails the test with both engines' logs, and so
     does a start-up that LocalProcess had to restart (_started_once): neither is retried away."""
     logs = tmp_path_factory.mktemp("decode-b")
-    p = worker("decode-b", cpu_settings("flex", tiny_model, "0"), worker_python, logs)
+    p = _engine("decode-b", _lora("flex", tiny_model, "0"), worker_python, logs)
     try:
         p.start().wait_ready(DECODE_B_WAIT_S)
         _started_once(p)
@@ -158,22 +186,25 @@ def pd(reference, tiny_model, worker_python, tmp_path_factory, jaeger):
     (test_one_trace_holds_the_routers_spans_and_both_engines_llm_request_spans)."""
     logs = tmp_path_factory.mktemp("pd")
     tracing = dict(otlp_traces_endpoint=jaeger.otlp_endpoint, trace_sampling_ratio=0.0)
-    prefill_s = cpu_settings("prefill", tiny_model, "0", **tracing)
-    decode_s = cpu_settings("decode", tiny_model, "1", **tracing)
+    prefill_s = _lora("prefill", tiny_model, "0", **tracing)
+    decode_s = _lora("decode", tiny_model, "1", **tracing)
     port = free_port()
+    # adapters come and go at run time: the router re-reads this file (the adapter tests write it)
+    (logs / "adapters.json").write_text("{}")
     # no max_model_len: the router learns the workers' (1024, cpu_settings) from their /v1/models
     config = {"model": "tiny", "tokenizer": tiny_model, "block_size": prefill_s.block_size, "port": port,
               "host": "127.0.0.1", "health_interval_s": 60,
               # vLLM CPU workers sometimes stall for one NIXL lease (30 s) on a loaded 2-core machine; the
               # test checks the P/D path, so a slow prefill must not turn into a (correct) fallback
               "spec": {"disaggregation": "always", "prefillTimeoutSeconds": 120},
+              "adapters_file": str(logs / "adapters.json"), "max_loras": 2,
               "prefill": [{"url": f"http://127.0.0.1:{prefill_s.port}",
                            "kv_events": f"tcp://127.0.0.1:{prefill_s.kv_events_port}"}],
               "decode": [{"url": f"http://127.0.0.1:{decode_s.port}",
                           "kv_events": f"tcp://127.0.0.1:{decode_s.kv_events_port}"}]}
     (logs / "router.json").write_text(json.dumps(config))
-    procs = {"prefill": worker("prefill", prefill_s, worker_python, logs),
-             "decode": worker("decode", decode_s, worker_python, logs),
+    procs = {"prefill": _engine("prefill", prefill_s, worker_python, logs),
+             "decode": _engine("decode", decode_s, worker_python, logs),
              "router": router(logs / "router.json", port, logs)}
     try:
         for name in ("prefill", "decode"):
@@ -325,6 +356,92 @@ def test_one_trace_holds_the_routers_spans_and_both_engines_llm_request_spans(pd
     engine = tags["gen_ai.latency.time_in_queue"] + tags["gen_ai.latency.time_in_model_prefill"]
     assert 0 < engine <= by[t.PREFILL][0]["duration"] / 1e6, (engine, by[t.PREFILL][0]["duration"])
     assert tags["gen_ai.usage.prompt_tokens"] > 20
+
+
+# ---------------------------------------------------------------- LoRA adapters (router/adapters.py)
+def _declare(pd, adapters: dict[str, str]) -> None:
+    """spec.model.adapters as the running router reads them: its adapters file, replaced whole (a new inode,
+    as the kubelet swaps a mounted file)."""
+    path = Path(json.loads(Path(pd["router"].argv[-1]).read_text())["adapters_file"])
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(adapters))
+    tmp.replace(path)
+
+
+def _served(url: str) -> list[str]:
+    """The models a router or a worker lists on /v1/models."""
+    with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as r:
+        return [c["id"] for c in json.loads(r.read())["data"]]
+
+
+def _engines(pd) -> dict[str, int]:
+    """Each engine's supervisor pid, checked alive and never restarted (LocalProcess restarts a stall)."""
+    for name in ("prefill", "decode"):
+        assert pd[name].proc.poll() is None and pd[name].restarts == 0, f"{name} restarted"
+    return {name: pd[name].proc.pid for name in ("prefill", "decode")}
+
+
+def test_an_adapter_added_at_run_time_serves_both_legs_as_one_engine_does(pd, reference, tiny_adapter):
+    """Declared on a live deployment, the adapter is loaded onto the running prefill and decode (no engine
+    restarts), listed on /v1/models, and served P/D with NIXL: the official client's completions at
+    temperature 0 differ from the base model's and equal one aggregated engine's with the same adapter."""
+    import openai
+
+    client = OpenAI(base_url=f"{pd['router'].url}/v1", api_key="unused", max_retries=0)
+    before = _engines(pd)
+    with pytest.raises(openai.NotFoundError) as e:          # not declared yet: unknown, never the base model
+        client.completions.create(model=ADAPTER, prompt=PROMPTS[0], max_tokens=4)
+    assert ADAPTER in str(e.value)
+    _declare(pd, {ADAPTER: tiny_adapter})
+    wait_for(lambda: ADAPTER in _served(pd["router"].url), 120, f"{ADAPTER} on the router's /v1/models")
+    for name in ("prefill", "decode"):                      # loaded on both legs, as the engines list it
+        assert ADAPTER in _served(pd[name].url)
+    router_metrics = scrape(pd["router"].url)
+    for role in ("prefill", "decode"):
+        assert router_metrics[f'{m.ROUTER_ADAPTER_WORKERS}{{adapter="{ADAPTER}",role="{role}"}}'] == 1
+    pulls = metric_sum(scrape(pd["decode"].url), m.VLLM_NIXL_BYTES_TRANSFERRED + "_count")
+    texts = [_complete(client, p, ADAPTER) for p in PROMPTS]
+    assert texts == reference["adapter"]
+    assert all(a != b for a, b in zip(texts, reference["completions"])), (texts, reference["completions"])
+    raw = client.completions.with_raw_response.create(model=ADAPTER, prompt=PROMPTS[1], max_tokens=4,
+                                                      temperature=0)
+    assert raw.headers["x-disagg-path"] == m.PATH_REMOTE_PREFILL and raw.headers["x-disagg-adapter"] == ADAPTER
+    assert (raw.headers["x-disagg-prefill"], raw.headers["x-disagg-decode"]) == (pd["prefill"].url, pd["decode"].url)
+    # every adapter request's KV came over NIXL from the prefill, computed there with the adapter
+    assert wait_metric(pd["decode"].url, m.VLLM_NIXL_BYTES_TRANSFERRED + "_count",
+                       pulls + len(PROMPTS) + 1) >= pulls + len(PROMPTS) + 1
+    # the base model's answers are as they were
+    assert [_complete(client, p) for p in PROMPTS] == reference["completions"]
+    assert _engines(pd) == before
+
+
+def test_an_adapter_removed_or_not_loadable_fails_cleanly(pd, tiny_adapter, tmp_path):
+    """Removed: unloaded from both engines and a 404 for it at once; declared but loadable nowhere (its
+    files missing): not listed, and a 503 that names it. Never the base model's answer; no engine restarts."""
+    import openai
+
+    client = OpenAI(base_url=f"{pd['router'].url}/v1", api_key="unused", max_retries=0)
+    before = _engines(pd)
+    _declare(pd, {ADAPTER: tiny_adapter})
+    wait_for(lambda: ADAPTER in _served(pd["router"].url), 120, f"{ADAPTER} on the router's /v1/models")
+    _declare(pd, {})
+    wait_for(lambda: all(ADAPTER not in _served(pd[n].url) for n in ("prefill", "decode")), 120,
+             f"{ADAPTER} unloaded from both engines")
+    assert _served(pd["router"].url) == ["tiny"]
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model=ADAPTER, prompt=PROMPTS[0], max_tokens=4)
+    assert e.value.status_code == 404 and ADAPTER in str(e.value)
+    loads = f'{m.ROUTER_ADAPTER_LOADS}{{outcome="{m.ADAPTER_LOAD_FAILED}"}}'
+    failed = scrape(pd["router"].url).get(loads, 0)
+    _declare(pd, {"missing": str(tmp_path / "no-such-adapter")})
+    wait_for(lambda: scrape(pd["router"].url).get(loads, 0) >= failed + 2, 120, "both engines refusing the load")
+    assert _served(pd["router"].url) == ["tiny"]
+    with pytest.raises(openai.InternalServerError) as e:
+        client.completions.create(model="missing", prompt=PROMPTS[0], max_tokens=4)
+    assert e.value.status_code == 503 and "`missing`" in str(e.value)
+    _declare(pd, {})
+    assert client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=4).choices[0].text is not None
+    assert _engines(pd) == before
 
 
 # ---------------------------------------------------------------- workers that die under a request

@@ -286,3 +286,29 @@ def test_multi_pod_replicas_start_with_their_slowest_pod_and_count_whole_groups(
         return min(i.t for i in res.intervals if i.ready_decode >= n)
     assert first_ready(r, 2) - first_ready(sim_fast, 2) >= 60.0 - SMALL.interval
     assert r.gpu_seconds == pytest.approx(sim_fast.gpu_seconds, rel=0.05) and r.finished == r.arrived
+
+
+def test_an_adapter_mix_slows_the_steps_the_planner_sees_it_and_a_few_slots_cap_it():
+    """LoRA adapters (SimConfig.adapter_mix): requests are given adapters at random; a step with more distinct
+    adapters in its batch runs slower (perf.model.lora_step_factor), at most max_loras of them; the planner's
+    observation carries the adapters, and its model the same factor."""
+    from disagg.perf.model import lora_step_factor
+
+    trace = traces.poisson(8, 120, seed=9)
+    cfg = replace(SMALL, initial_prefill=2, initial_decode=2)
+    mix = (0.25, 0.25, 0.25, 0.25)
+    tagged = sm.with_adapters(trace, mix, seed=1)
+    assert {r.adapter for r in tagged.requests} == {"lora-0", "lora-1", "lora-2", "lora-3"}
+    assert [(r.t, r.input_tokens) for r in tagged.requests] == [(r.t, r.input_tokens) for r in trace.requests]
+    base = sm.simulate(trace, sm.StaticPolicy(2, 2), cfg)
+    many = sm.simulate(trace, sm.StaticPolicy(2, 2), replace(cfg, adapter_mix=mix, max_loras=4))
+    capped = sm.simulate(trace, sm.StaticPolicy(2, 2), replace(cfg, adapter_mix=mix, max_loras=1))
+    itl = {name: sm._pct(r.itl, 50) for name, r in (("base", base), ("many", many), ("capped", capped))}
+    assert itl["base"] < itl["capped"] < itl["many"], itl
+    assert itl["many"] <= itl["base"] * lora_step_factor(4) * 1.05
+    obs = sm.Simulation(replace(cfg, adapter_mix=mix), trace, sm.StaticPolicy(2, 2))._observe(cfg.interval)
+    assert obs.lora_adapters == 4 and obs.inputs()["loraAdapters"] == 4
+    model = cfg.planning_models()[1]
+    assert model.with_lora(4).itl(16, 1000) > model.itl(16, 1000)
+    with pytest.raises(ValueError):
+        sm.with_adapters(trace, (0.7, 0.7))

@@ -46,6 +46,9 @@ ROUTER_KV_HELD = "disagg_router_kv_held_requests"                   # gauge; lab
 # picker mode (spec.router.mode: picker): the gateway carries the bytes, the router answers where they go
 ROUTER_PICKER_DECISION_SECONDS = "disagg_router_picker_decision_seconds"  # histogram; labels: kind (plan: an OpenAI request parsed, tokenized and planned, before any prefill; other: any other path)
 ROUTER_PICKER_STREAMS = "disagg_router_picker_streams"              # gauge: the gateway's ext_proc streams open now
+ROUTER_ADAPTER_WORKERS = "disagg_router_adapter_workers"            # gauge; labels: adapter, role (workers holding a declared LoRA adapter, as the router loaded or saw it)
+ROUTER_ADAPTER_LOADS = "disagg_router_adapter_loads_total"           # counter; labels: outcome (load/unload calls to workers: loaded, load_failed, unloaded)
+ADAPTER_LOADED, ADAPTER_LOAD_FAILED, ADAPTER_UNLOADED = "loaded", "load_failed", "unloaded"
 OUTCOME_UNANSWERED = "unanswered"                 # picker mode: the gateway's stream ended before the decode answered
 
 # request paths (label values of ROUTER_REQUESTS{path=...})

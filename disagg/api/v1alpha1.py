@@ -10,7 +10,7 @@ both refuse the same specs.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
@@ -132,11 +132,40 @@ class SecretRef(_Model):
                      description="Key in the Secret holding the credential (for example a Hugging Face token).")
 
 
+ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9][-._A-Za-z0-9]*$"
+ADAPTERS_NEED_LORA = ("adapters need maxLoras (LoRA on in every worker; set it before the first adapter, since "
+                      "turning LoRA on restarts the workers and adding an adapter does not)")
+ADAPTER_NAMES_UNIQUE = "adapters: each name must be unique"
+ADAPTER_NOT_BASE = "adapters: a name must differ from the base model's name (clients pick an adapter by name)"
+MAX_ADAPTERS = 64
+DEFAULT_MAX_LORA_RANK = 16
+
+
+class AdapterSpec(_Model):
+    """One LoRA adapter of the base model, served under its own name; loaded into every running worker of both
+    roles at run time (no restart) by the routers (router/adapters.py)."""
+
+    name: str = Field(min_length=1, max_length=253, pattern=ADAPTER_NAME_PATTERN,
+                      description="Name clients send as `model` to be served by this adapter.")
+    source: str = Field(max_length=1024, pattern=r"^(hf://|pvc://|/).+",
+                        description="Where the adapter (adapter_config.json + adapter_model.safetensors) comes "
+                                    "from, as the base model's: hf://<repo>, pvc://<claim>/<path> (the claim is "
+                                    "mounted read-only into the workers; a claim the workers do not mount yet "
+                                    "restarts them once), or an absolute path inside the image. Not s3://: "
+                                    "vLLM loads adapters from a local path or the hub.")
+
+
 class ModelSpec(_Model):
     model_config = ConfigDict(json_schema_extra=_validations(
         cel("!self.source.startsWith('s3://') || (has(self.tokenizer) && !self.tokenizer.startsWith('s3://'))",
             "a model read from s3:// needs tokenizer set to an hf://, pvc:// or image path (the router "
             "tokenizes prompts itself)", field_path=".tokenizer"),
+        cel("!has(self.adapters) || size(self.adapters) == 0 || has(self.maxLoras)", ADAPTERS_NEED_LORA,
+            field_path=".maxLoras", reason="FieldValueRequired"),
+        cel("!has(self.adapters) || self.adapters.all(a, self.adapters.exists_one(b, b.name == a.name))",
+            ADAPTER_NAMES_UNIQUE, field_path=".adapters", reason="FieldValueDuplicate"),
+        cel("!has(self.adapters) || self.adapters.all(a, a.name != self.name)", ADAPTER_NOT_BASE,
+            field_path=".adapters"),
     ))
 
     name: str = Field(min_length=1, max_length=253,
@@ -148,12 +177,35 @@ class ModelSpec(_Model):
     tokenizer: str | None = Field(None, max_length=1024,
                                   description="Tokenizer location when it differs from the model source.")
     secret_ref: SecretRef | None = Field(None, description="Credentials for reading the model source.")
+    adapters: list[AdapterSpec] = Field(
+        default_factory=list, max_length=MAX_ADAPTERS,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+        description="LoRA adapters of this model, each served under its own name. Adding or removing one loads or "
+                    "unloads it on the running workers of both roles, without a restart; status.adapters says on "
+                    "how many workers of each role each is ready. The prefill and the decode of a request always "
+                    "run the same adapter.")
+    max_loras: int | None = Field(None, ge=1, le=256,
+                                  description="LoRA on (vLLM --enable-lora) in every worker of both roles, with at "
+                                              "most this many adapters in one batch (--max-loras); more may be "
+                                              "loaded, and wait for a slot. Unset: LoRA off. Changing it restarts "
+                                              "the workers; adding adapters does not.")
+    max_lora_rank: Literal[1, 8, 16, 32, 64, 128, 256, 320, 512] | None = Field(
+        None, description=f"Largest adapter rank the workers accept (--max-lora-rank; vLLM's allowed values; "
+                          f"unset: {DEFAULT_MAX_LORA_RANK}); an adapter of a higher rank fails to load and is "
+                          "reported not ready.")
 
     @model_validator(mode="after")
     def _check(self) -> ModelSpec:
         if self.source.startswith("s3://") and (not self.tokenizer or self.tokenizer.startswith("s3://")):
             raise ValueError("tokenizer: a model read from s3:// needs tokenizer set to an hf://, pvc:// or image "
                              "path (the router tokenizes prompts itself)")
+        if self.adapters and self.max_loras is None:
+            raise ValueError(f"maxLoras: {ADAPTERS_NEED_LORA}")
+        names = [a.name for a in self.adapters]
+        if len(set(names)) != len(names):
+            raise ValueError(ADAPTER_NAMES_UNIQUE)
+        if self.name in names:
+            raise ValueError(ADAPTER_NOT_BASE)
         return self
 
 
@@ -988,6 +1040,16 @@ class RouterStatus(RoleStatus):
                                                    "picker).")
 
 
+class AdapterStatus(_Model):
+    name: str = Field(max_length=253, description="The adapter (spec.model.adapters[].name).")
+    prefill: int = Field(0, ge=0, description="Prefill workers it is loaded on and ready.")
+    decode: int = Field(0, ge=0, description="Decode workers it is loaded on and ready.")
+    ready: bool = Field(False, description="Servable: loaded on at least one decode worker (a prefill without it "
+                                           "leaves its requests to be prefilled by their decode).")
+    message: str = Field("", max_length=4096, description="Why it is not ready on some worker (the engine's load "
+                                                         "error), if so.")
+
+
 class DisaggDeploymentStatus(_Model):
     observed_generation: int | None = Field(None, ge=0, description="Generation this status describes.")
     phase: Phase = Field(Phase.PENDING, description="Summary of the conditions.")
@@ -1003,6 +1065,11 @@ class DisaggDeploymentStatus(_Model):
     endpoint: str = Field("", max_length=2048, description="OpenAI-compatible base URL inside the cluster.")
     latency: LatencyStatus = Field(default_factory=LatencyStatus, description="Observed latency.")
     planner: PlannerStatus | None = Field(None, description="The planner's last decision.")
+    adapters: list[AdapterStatus] = Field(default_factory=list, max_length=MAX_ADAPTERS,
+                                          json_schema_extra={"x-kubernetes-list-type": "map",
+                                                             "x-kubernetes-list-map-keys": ["name"]},
+                                          description="Per LoRA adapter, the workers of each role it is ready on, "
+                                                      "as the routers load and see them (written by the routers).")
 
 
 # ---------------------------------------------------------------- the object
