@@ -65,10 +65,9 @@ class AdapterNotReady(NoWorkers):
 @dataclass
 class Declared:
     """The adapters the router serves: name -> the path vLLM loads it from (a source as the workers see it:
-    ``local_model_path``), the engines' adapter slots, and where they came from."""
+    ``local_model_path``), beside the base model's name."""
     base: str
     paths: dict[str, str] = field(default_factory=dict)
-    max_loras: int | None = None
 
     def set(self, sources: dict[str, str]) -> tuple[set[str], set[str]]:
         """Replaces the declared adapters (name -> source); returns (added or moved, removed)."""

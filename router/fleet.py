@@ -74,7 +74,6 @@ class Fleet:
         self._adapter_tasks: set[asyncio.Task] = set()
         self._adapter_file = FileWatch(config.adapters_file) if config.adapters_file else None
         self._adapter_file_task: asyncio.Task | None = None
-        self.adapters_listener: Callable[[], None] | None = None   # told when adapter readiness may have changed
         # flex workers draining for a switch, by name (update_flex)
         self._switches: dict[str, asyncio.Task] = {}
         self._flex_file_task: asyncio.Task | None = None
@@ -115,6 +114,8 @@ class Fleet:
         added, removed = self.pool.set(role, endpoints)
         for w in added:
             self._watch(w)
+            if self._lora_on(w) and self._health_task is not None:   # its adapters now, not at its next probe
+                self._spawn_sync(w)
         for w in removed:
             if role in self._subscribers:
                 self._subscribers[role].unwatch(w.name)
@@ -454,8 +455,6 @@ class Fleet:
             for role in self.index:
                 self.metrics.adapter_workers.labels(name, role).set(
                     sum(name in w.adapters for w in self.pool.workers[role].values()))
-        if self.adapters_listener is not None:
-            self.adapters_listener()
 
     def adapter_status(self) -> list[dict]:
         """Per declared adapter, the workers of each role holding it (status.adapters)."""

@@ -43,7 +43,7 @@ class Router:
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.pool = pool or Pool.static(config)
-        self.declared = Declared(config.model, max_loras=config.max_loras)
+        self.declared = Declared(config.model)
         self.declared.set(config.adapters)
         self.index = {ROLE_PREFILL: PrefixIndex(), ROLE_DECODE: PrefixIndex()}
         self.decider = Decider(config, self.pool, self.index, metrics)
