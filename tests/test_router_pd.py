@@ -444,6 +444,27 @@ def test_an_adapter_removed_or_not_loadable_fails_cleanly(pd, tiny_adapter, tmp_
     assert _engines(pd) == before
 
 
+def test_vllm_bench_serve_runs_through_the_router_and_reports_goodput(pd, tiny_model, worker_python, tmp_path):
+    """The field's lightest client (`vllm bench serve`, vLLM's own, from the worker environment) completes a
+    short random-prompt run through the router over the pair, every request disaggregated, and its goodput
+    is read from the result file it writes: under targets every request meets (60 s TTFT and TPOT) it is
+    its whole request throughput. bench/field_clients.py runs it at scale against the other layouts."""
+    from disagg.e2e.fieldclients import vllm_bench_serve
+
+    url = pd["router"].url
+    series = f'{m.ROUTER_REQUESTS}{{outcome="{m.OUTCOME_SUCCESS}",path="{m.PATH_REMOTE_PREFILL}"}}'
+    before = scrape(url).get(series, 0)
+    result = vllm_bench_serve(worker_python, url, "tiny", tiny_model, tmp_path / "vllm-bench.json",
+                              num_prompts=8, input_len=32, output_len=8, max_concurrency=4,
+                              ttft_ms=60000, tpot_ms=60000)
+    assert (result["completed"], result["failed"]) == (8, 0), {k: result.get(k) for k in ("completed", "failed")}
+    assert result["total_output_tokens"] == 8 * 8
+    assert result["request_throughput"] > 0
+    assert result["request_goodput"] == pytest.approx(result["request_throughput"])
+    # the client's requests went through the router, each prefilled remotely
+    assert scrape(url).get(series, 0) - before >= 8
+
+
 # ---------------------------------------------------------------- workers that die under a request
 FAILURE_PROMPT = "A journey of a thousand miles begins with a single step " * 5
 MAX_TOKENS_LONG, KILL_AFTER = 160, 16
