@@ -757,6 +757,7 @@ def _router_sees(failures) -> None:
         pytest.fail(f"{e}\n{_log_tails(failures)}")
 
 
+@pytest.mark.timeout(FIRST_FAILURE_TEST_TIMEOUT)     # run alone (-k), its setup starts decode-b
 def test_a_decode_killed_mid_stream_is_continued_with_the_same_text(failures):
     url = failures["router"].url
     _router_sees(failures)
