@@ -175,6 +175,12 @@ def operator_scenario(api_client, namespace: str) -> None:
     wait_for(lambda: "gw" in pools_now(), 60, "the InferencePool of a picker-mode deployment")
     gateway.patch_spec({"router": {"mode": "proxy"}})
     wait_for(lambda: "gw" not in pools_now(), 60, "the InferencePool deleted back in proxy mode")
+    # a flex pool: the operator labels its pod with a serving role (a metadata-only update of a pod it did not
+    # create, which the write policy allows on flex pods alone)
+    from disagg.api.names import LABEL_SERVING_ROLE, ROLE_FLEX
+    flexy = DD(api_client, namespace, dd_manifest("flexy", flex={"replicas": 1}))
+    wait_for(lambda: any(LABEL_SERVING_ROLE in (p.metadata.labels or {}) for p in flexy.pods(ROLE_FLEX)), 60,
+             "the flex pod labelled with its serving role")
     # a gang that cannot be placed: the capacity view lists nodes and bound pods cluster-wide
     DD(api_client, namespace, dd_manifest("too-big", decode={"replicas": 1, "tensorParallelSize": 16,
                                                              "resources": {"limits": {"nvidia.com/gpu": 16}}})
@@ -278,6 +284,11 @@ def refusals(operator_api, namespace: str) -> dict[str, str]:
                 "apiVersion": pools.API_VERSION, "kind": pools.KIND, "metadata": {"name": "main", **owned},
                 "spec": {"selector": {"matchLabels": {LABEL_DEPLOYMENT: "other"}}, "targetPorts": [{"number": 8000}],
                          "endpointPickerRef": {"name": "main", "port": {"number": 9002}}}}),
+        # pods its Deployments made: only a flex pod's metadata (its serving role), never another's
+        "a label on a prefill pod it did not create": lambda: client.CoreV1Api(operator_api).patch_namespaced_pod(
+            client.CoreV1Api(operator_api).list_namespaced_pod(
+                namespace, label_selector=f"{LABEL_DEPLOYMENT}=main,serving.disagg.dev/role=prefill").items[0].metadata.name,
+            namespace, {"metadata": {"labels": {"serving.disagg.dev/serving-role": "decode"}}}),
     }
     out = {}
     for what, attempt in attempts.items():

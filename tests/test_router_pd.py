@@ -606,7 +606,8 @@ class _DecodeProxy(_Proxy):
 
 # ---------------------------------------------------------------- a flex worker switched between roles
 # decode-b is the flex worker here (kv_both): a third router uses the prefill, the decode (through a
-# _GateProxy, which can keep one decode from pulling its KV) and decode-b in the role a roles file gives it,
+# _GateProxy, which can keep one decode from pulling its KV) and decode-b (through a _PauseProxy, which can
+# keep its streams in flight) in the role a roles file gives it,
 # as a pod's serving-role label gives it in Kubernetes. The test writes that file where the planner would
 # write the label: the planner process does not drive switches yet (planner/README).
 FLEX_LONG_TOKENS, FLEX_SHORT_TOKENS = 48, 2
@@ -651,13 +652,53 @@ class _GateProxy(_Proxy):
         self.released.set()
 
 
+class _PauseProxy(_Proxy):
+    """In front of the flex worker, relaying each response line by line. While pausing, a stream stops
+    after its first token until :meth:`resume`: it stays in flight on the worker for as long as the test
+    needs (a tiny model's whole answer takes less than a poll here)."""
+
+    def __init__(self, target: str):
+        self.target, self.pausing, self.resumed = target, False, threading.Event()
+        self.paused = 0
+        self.lock = threading.Lock()
+        super().__init__()
+
+    def handle(self, request: BaseHTTPRequestHandler, body: bytes | None) -> None:
+        try:
+            r = self.upstream(self.target, request, body)
+        except OSError:
+            request.send_error(502, "flex worker unreachable")
+            return
+        pause = self.pausing and body is not None and json.loads(body).get("stream")
+        with r:
+            request.send_response(r.status)
+            request.send_header("Content-Type", r.headers.get("Content-Type", "application/json"))
+            request.end_headers()
+            for line in r:
+                request.wfile.write(line)
+                request.wfile.flush()
+                if pause and line.startswith(b"data: {") and json.loads(line[6:]).get("choices"):
+                    pause = False
+                    with self.lock:
+                        self.paused += 1
+                    self.resumed.wait(300)
+
+    def pause(self) -> None:
+        self.resumed.clear()
+        self.paused, self.pausing = 0, True
+
+    def resume(self) -> None:
+        self.pausing = False
+        self.resumed.set()
+
+
 @pytest.fixture(scope="module")
 def flex(pd, decode_b, tmp_path_factory):
     logs = tmp_path_factory.mktemp("pd-flex")
     first = json.loads(Path(pd["router"].argv[-1]).read_text())
-    gate = _GateProxy(pd["decode"].url)
+    gate, front = _GateProxy(pd["decode"].url), _PauseProxy(decode_b.url)
     roles = logs / "flex-roles.json"
-    roles.write_text(json.dumps({decode_b.url: "prefill"}))
+    roles.write_text(json.dumps({front.url: "prefill"}))
     port = free_port()
     config = {"model": first["model"], "tokenizer": first["tokenizer"], "block_size": first["block_size"],
               "port": port, "host": "127.0.0.1", "health_interval_s": 1,
@@ -666,16 +707,17 @@ def flex(pd, decode_b, tmp_path_factory):
                        "prefillTimeoutSeconds": 120},
               "prefill": [{"url": pd["prefill"].url, "kv_events": first["prefill"][0]["kv_events"]}],
               "decode": [{"url": gate.url}],
-              "flex": [{"url": decode_b.url, "role": "prefill"}], "flex_roles_file": str(roles)}
+              "flex": [{"url": front.url, "role": "prefill"}], "flex_roles_file": str(roles)}
     (logs / "router.json").write_text(json.dumps(config))
     r = router(logs / "router.json", port, logs)
     try:
         r.start().wait_ready()
-        yield {"router": r, "gate": gate, "roles": roles, "worker": decode_b, "prefill": pd["prefill"],
-               "decode": pd["decode"]}
+        yield {"router": r, "gate": gate, "front": front, "url": front.url, "roles": roles, "worker": decode_b,
+               "prefill": pd["prefill"], "decode": pd["decode"]}
     finally:
         r.stop()
         gate.close()
+        front.close()
 
 
 def _flex_request(url: str, prompt: str, max_tokens: int) -> tuple[dict, str, dict]:
@@ -707,7 +749,7 @@ def _flex_log_tails(flex) -> str:
 
 def _switch(flex, role: str) -> float:
     """The decision, as the planner writes it: the flex worker's role. Returns when it was written."""
-    flex["roles"].write_text(json.dumps({flex["worker"].url: role}))
+    flex["roles"].write_text(json.dumps({flex["url"]: role}))
     return time.monotonic()
 
 
@@ -726,7 +768,7 @@ def test_a_flex_prefill_holding_kv_for_a_decode_switches_only_after_the_pull(fle
     decode's request before the decode engine sees it). Told to serve decode, it takes no new prefill, and
     does not flip while the blocks wait: a whole other request goes through meanwhile. Once the decode gets
     the request and pulls the blocks, it flips; the held request finishes whole, nothing failed."""
-    url, gate, worker = flex["router"].url, flex["gate"], flex["worker"]
+    url, gate, flex_url = flex["router"].url, flex["gate"], flex["url"]
     wait_for(lambda: _serving(flex, "prefill") == 1, 60, "the flex worker serving prefill")
     held = None
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
@@ -735,7 +777,7 @@ def test_a_flex_prefill_holding_kv_for_a_decode_switches_only_after_the_pull(fle
             held = pool.submit(_flex_request, url, "The held request's prompt, long enough " * 8, 8)
             gate.holding.wait(300)
             assert gate.holding.is_set(), _flex_log_tails(flex)
-            key = f'{m.ROUTER_KV_HELD}{{role="prefill",worker="{worker.url}"}}'
+            key = f'{m.ROUTER_KV_HELD}{{role="prefill",worker="{flex_url}"}}'
             if scrape(url).get(key) == 1:
                 break
             gate.release()                  # the dedicated prefill did this one
@@ -754,7 +796,7 @@ def test_a_flex_prefill_holding_kv_for_a_decode_switches_only_after_the_pull(fle
         wait_for(lambda: _switches(flex, "prefill", "decode") == 1, 120, "the flip after the pull")
         flipped = time.monotonic()
         route, text, usage = held.result(timeout=300)
-    assert route["x-disagg-prefill"] == worker.url and route["x-disagg-path"] == m.PATH_REMOTE_PREFILL
+    assert route["x-disagg-prefill"] == flex_url and route["x-disagg-path"] == m.PATH_REMOTE_PREFILL
     assert usage["completion_tokens"] == 8 and "x-disagg-fallback" not in route
     assert remote.get("remote_engine_id")                       # the decode pulled from the flex engine
     wait_for(lambda: metric_sum(scrape(flex["decode"].url), m.VLLM_NIXL_BYTES_TRANSFERRED + "_count") > pulls, 60,
@@ -766,38 +808,40 @@ def test_a_flex_prefill_holding_kv_for_a_decode_switches_only_after_the_pull(fle
 
 def test_a_load_step_switches_the_flex_worker_and_no_request_fails(flex):
     """Output-heavy streams decode on the flex worker (serving decode); the decision for prompt-heavy
-    traffic switches it to prefill while its streams are in flight: they finish whole, it takes no new
-    decode meanwhile, and then prefills. The step to output-heavy traffic switches it back while its
-    prefills' KV waits to be pulled. Every request of the whole run succeeds."""
-    url, worker = flex["router"].url, flex["worker"]
+    traffic switches it to prefill while its streams are in flight (held mid-answer by the proxy in front of
+    it): it takes no new decode and does not flip while they run; once they go on, they finish whole and it
+    flips, then prefills. The step back to output-heavy traffic switches it to decode with its prefills in
+    flight. Every request of the run succeeds, with no fallback and no drain given up."""
+    url, front, flex_url = flex["router"].url, flex["front"], flex["url"]
     wait_for(lambda: _serving(flex, "decode") == 1, 60, "the flex worker serving decode")
     long_prompt = "Summarise the following paragraph of text in detail please " * 12
     results: list = []
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        # output-heavy: decodes alternate between the decode worker and the flex worker
+        # output-heavy: each stream decodes on the decode worker (and ends) or on the flex worker (and waits)
+        front.pause()
         streams = [pool.submit(_flex_request, url, f"Story {i}: once upon a time", FLEX_LONG_TOKENS) for i in range(4)]
-        key = f'{m.ROUTER_ACTIVE_REQUESTS}{{role="decode",worker="{worker.url}"}}'
-        wait_for(lambda: scrape(url).get(key, 0) >= 1, 300, "streams decoding on the flex worker")
+        wait_for(lambda: front.paused + sum(f.done() for f in streams) == len(streams), 300,
+                 "every stream decoding on the flex worker or done")
+        on_it = front.paused
+        assert on_it >= 1, [f.result() for f in streams]
         decided = _switch(flex, "prefill")           # prompt-heavy traffic is coming
-        wait_for(lambda: _serving(flex, "decode", "draining") == 1 or _switches(flex, "decode", "prefill") == 1,
-                 30, "the router to see the decision")
+        wait_for(lambda: _serving(flex, "decode", "draining") == 1, 30, "the router to see the decision")
         prompt_heavy = [pool.submit(_flex_request, url, f"{i} {long_prompt}", FLEX_SHORT_TOKENS) for i in range(6)]
-        for f in streams:
-            results.append(f.result(timeout=300))
-        on_flex = [r for r in results if r[0]["x-disagg-decode"] == worker.url]
-        assert on_flex, "no stream decoded on the flex worker"
-        assert all(r[2]["completion_tokens"] == FLEX_LONG_TOKENS for r in results)   # whole, none cut
+        results += [f.result(timeout=300) for f in prompt_heavy]
+        # they decoded elsewhere, and the flex worker still drains: its streams are in flight
+        assert all(r[0]["x-disagg-decode"] != flex_url for r in results)
+        assert _switches(flex, "decode", "prefill") == 0 and _serving(flex, "decode", "draining") == 1
+        front.resume()
+        results += [f.result(timeout=300) for f in streams]
+        on_flex = [r for r in results[-4:] if r[0]["x-disagg-decode"] == flex_url]
+        assert len(on_flex) == on_it and all(r[2]["completion_tokens"] == FLEX_LONG_TOKENS for r in results[-4:])
         wait_for(lambda: _switches(flex, "decode", "prefill") == 1, 120, "the flip to prefill")
         to_prefill = time.monotonic() - decided
-        for f in prompt_heavy:
-            results.append(f.result(timeout=300))
-        # no decode went to the flex worker after the decision: the prompt-heavy requests decoded elsewhere
-        assert all(r[0]["x-disagg-decode"] != worker.url for r in results[len(streams):])
         more = [pool.submit(_flex_request, url, f"{i} more: {long_prompt}", FLEX_SHORT_TOKENS) for i in range(4)]
         step = [r.result(timeout=300) for r in more]
         results += step
-        assert any(r[0]["x-disagg-prefill"] == worker.url for r in step), "the flex worker prefilled nothing"
-        # the step to output-heavy traffic, with prefills of the flex worker in flight
+        assert any(r[0]["x-disagg-prefill"] == flex_url for r in step), "the flex worker prefilled nothing"
+        # the step to output-heavy traffic, with prefills on the flex worker in flight
         in_flight = [pool.submit(_flex_request, url, f"{i} last: {long_prompt}", FLEX_SHORT_TOKENS)
                      for i in range(4)]
         decided = _switch(flex, "decode")
@@ -806,7 +850,7 @@ def test_a_load_step_switches_the_flex_worker_and_no_request_fails(flex):
         results += [f.result(timeout=300) for f in in_flight]
         after = [pool.submit(_flex_request, url, f"Tale {i}: far away", FLEX_LONG_TOKENS) for i in range(2)]
         results += [f.result(timeout=300) for f in after]
-    assert any(r[0]["x-disagg-decode"] == worker.url for r in results[-2:]), "no decode on the flex worker"
+    assert any(r[0]["x-disagg-decode"] == flex_url for r in results[-2:]), "no decode on the flex worker"
     assert all(r[2]["completion_tokens"] in (FLEX_LONG_TOKENS, FLEX_SHORT_TOKENS) for r in results)
     routed = scrape(url)
     failed = {k: v for k, v in routed.items() if k.startswith(m.ROUTER_REQUESTS) and v
@@ -815,7 +859,7 @@ def test_a_load_step_switches_the_flex_worker_and_no_request_fails(flex):
     assert metric_sum(routed, m.ROUTER_FALLBACKS) == 0
     assert _switches(flex, "decode", "prefill", m.SWITCH_ABANDONED) == 0
     assert _switches(flex, "prefill", "decode", m.SWITCH_ABANDONED) == 0
-    print(f"flex switches under load: decode -> prefill {to_prefill:.1f} s (its streams' drain), "
+    print(f"flex switches under load: decode -> prefill {to_prefill:.1f} s (its streams held by the test), "
           f"prefill -> decode {to_decode:.1f} s from the decision")
 
 
@@ -932,6 +976,7 @@ def _router_sees(failures) -> None:
         pytest.fail(f"{e}\n{_log_tails(failures)}")
 
 
+@pytest.mark.timeout(FIRST_FAILURE_TEST_TIMEOUT)     # run alone (-k), its setup starts decode-b
 def test_a_decode_killed_mid_stream_is_continued_with_the_same_text(failures):
     url = failures["router"].url
     _router_sees(failures)

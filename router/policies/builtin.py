@@ -14,27 +14,46 @@ def _require(candidates: list[Candidate]) -> None:
         raise LookupError("no candidate workers")
 
 
+class _Turns:
+    """A turn counter per set of candidates. One counter for all would be shared by a request's two picks
+    (its decode's, then its prefill's): with two workers of each role every request got the same decode
+    worker, the counter having moved by two in between."""
+
+    def __init__(self) -> None:
+        self._turns: dict[tuple[str, ...], count] = {}
+
+    def next(self, ordered: list[Candidate]) -> int:
+        key = tuple(c.name for c in ordered)
+        turn = self._turns.get(key)
+        if turn is None:
+            if len(self._turns) > 1024:     # workers come and go: sets seen long ago are dropped
+                self._turns.clear()
+            turn = self._turns[key] = count()
+        return next(turn)
+
+
 @register(RoutingPolicy.ROUND_ROBIN.value)
 class RoundRobin:
     def __init__(self, spec: RouterSpec):
-        self._turn = count()
+        self._turns = _Turns()
 
     def choose(self, candidates: list[Candidate], request: Request) -> Decision:
         _require(candidates)
-        c = sorted(candidates, key=lambda c: c.name)[next(self._turn) % len(candidates)]
+        ordered = sorted(candidates, key=lambda c: c.name)
+        c = ordered[self._turns.next(ordered) % len(ordered)]
         return Decision(c.name, request.overlap.get(c.name, 0), c.load)
 
 
 @register(RoutingPolicy.LEAST_LOADED.value)
 class LeastLoaded:
     def __init__(self, spec: RouterSpec):
-        self._turn = count()
+        self._turns = _Turns()
 
     def choose(self, candidates: list[Candidate], request: Request) -> Decision:
         _require(candidates)
         low = min(c.load for c in candidates)
         tied = sorted((c for c in candidates if c.load == low), key=lambda c: c.name)
-        c = tied[next(self._turn) % len(tied)]
+        c = tied[self._turns.next(tied) % len(tied)]
         return Decision(c.name, request.overlap.get(c.name, 0), c.load)
 
 
