@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the kind provider's binaries, cached like the local cluster's (e2e/localcluster/cache.sh):
 #   ${DISAGG_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/disagg}/bin/kind-<key>/
-# kind from its Go module; kubeadm (kind's nodes bootstrap with it) from the same pinned Kubernetes module
+# kind and crictl from their Go modules; kubeadm (kind's nodes bootstrap with it) from the same pinned Kubernetes module
 # as the control plane and the real node; capsrunc (capsrunc/), the runc wrapper the Docker engine and the
 # node image run containers through. A complete directory is reused. Prints the bin directory.
 set -euo pipefail
@@ -16,7 +16,7 @@ source "$lc/cache.sh"
 
 inputs_hash="$(cat "$here/build.sh" "$lc/k8s-module.sh" "$lc/cache.sh" "$here/capsrunc/main.go" "$here/capsrunc/go.mod" \
   | sha256sum | cut -c1-8)"
-key="kind-${KIND_VERSION}_k8s-${KUBERNETES_VERSION}_${inputs_hash}"
+key="kind-${KIND_VERSION}_k8s-${KUBERNETES_VERSION}_crictl-${CRI_TOOLS_VERSION}_${inputs_hash}"
 bin="$cache_root/bin/$key"
 if [[ -f "$bin/.complete" ]]; then
   echo "$bin"
@@ -34,6 +34,9 @@ log "building capsrunc"
 
 log "building kind ${KIND_VERSION}"
 GOBIN="$out" GOFLAGS=-mod=mod go install -trimpath -ldflags "-s -w" "sigs.k8s.io/kind@${KIND_VERSION}" >&2
+
+log "building crictl ${CRI_TOOLS_VERSION}"
+GOBIN="$out" GOFLAGS=-mod=mod go install -trimpath -ldflags "-s -w" "sigs.k8s.io/cri-tools/cmd/crictl@${CRI_TOOLS_VERSION}" >&2
 
 log "building kubeadm ${KUBERNETES_VERSION}"
 k8s_wrapper_module "$work" k8s.io/kubernetes/cmd/kubeadm

@@ -1,22 +1,23 @@
 #!/usr/bin/env bash
-# The end-to-end suite on kind (needs Docker, kind, kubectl, curl; helm is taken from PATH or the
-# repository's cache). See e2e/kind/README.md.
+# The end-to-end suite on kind. Everything comes from this machine: Debian's Docker engine started for
+# the run and stopped after it (engine.sh), kind and kubeadm from their Go modules (build.sh), and a
+# node image built from the project's own binaries (node-image.sh). See e2e/kind/README.md.
 #
-#   bash e2e/kind/e2e.sh          # up, images, test, down (the cluster is kept when a step fails)
-#   bash e2e/kind/e2e.sh up       # create the cluster and advertise its GPUs
+#   bash e2e/kind/e2e.sh          # engine, node image, up, images, test, down, engine stop
+#   bash e2e/kind/e2e.sh up       # start the engine, create the cluster and advertise its GPUs
 #   bash e2e/kind/e2e.sh images   # build the Dockerfile's targets and the stub worker, load them into kind
 #   bash e2e/kind/e2e.sh test     # run tests/test_e2e_helm.py with DISAGG_E2E_PROVIDER=kind
-#   bash e2e/kind/e2e.sh down     # delete the cluster
+#   bash e2e/kind/e2e.sh down     # delete the cluster and its network, stop the engine
 #
-# Environment: KIND_CLUSTER_NAME (disagg-e2e), KIND_NODE_IMAGE (kindest/node:v1.37.2, the local control
-# plane's Kubernetes version), DISAGG_E2E_SKIP_WORKER_IMAGE=1 (do not build and load the vLLM worker
-# image, about 10 GB: the suite's pods run the stub worker anyway), PYTHON (.venv/bin/python).
+# Environment: DISAGG_KIND_KEEP=1 (keep the cluster and engine when a step fails), KIND_CLUSTER_NAME (disagg-e2e), KIND_NODE_IMAGE (default: the image node-image.sh builds
+# for the local control plane's Kubernetes version), DISAGG_E2E_SKIP_WORKER_IMAGE=1 (do not build and
+# load the vLLM worker image, about 10 GB: the suite's pods run the stub worker anyway), PYTHON
+# (.venv/bin/python), DOCKER_HOST (an engine of your own; engine.sh's is started when unset).
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
 name="${KIND_CLUSTER_NAME:-disagg-e2e}"
-node_image="${KIND_NODE_IMAGE:-kindest/node:v1.37.2}"
 state="${DISAGG_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/disagg}/kind/$name"
 kubeconfig="$state/kubeconfig"
 python="${PYTHON:-$repo/.venv/bin/python}"
@@ -25,7 +26,44 @@ control_plane_image="disagg/control-plane:$version"
 worker_image="disagg/worker:$version"
 stub_image="disagg/e2e-stub-worker:$version"
 stub_image_next="disagg/e2e-stub-worker:$version-next"
+# kind's network, made before kind would make it: its own bridge name and addresses off the private
+# ranges and off this machine's own (engine.sh says which).
+kind_network=kind
+kind_subnet=198.51.100.0/24
+kind_bridge=disagg-kind0
 
+proxy_pid=""
+
+log() { printf '[kind-e2e] %s\n' "$*" >&2; }
+stage_start=$SECONDS
+stage() {  # stage NAME: logs how long the previous stage took, then NAME
+  log "stage done in $((SECONDS - stage_start)) s; next: $1"
+  stage_start=$SECONDS
+}
+
+# kind and kubeadm's build (build.sh), kubectl and helm from the local control plane's (PATH first).
+tools() {
+  local kind_bin k8s_bin
+  kind_bin="$(bash "$here/build.sh")"
+  k8s_bin="$(bash "$repo/e2e/localcluster/build.sh")"
+  export PATH="$PATH:$kind_bin:$k8s_bin"
+  command -v kind >/dev/null || export PATH="$kind_bin:$PATH"
+}
+
+# The engine: the caller's (DOCKER_HOST set) or engine.sh's, started here.
+engine_started=""
+engine() {
+  if [[ -z "${DOCKER_HOST:-}" ]]; then
+    export "$(bash "$here/engine.sh" start)"
+    engine_started=1
+  fi
+}
+engine_stop() {
+  if [[ -n "$engine_started" ]]; then
+    bash "$here/engine.sh" stop
+    engine_started=""
+  fi
+}
 proxy_pid=""
 
 log() { printf '[kind-e2e] %s\n' "$*" >&2; }
@@ -82,8 +120,19 @@ up() {
   if kind get clusters 2>/dev/null | grep -qx "$name"; then
     log "cluster $name exists: reused"
   else
+    local node_image="${KIND_NODE_IMAGE:-}"
+    if [[ -z "$node_image" ]]; then
+      log "building the node image (node-image.sh)"
+      node_image="$(bash "$here/node-image.sh")"
+      stage "cluster"
+    fi
+    if ! docker network inspect "$kind_network" >/dev/null 2>&1; then
+      docker network create --driver bridge --subnet "$kind_subnet" \
+        -o com.docker.network.bridge.name="$kind_bridge" \
+        -o com.docker.network.bridge.enable_ip_masquerade=false "$kind_network" >/dev/null
+    fi
     log "creating cluster $name from $here/cluster.yaml ($node_image)"
-    kind create cluster --name "$name" --config "$here/cluster.yaml" --image "$node_image" --wait 180s
+    kind create cluster --name "$name" --config "$here/cluster.yaml" --image "$node_image" --wait 300s
   fi
   kind get kubeconfig --name "$name" >"$kubeconfig"
   chmod 600 "$kubeconfig"
@@ -95,17 +144,48 @@ gpu_nodes() {
   kctl get nodes -l nvidia.com/gpu.present=true -o jsonpath='{.items[*].metadata.name}' | tr ' ' ','
 }
 
+# docker build with BuildKit (the Dockerfile's RUN --mount lines need it): Debian's docker.io client
+# (20.10) builds through the engine's own BuildKit; a newer client without the buildx plugin cannot.
+# RUN steps use the host's network (the engine's only network is kind's, which reaches nothing).
+build() {
+  local client=docker
+  [[ -x /usr/bin/docker ]] && client=/usr/bin/docker
+  DOCKER_BUILDKIT=1 "$client" build --network host "$@"
+}
+
+# The Dockerfile's Python base (python:3.11-slim-bookworm, and the stub worker's python:3.11-slim), where
+# no registry serves it: the project's own Debian base (e2e/images/base.py, mmdebstrap), imported once.
+base_images() {
+  local ref layer
+  docker image inspect python:3.11-slim-bookworm >/dev/null 2>&1 && return
+  layer="$(cd "$repo" && "$python" -c '
+import json, sys
+from disagg.e2e.images.base import ensure_base
+b = ensure_base(log=lambda *a: print(*a, file=sys.stderr))
+index = json.loads((b.layout / "index.json").read_text())
+blob = lambda d: b.layout / "blobs" / "sha256" / d.removeprefix("sha256:")
+manifest = json.loads(blob(b.digest).read_text())
+print(blob(manifest["layers"][0]["digest"]))
+')"
+  log "importing the project's Debian base as python:3.11-slim-bookworm"
+  docker import --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
+    --change 'ENV LANG=C.UTF-8' --change 'CMD ["python3"]' "$layer" python:3.11-slim-bookworm >/dev/null
+  for ref in python:3.11-slim; do docker tag python:3.11-slim-bookworm "$ref"; done
+}
+
 images() {
   need docker kind kubectl
+  [[ -x "$python" ]] || { log "no $python: run \`make venv\` first"; exit 2; }
+  base_images
   log "building $control_plane_image (Dockerfile target control-plane)"
-  docker build --target control-plane -t "$control_plane_image" "$repo"
+  build --target control-plane -t "$control_plane_image" "$repo"
   log "building $stub_image (e2e/kind/stub-worker)"
-  docker build -t "$stub_image" "$here/stub-worker"
+  build -t "$stub_image" "$here/stub-worker"
   docker tag "$stub_image" "$stub_image_next"
   kind load docker-image --name "$name" "$control_plane_image" "$stub_image" "$stub_image_next"
   if [[ "${DISAGG_E2E_SKIP_WORKER_IMAGE:-0}" != 1 ]]; then
     log "building $worker_image (Dockerfile target worker; vLLM, large)"
-    docker build --target worker -t "$worker_image" "$repo"
+    build --target worker -t "$worker_image" "$repo"
     kind load docker-image --name "$name" --nodes "$(gpu_nodes)" "$worker_image"
   fi
 }
@@ -123,19 +203,32 @@ run_tests() {
 down() {
   need kind
   kind delete cluster --name "$name"
+  docker network rm "$kind_network" >/dev/null 2>&1 || true
   rm -rf "$state"
 }
 
+tools
 case "${1:-all}" in
-  up) up ;;
-  images) images ;;
-  test) shift; run_tests "$@" ;;
-  down) down ;;
-  all)
-    up
-    images
-    run_tests
+  up) engine; up ;;
+  images) engine; images ;;
+  test) shift; engine; run_tests "$@" ;;
+  down)
+    engine
     down
+    engine_stop
+    ;;
+  all)
+    # Whatever happens, the cluster, its network and the engine go at the end (DISAGG_KIND_KEEP=1 keeps
+    # them after a failure, for a look; `e2e.sh down` removes them then).
+    trap 'rc=$?; stop_proxy; set +e; if [[ $rc != 0 && "${DISAGG_KIND_KEEP:-0}" == 1 ]]; then log "kept for a look (DOCKER_HOST=$DOCKER_HOST)"; else down; engine_stop; fi; exit $rc' EXIT
+    engine
+    stage "up"
+    up
+    stage "images"
+    images
+    stage "test"
+    run_tests
+    stage "down"
     ;;
   *) log "usage: $0 [all|up|images|test [pytest args]|down]"; exit 2 ;;
 esac

@@ -9,10 +9,12 @@
 # Under ${DISAGG_CACHE:-$XDG_CACHE_HOME/disagg}/docker/: data/ (images, containers; kept between runs so
 # images load fast; `clean` removes it), run/ (sockets, runtime state; removed on stop). Its own
 # containerd (its own socket, root and state; never /run/containerd/containerd.sock), no iptables rules,
-# no ip_forward change, its own bridge names and addresses off the private ranges (the real node holds
-# 198.18.0.0/15): the default bridge disagg-dock0 203.0.113.1/24 (TEST-NET-3), and the kind network
-# that e2e.sh creates (198.51.100.0/24, TEST-NET-2). Containers run through capsrunc (build.sh), which
-# drops the capabilities this machine's bounding set lacks, so `--privileged` (kind's nodes) works.
+# no ip_forward change, no default bridge ("bridge": "none": builds use the host's network), and one
+# network, kind's, that e2e.sh creates as bridge disagg-kind0 on 198.51.100.0/24 (TEST-NET-2): off the
+# private ranges, the real node's 198.18.0.0/15 and this machine's own (192.0.2.0/24 on eth0, and
+# 203.0.113.0/24 where its package and module proxies answer: a route for it would cut them off).
+# Containers run through capsrunc (build.sh), which drops the capabilities this machine's bounding set
+# lacks, so `--privileged` (kind's nodes) works.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source=../localcluster/cache.sh
@@ -20,7 +22,6 @@ source "$here/../localcluster/cache.sh"
 root="$cache_root/docker"
 run="$root/run"
 sock="$root/docker.sock"
-bridge=disagg-dock0
 log() { echo "[kind-engine] $*" >&2; }
 
 start() {
@@ -34,6 +35,12 @@ start() {
   done
   bin="$(bash "$here/build.sh")"
   mkdir -p "$root/data" "$run/containerd"
+  # kind mounts /lib/modules into every node; a machine without modules has no such directory: an
+  # empty one stands in while the engine runs (removed on stop).
+  if [[ ! -e /lib/modules ]]; then
+    mkdir /lib/modules
+    touch "$root/made-lib-modules"
+  fi
   cat >"$root/containerd.toml" <<TOML
 version = 2
 root = "$root/data/containerd"
@@ -57,7 +64,7 @@ TOML
   "ip-forward": false,
   "ip-masq": false,
   "ipv6": false,
-  "bridge": "$bridge",
+  "bridge": "none",
   "default-address-pools": [{"base": "198.51.100.0/24", "size": 24}],
   "storage-driver": "overlay2",
   "exec-opts": ["native.cgroupdriver=cgroupfs"],
@@ -69,12 +76,6 @@ TOML
   "default-runtime": "capsrunc"
 }
 JSON
-  # dockerd takes an existing bridge by name: make it, with its address.
-  if ! ip link show "$bridge" >/dev/null 2>&1; then
-    ip link add "$bridge" type bridge
-    ip addr add 203.0.113.1/24 dev "$bridge"
-    ip link set "$bridge" up
-  fi
   containerd --config "$root/containerd.toml" >"$root/containerd.log" 2>&1 &
   echo $! >"$root/containerd.pid"
   for _ in $(seq 100); do [[ -S "$run/containerd/containerd.sock" ]] && break; sleep 0.1; done
@@ -114,11 +115,15 @@ stop() {
   # mounts under the engine's directories, deepest first
   while read -r m; do umount -l "$m" 2>/dev/null || true; done < <(
     awk -v r="$root" '$5 == r || index($5, r "/") == 1 {print $5}' /proc/self/mountinfo | sort -r)
-  # the engine's bridges (the default one and the networks' br-*/disagg-* ones) and their veths
+  # the kind network's bridge, when dockerd left it behind
   for link in $(ip -o link show type bridge | awk -F': ' '{print $2}' | cut -d@ -f1); do
-    case "$link" in "$bridge"|disagg-kind*) ip link del "$link" ;; esac
+    case "$link" in disagg-kind*) ip link del "$link" ;; esac
   done
   rm -rf "$run" "$sock"
+  if [[ -f "$root/made-lib-modules" ]]; then
+    rmdir /lib/modules 2>/dev/null || true
+    rm -f "$root/made-lib-modules"
+  fi
 }
 
 case "${1:-}" in
