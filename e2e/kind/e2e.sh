@@ -132,7 +132,8 @@ up() {
         -o com.docker.network.bridge.enable_ip_masquerade=false "$kind_network" >/dev/null
     fi
     log "creating cluster $name from $here/cluster.yaml ($node_image)"
-    kind create cluster --name "$name" --config "$here/cluster.yaml" --image "$node_image" --wait 300s
+    kind create cluster --name "$name" --config "$here/cluster.yaml" --image "$node_image" --wait 300s \
+      --kubeconfig "$kubeconfig"
   fi
   kind get kubeconfig --name "$name" >"$kubeconfig"
   chmod 600 "$kubeconfig"
@@ -202,7 +203,7 @@ run_tests() {
 
 down() {
   need kind
-  kind delete cluster --name "$name"
+  kind delete cluster --name "$name" --kubeconfig "$kubeconfig"
   docker network rm "$kind_network" >/dev/null 2>&1 || true
   rm -rf "$state"
 }

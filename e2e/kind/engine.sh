@@ -76,6 +76,15 @@ TOML
   "default-runtime": "capsrunc"
 }
 JSON
+  # Every node's kubelet, kube-proxy and systemd take inotify instances from one per-user limit
+  # (root's, machine-wide): six nodes overrun the common default of 128 ("fsnotify watcher init: too
+  # many open files"). Raised while the engine runs; the old value is put back on stop.
+  local instances
+  instances="$(cat /proc/sys/fs/inotify/max_user_instances)"
+  if ((instances < 1024)); then
+    echo "$instances" >"$root/inotify-instances.orig"
+    echo 1024 >/proc/sys/fs/inotify/max_user_instances
+  fi
   containerd --config "$root/containerd.toml" >"$root/containerd.log" 2>&1 &
   echo $! >"$root/containerd.pid"
   for _ in $(seq 100); do [[ -S "$run/containerd/containerd.sock" ]] && break; sleep 0.1; done
@@ -120,6 +129,11 @@ stop() {
     case "$link" in disagg-kind*) ip link del "$link" ;; esac
   done
   rm -rf "$run" "$sock"
+  if [[ -f "$root/inotify-instances.orig" ]]; then
+    [[ "$(cat /proc/sys/fs/inotify/max_user_instances)" == 1024 ]] &&
+      cat "$root/inotify-instances.orig" >/proc/sys/fs/inotify/max_user_instances
+    rm -f "$root/inotify-instances.orig"
+  fi
   if [[ -f "$root/made-lib-modules" ]]; then
     rmdir /lib/modules 2>/dev/null || true
     rm -f "$root/made-lib-modules"

@@ -51,18 +51,29 @@ mkimage() {
   docker rmi "$ref" >/dev/null
 }
 
-log "making the node's Debian ${DEBIAN_SUITE} with mmdebstrap"
-nice -n 19 mmdebstrap --mode=auto --variant=minbase --format=directory --quiet \
-  --include=systemd,systemd-sysv,dbus,runc,containernetworking-plugins,iptables,nftables,iproute2,ethtool,socat,conntrack,kmod,ca-certificates,procps,util-linux,mount,bash \
-  --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-exclude=/usr/share/man/*' \
-  --dpkgopt='path-exclude=/usr/share/locale/*' --dpkgopt='path-exclude=/usr/share/info/*' \
-  "$DEBIAN_SUITE" "$rootfs" "deb $DEBIAN_MIRROR $DEBIAN_SUITE main" \
-  "deb $DEBIAN_SECURITY_MIRROR $DEBIAN_SUITE-security main" >&2
+# The Debian part is cached (a tarball keyed on the package list and mirrors): it changes far less often
+# than the files below.
+packages=systemd,systemd-sysv,dbus,runc,containernetworking-plugins,iptables,nftables,iproute2,ethtool,socat,conntrack,kmod,ca-certificates,procps,util-linux,mount,bash
+debian_key="$(echo "$packages $DEBIAN_SUITE $DEBIAN_MIRROR $DEBIAN_SECURITY_MIRROR" | sha256sum | cut -c1-12)"
+debian_tar="$cache_root/images/kind-node-debian/$debian_key.tar"
+if [[ ! -f "$debian_tar" ]]; then
+  log "making the node's Debian ${DEBIAN_SUITE} with mmdebstrap"
+  mkdir -p "$(dirname "$debian_tar")"
+  nice -n 19 mmdebstrap --mode=auto --variant=minbase --format=tar --quiet --include="$packages" \
+    --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-exclude=/usr/share/man/*' \
+    --dpkgopt='path-exclude=/usr/share/locale/*' --dpkgopt='path-exclude=/usr/share/info/*' \
+    "$DEBIAN_SUITE" "$work/debian.tar" "deb $DEBIAN_MIRROR $DEBIAN_SUITE main" \
+    "deb $DEBIAN_SECURITY_MIRROR $DEBIAN_SUITE-security main" >&2
+  rm -f "$(dirname "$debian_tar")"/*.tar  # an older package list's
+  mv "$work/debian.tar" "$debian_tar"
+fi
+mkdir -p "$rootfs"
+tar -C "$rootfs" --numeric-owner -xf "$debian_tar"
 
 log "adding the project's binaries and kind's node files"
 install -m 755 "$node_bin"/{containerd,containerd-shim-runc-v2,ctr,kubelet} "$k8s_bin/kubectl" \
   "$kind_bin"/{kubeadm,crictl} "$here/node/entrypoint" "$here/node/disagg-kind-preload" \
-  "$here/node/disagg-kind-net" "$rootfs/usr/local/bin/"
+  "$here/node/disagg-kind-net" "$here/node/disagg-kind-kubelet-cgroups" "$rootfs/usr/local/bin/"
 install -m 755 "$kind_bin/capsrunc" "$rootfs/usr/local/sbin/"
 install -D -m 644 "$here/node/containerd.toml" "$rootfs/etc/containerd/config.toml"
 for unit in containerd.service kubelet.service disagg-kind-preload.service disagg-kind-net.service; do

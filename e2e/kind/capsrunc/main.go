@@ -2,8 +2,9 @@
 // grant. Where the capability bounding set of every process lacks one (here CAP_SYS_RESOURCE), runc
 // fails a privileged container ("unable to apply caps: operation not permitted"); kind starts every
 // node with --privileged, and the node's own containerd asks the same for privileged pods. On
-// `create` and `run` it rewrites the bundle's config.json so that each capability set keeps only
-// what this process's bounding set holds, then execs the real runc with the same arguments.
+// `create` and `run` it rewrites the bundle's config.json, on `exec` the --process file (docker exec
+// --privileged, kubectl exec into a privileged pod), so that each capability set keeps only what this
+// process's bounding set holds, then execs the real runc with the same arguments.
 //
 // The real runc: $CAPSRUNC_RUNC, else the first of /usr/sbin/runc, /usr/bin/runc, /usr/local/sbin/runc.
 package main
@@ -66,31 +67,47 @@ func grantable() (map[string]bool, error) {
 	return nil, fmt.Errorf("no CapBnd line in /proc/self/status")
 }
 
-// bundle: the --bundle/-b argument after the create/run command (runc's default is the working directory).
-func bundle(args []string) (string, bool) {
+// specFile: the file holding the capabilities to filter, and whether it is a whole spec (config.json in
+// the --bundle/-b directory of create/run; runc's default is the working directory) or a process (the
+// --process/-p file of exec; without one exec takes its process from the command line: nothing to do).
+func specFile(args []string) (path string, whole bool, ok bool) {
 	cmd := -1
 	for i, a := range args {
-		if a == "create" || a == "run" {
+		if a == "create" || a == "run" || a == "exec" {
 			cmd = i
 			break
 		}
 	}
 	if cmd < 0 {
-		return "", false
+		return "", false, false
+	}
+	long, short := "--bundle", "-b"
+	if args[cmd] == "exec" {
+		long, short = "--process", "-p"
 	}
 	for i := cmd + 1; i < len(args); i++ {
 		a := args[i]
-		if (a == "--bundle" || a == "-b") && i+1 < len(args) {
-			return args[i+1], true
+		if (a == long || a == short) && i+1 < len(args) {
+			return value(args[cmd], args[i+1]), args[cmd] != "exec", true
 		}
-		if v, ok := strings.CutPrefix(a, "--bundle="); ok {
-			return v, true
+		if v, ok := strings.CutPrefix(a, long+"="); ok {
+			return value(args[cmd], v), args[cmd] != "exec", true
 		}
 	}
-	return ".", true
+	if args[cmd] == "exec" {
+		return "", false, false
+	}
+	return value(args[cmd], "."), true, true
 }
 
-func filterSpec(path string, keep map[string]bool) error {
+func value(cmd, v string) string {
+	if cmd == "exec" {
+		return v
+	}
+	return filepath.Join(v, "config.json")
+}
+
+func filterSpec(path string, whole bool, keep map[string]bool) error {
 	data, err := os.ReadFile(path)
 	if err != nil {
 		return err
@@ -99,7 +116,10 @@ func filterSpec(path string, keep map[string]bool) error {
 	if err := json.Unmarshal(data, &spec); err != nil {
 		return err
 	}
-	process, _ := spec["process"].(map[string]any)
+	process := spec
+	if whole {
+		process, _ = spec["process"].(map[string]any)
+	}
 	caps, _ := process["capabilities"].(map[string]any)
 	if caps == nil {
 		return nil
@@ -133,10 +153,10 @@ func filterSpec(path string, keep map[string]bool) error {
 
 func main() {
 	args := os.Args[1:]
-	if dir, ok := bundle(args); ok {
+	if path, whole, ok := specFile(args); ok {
 		keep, err := grantable()
 		if err == nil {
-			err = filterSpec(filepath.Join(dir, "config.json"), keep)
+			err = filterSpec(path, whole, keep)
 		}
 		if err != nil {
 			fmt.Fprintf(os.Stderr, "capsrunc: %v\n", err)
