@@ -141,6 +141,10 @@ up() {
   log "KUBECONFIG=$kubeconfig"
 }
 
+cpu_nodes() {
+  kctl get nodes -l topology.disagg.dev/pool=cpu -o jsonpath='{.items[*].metadata.name}' | tr ' ' ','
+}
+
 gpu_nodes() {
   kctl get nodes -l nvidia.com/gpu.present=true -o jsonpath='{.items[*].metadata.name}' | tr ' ' ','
 }
@@ -183,7 +187,10 @@ images() {
   log "building $stub_image (e2e/kind/stub-worker)"
   build -t "$stub_image" "$here/stub-worker"
   docker tag "$stub_image" "$stub_image_next"
-  kind load docker-image --name "$name" "$control_plane_image" "$stub_image" "$stub_image_next"
+  # Each image onto the nodes that run it (every node unpacks its own copy): the control-plane image
+  # (operator, planner, routers) onto the CPU pool, the worker stub onto the GPU nodes.
+  kind load docker-image --name "$name" --nodes "$(cpu_nodes)" "$control_plane_image"
+  kind load docker-image --name "$name" --nodes "$(gpu_nodes)" "$stub_image" "$stub_image_next"
   if [[ "${DISAGG_E2E_SKIP_WORKER_IMAGE:-0}" != 1 ]]; then
     log "building $worker_image (Dockerfile target worker; vLLM, large)"
     build --target worker -t "$worker_image" "$repo"
@@ -191,8 +198,28 @@ images() {
   fi
 }
 
+# The router loads its tokenizer at start. Unless DISAGG_E2E_TOKENIZER names one the nodes can download,
+# the tiny model's (workers/tinymodel.py, made once by the worker environment) goes into every node at
+# $tokenizer_node_dir; the provider gives each test namespace a read-only volume of it.
+tokenizer_node_dir=/disagg-e2e/tokenizer
+tokenizer() {
+  local dir node
+  [[ -n "${DISAGG_E2E_TOKENIZER:-}" ]] && return
+  dir="$(cd "$repo" && "$python" -c '
+from disagg.workers.envpath import worker_python
+from disagg.workers.tinymodel import ensure
+print(ensure(worker_python()))')"
+  for node in $(kind get nodes --name "$name"); do
+    docker exec "$node" mkdir -p "$tokenizer_node_dir"
+    for f in "$dir"/*.json "$dir"/*.jinja; do docker cp "$f" "$node:$tokenizer_node_dir/"; done
+    docker exec "$node" chmod -R a+rX "$tokenizer_node_dir"
+  done
+  export DISAGG_E2E_TOKENIZER_NODE_DIR="$tokenizer_node_dir"
+}
+
 run_tests() {
   [[ -x "$python" ]] || { log "no $python: run \`make venv\` first"; exit 2; }
+  tokenizer
   log "running tests/test_e2e_helm.py on kind"
   cd "$repo"
   DISAGG_E2E_PROVIDER=kind KUBECONFIG="$kubeconfig" \
