@@ -32,8 +32,6 @@ kind_network=kind
 kind_subnet=198.51.100.0/24
 kind_bridge=disagg-kind0
 
-proxy_pid=""
-
 log() { printf '[kind-e2e] %s\n' "$*" >&2; }
 stage_start=$SECONDS
 stage() {  # stage NAME: logs how long the previous stage took, then NAME
@@ -64,17 +62,8 @@ engine_stop() {
     engine_started=""
   fi
 }
-proxy_pid=""
-
 log() { printf '[kind-e2e] %s\n' "$*" >&2; }
 
-stop_proxy() {
-  if [[ -n "$proxy_pid" ]]; then
-    kill "$proxy_pid" 2>/dev/null || true
-    proxy_pid=""
-  fi
-}
-trap stop_proxy EXIT
 
 need() {
   local tool
@@ -86,24 +75,26 @@ need() {
 kctl() { kubectl --kubeconfig "$kubeconfig" "$@"; }
 
 # Advertise each GPU-labelled node's GPUs (its nvidia.com/gpu.count label) as the extended resource
-# nvidia.com/gpu: a JSON patch of the node's status through `kubectl proxy`, as the Kubernetes docs on
-# extended resources describe. kind nodes have no device plugin, so nothing takes it away again.
+# nvidia.com/gpu: a JSON patch of the node's status, as the Kubernetes docs on extended resources describe
+# (kubectl's --subresource=status in place of their curl through `kubectl proxy`). kind nodes have no
+# device plugin, so nothing takes it away again. Retried: right after `kind create` a node's status is
+# still being written by its kubelet and the API server may answer 500 or a conflict.
 advertise_gpus() {
-  local port=18001 node count
-  kctl proxy --port "$port" >"$state/proxy.log" 2>&1 &
-  proxy_pid=$!
-  for _ in $(seq 50); do
-    curl -fsS "http://127.0.0.1:$port/api" >/dev/null 2>&1 && break
-    sleep 0.2
-  done
+  local node count ok
   for node in $(kctl get nodes -l nvidia.com/gpu.present=true -o jsonpath='{.items[*].metadata.name}'); do
     count="$(kctl get node "$node" -o jsonpath='{.metadata.labels.nvidia\.com/gpu\.count}')"
     log "node $node: nvidia.com/gpu=$count"
-    curl -fsS --header "Content-Type: application/json-patch+json" --request PATCH \
-      --data "[{\"op\": \"add\", \"path\": \"/status/capacity/nvidia.com~1gpu\", \"value\": \"$count\"}]" \
-      "http://127.0.0.1:$port/api/v1/nodes/$node/status" >/dev/null
+    ok=""
+    for _ in $(seq 30); do
+      if kctl patch node "$node" --subresource=status --type=json \
+        -p "[{\"op\": \"add\", \"path\": \"/status/capacity/nvidia.com~1gpu\", \"value\": \"$count\"}]" >/dev/null; then
+        ok=1
+        break
+      fi
+      sleep 2
+    done
+    [[ -n "$ok" ]] || { log "could not advertise nvidia.com/gpu on $node"; exit 1; }
   done
-  stop_proxy
   # the kubelet copies capacity into allocatable at its next status update
   for node in $(kctl get nodes -l nvidia.com/gpu.present=true -o jsonpath='{.items[*].metadata.name}'); do
     for _ in $(seq 60); do
@@ -115,7 +106,7 @@ advertise_gpus() {
 }
 
 up() {
-  need docker kind kubectl curl
+  need docker kind kubectl
   mkdir -p "$state"
   if kind get clusters 2>/dev/null | grep -qx "$name"; then
     log "cluster $name exists: reused"
@@ -248,7 +239,7 @@ case "${1:-all}" in
   all)
     # Whatever happens, the cluster, its network and the engine go at the end (DISAGG_KIND_KEEP=1 keeps
     # them after a failure, for a look; `e2e.sh down` removes them then).
-    trap 'rc=$?; stop_proxy; set +e; if [[ $rc != 0 && "${DISAGG_KIND_KEEP:-0}" == 1 ]]; then log "kept for a look (DOCKER_HOST=$DOCKER_HOST)"; else down; engine_stop; fi; exit $rc' EXIT
+    trap 'rc=$?; set +e; if [[ $rc != 0 && "${DISAGG_KIND_KEEP:-0}" == 1 ]]; then log "kept for a look (DOCKER_HOST=$DOCKER_HOST)"; else down; engine_stop; fi; exit $rc' EXIT
     engine
     stage "up"
     up
