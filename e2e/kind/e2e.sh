@@ -165,7 +165,10 @@ print(blob(manifest["layers"][0]["digest"]))
 ')"
   log "importing the project's Debian base as python:3.11-slim-bookworm"
   docker import --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
-    --change 'ENV LANG=C.UTF-8' --change 'CMD ["python3"]' "$layer" python:3.11-slim-bookworm >/dev/null
+    --change 'ENV LANG=C.UTF-8' --change 'CMD ["python3"]' "$layer" disagg.local/debian-python:base >/dev/null
+  # The official image's `python` command (the stub worker's entrypoint runs it); Debian names it python3.
+  printf 'FROM disagg.local/debian-python:base\nRUN ln -s /usr/bin/python3 /usr/local/bin/python\n' |
+    build -t python:3.11-slim-bookworm -
   for ref in python:3.11-slim; do docker tag python:3.11-slim-bookworm "$ref"; done
 }
 
