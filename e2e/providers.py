@@ -133,9 +133,10 @@ class KindProvider(Provider):
         # e2e.sh loads the images, never pull them; the control-plane image only onto the CPU pool's node
         # (each node keeps its own unpacked copy: on every node it would cost gigabytes), where the operator,
         # the planner and the routers run.
-        return ["--set", f"image.repository={repository}", "--set", f"image.tag={tag}",
-                "--set", "image.pullPolicy=Never",
-                "--set-string", f"operator.nodeSelector.{self.CPU_POOL[0].replace('.', chr(92) + '.')}={self.CPU_POOL[1]}"]
+        key = self.CPU_POOL[0].replace(".", "\\.")
+        return ["--set-string", f"operator.nodeSelector.{key}={self.CPU_POOL[1]}",
+                "--set", f"image.repository={repository}", "--set", f"image.tag={tag}",
+                "--set", "image.pullPolicy=Never"]
 
     def next_worker_image(self, image: str) -> str:
         return self.worker_image_next

@@ -62,7 +62,6 @@ engine_stop() {
     engine_started=""
   fi
 }
-log() { printf '[kind-e2e] %s\n' "$*" >&2; }
 
 
 need() {
@@ -152,7 +151,7 @@ build() {
 # The Dockerfile's Python base (python:3.11-slim-bookworm, and the stub worker's python:3.11-slim), where
 # no registry serves it: the project's own Debian base (e2e/images/base.py, mmdebstrap), imported once.
 base_images() {
-  local ref layer
+  local layer
   docker image inspect python:3.11-slim-bookworm >/dev/null 2>&1 && return
   layer="$(cd "$repo" && "$python" -c '
 import json, sys
@@ -169,7 +168,7 @@ print(blob(manifest["layers"][0]["digest"]))
   # The official image's `python` command (the stub worker's entrypoint runs it); Debian names it python3.
   printf 'FROM disagg.local/debian-python:base\nRUN ln -s /usr/bin/python3 /usr/local/bin/python\n' |
     build -t python:3.11-slim-bookworm -
-  for ref in python:3.11-slim; do docker tag python:3.11-slim-bookworm "$ref"; done
+  docker tag python:3.11-slim-bookworm python:3.11-slim
 }
 
 images() {
@@ -226,7 +225,23 @@ down() {
   need kind
   kind delete cluster --name "$name" --kubeconfig "$kubeconfig"
   docker network rm "$kind_network" >/dev/null 2>&1 || true
+  # the nodes' /var volumes (kind removes them with the nodes; an interrupted run may leave some)
+  docker volume prune -f >/dev/null 2>&1 || true
   rm -rf "$state"
+}
+
+# The end of `all`: everything it made goes, unless a step failed and DISAGG_KIND_KEEP=1.
+finish() {
+  local rc=$?
+  set +e
+  if [[ $rc != 0 && "${DISAGG_KIND_KEEP:-0}" == 1 ]]; then
+    log "kept for a look (DOCKER_HOST=$DOCKER_HOST; \`bash e2e/kind/e2e.sh down\` removes it)"
+  else
+    down
+    engine_stop
+  fi
+  log "total $SECONDS s"
+  exit "$rc"
 }
 
 tools
@@ -242,7 +257,7 @@ case "${1:-all}" in
   all)
     # Whatever happens, the cluster, its network and the engine go at the end (DISAGG_KIND_KEEP=1 keeps
     # them after a failure, for a look; `e2e.sh down` removes them then).
-    trap 'rc=$?; set +e; if [[ $rc != 0 && "${DISAGG_KIND_KEEP:-0}" == 1 ]]; then log "kept for a look (DOCKER_HOST=$DOCKER_HOST)"; else down; engine_stop; fi; exit $rc' EXIT
+    trap finish EXIT
     engine
     stage "up"
     up
