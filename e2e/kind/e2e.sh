@@ -192,16 +192,20 @@ images() {
 }
 
 # The router loads its tokenizer at start. Unless DISAGG_E2E_TOKENIZER names one the nodes can download,
-# the tiny model's (workers/tinymodel.py, made once by the worker environment) goes into every node at
+# the tiny model's (workers/tinymodel.py; made once by the worker environment, which a machine without
+# it builds first, as `make test` does) goes into every node at
 # $tokenizer_node_dir; the provider gives each test namespace a read-only volume of it.
 tokenizer_node_dir=/disagg-e2e/tokenizer
 tokenizer() {
   local dir node
   [[ -n "${DISAGG_E2E_TOKENIZER:-}" ]] && return
   dir="$(cd "$repo" && "$python" -c '
-from disagg.workers.envpath import worker_python
-from disagg.workers.tinymodel import ensure
-print(ensure(worker_python()))')"
+from disagg.workers.tinymodel import cache_dir, ensure
+if (cache_dir() / ".complete").exists():
+    print(cache_dir())
+else:  # made once by the worker environment (built first when missing, as make test does)
+    from disagg.workers.envpath import worker_python
+    print(ensure(worker_python()))')"
   for node in $(kind get nodes --name "$name"); do
     docker exec "$node" mkdir -p "$tokenizer_node_dir"
     for f in "$dir"/*.json "$dir"/*.jinja; do docker cp "$f" "$node:$tokenizer_node_dir/"; done
