@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # Reinstall the light environment whenever pyproject.toml changes.
 STAMP := $(VENV)/.installed-$(shell sha256sum pyproject.toml | cut -c1-16)
 
-.PHONY: test demo venv bench-deps envoy-build cluster-build node-build node-packages test-packages buildkit prometheus-build jaeger-build netpol-build cluster-up cluster-down crds worker-env e2e e2e-kind go-builds demo-go-builds
+.PHONY: test demo venv bench-deps envoy-build cluster-build node-build node-packages test-packages buildkit prometheus-build jaeger-build netpol-build cluster-up cluster-down crds worker-env e2e e2e-kind go-builds demo-go-builds kind-packages
 
 # On a cold cache the prerequisites take most of the time, so they are built side by side in three job slots
 # (the inner make of go-builds shares them): the Python environments are mostly downloads, and a Go link or
@@ -82,8 +82,14 @@ worker-env:
 e2e: venv cluster-build
 	$(BIN)/python -m pytest tests/test_e2e_helm.py
 
-e2e-kind: venv
+e2e-kind: kind-packages venv cluster-build node-build
 	bash e2e/kind/e2e.sh
+
+# The kind provider's packages: the real node's (runc, CNI plugins, nftables, mmdebstrap for the node
+# image) and Debian's Docker engine, which e2e/kind/engine.sh starts for one run and stops after it.
+KIND_PACKAGES := $(NODE_PACKAGES) docker.io
+kind-packages:
+	$(call apt-install,$(KIND_PACKAGES))
 
 cluster-up: venv cluster-build node-build
 	$(BIN)/disagg cluster up

@@ -68,6 +68,12 @@ class Provider:
         """Another worker image the nodes can run, for a rollout."""
         return "disagg/worker:0.1.1"
 
+    def prepare_namespace(self, api, namespace: str) -> None:
+        """What a test namespace needs before examples are applied in it (nothing, by default)."""
+
+    def cleanup_namespace(self, api, namespace: str) -> None:
+        """Removes what :meth:`prepare_namespace` made outside the namespace."""
+
     def api_client(self):
         from kubernetes import config
 
@@ -94,6 +100,9 @@ class KindProvider(Provider):
 
     name = "kind"
     operator_in_process = False
+    TOKENIZER_CLAIM = "e2e-tokenizer"
+    # the label of the node(s) the control-plane image is loaded onto (e2e/kind/cluster.yaml)
+    CPU_POOL = ("topology.disagg.dev/pool", "cpu")
 
     def __init__(self):
         kubeconfig = os.environ.get("KUBECONFIG")
@@ -104,8 +113,13 @@ class KindProvider(Provider):
         self.worker_image = os.environ.get("DISAGG_E2E_WORKER_IMAGE", "disagg/e2e-stub-worker:0.1.0")
         # the same stub under a second tag (e2e/kind/up.sh loads both), for a rollout
         self.worker_image_next = os.environ.get("DISAGG_E2E_WORKER_IMAGE_NEXT", "disagg/e2e-stub-worker:0.1.0-next")
-        # The router loads the model's tokenizer at start: a small public one the nodes can download.
-        self.tokenizer = os.environ.get("DISAGG_E2E_TOKENIZER", "hf://Qwen/Qwen2.5-0.5B-Instruct")
+        # The router loads the model's tokenizer at start. Where the nodes reach no model hub, e2e.sh copies
+        # the tiny model's tokenizer (workers/tinymodel.py) into every node at DISAGG_E2E_TOKENIZER_NODE_DIR,
+        # and each test namespace gets a read-only hostPath volume of it, claimed as TOKENIZER_CLAIM.
+        # Otherwise DISAGG_E2E_TOKENIZER: a small public one the nodes can download.
+        self.tokenizer_node_dir = os.environ.get("DISAGG_E2E_TOKENIZER_NODE_DIR", "")
+        self.tokenizer = (f"pvc://{self.TOKENIZER_CLAIM}" if self.tokenizer_node_dir else
+                          os.environ.get("DISAGG_E2E_TOKENIZER", "hf://Qwen/Qwen2.5-0.5B-Instruct"))
         found = {tool: shutil.which(tool) for tool in ("kubectl", "helm")}
         if not all(found.values()):
             from .localcluster import binaries
@@ -116,12 +130,47 @@ class KindProvider(Provider):
 
     def chart_values(self) -> list[str]:
         repository, _, tag = self.control_plane_image.rpartition(":")
-        # kind load puts the images on every node; never pull them.
-        return ["--set", f"image.repository={repository}", "--set", f"image.tag={tag}",
+        # e2e.sh loads the images, never pull them; the control-plane image only onto the CPU pool's node
+        # (each node keeps its own unpacked copy: on every node it would cost gigabytes), where the operator,
+        # the planner and the routers run.
+        key = self.CPU_POOL[0].replace(".", "\\.")
+        return ["--set-string", f"operator.nodeSelector.{key}={self.CPU_POOL[1]}",
+                "--set", f"image.repository={repository}", "--set", f"image.tag={tag}",
                 "--set", "image.pullPolicy=Never"]
 
     def next_worker_image(self, image: str) -> str:
         return self.worker_image_next
+
+    def prepare_namespace(self, api, namespace: str) -> None:
+        if not self.tokenizer_node_dir:
+            return
+        from kubernetes import client
+
+        core = client.CoreV1Api(api)
+        pv_name = f"{self.TOKENIZER_CLAIM}-{namespace}"
+        # every node holds the same copy, so no node affinity: worker pods mount the claim too
+        core.create_persistent_volume({
+            "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv_name},
+            "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadOnlyMany"],
+                     "persistentVolumeReclaimPolicy": "Retain", "storageClassName": "",
+                     "hostPath": {"path": self.tokenizer_node_dir, "type": "Directory"},
+                     "claimRef": {"namespace": namespace, "name": self.TOKENIZER_CLAIM}}})
+        core.create_namespaced_persistent_volume_claim(namespace, {
+            "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": self.TOKENIZER_CLAIM},
+            "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": "", "volumeName": pv_name,
+                     "resources": {"requests": {"storage": "1Gi"}}}})
+
+    def cleanup_namespace(self, api, namespace: str) -> None:
+        if not self.tokenizer_node_dir:
+            return
+        from kubernetes import client
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            client.CoreV1Api(api).delete_persistent_volume(f"{self.TOKENIZER_CLAIM}-{namespace}")
+        except ApiException as e:
+            if e.status != 404:
+                raise
 
     def adapt(self, manifest: dict[str, Any]) -> dict[str, Any]:
         doc = copy.deepcopy(manifest)
@@ -131,6 +180,7 @@ class KindProvider(Provider):
         spec["engine"]["imagePullPolicy"] = "Never"
         spec["model"]["tokenizer"] = self.tokenizer
         spec["model"].pop("secretRef", None)
+        spec.setdefault("router", {})["nodeSelector"] = dict([self.CPU_POOL])
         # kind nodes offer the host's CPUs and memory: keep only the (advertised) GPUs.
         for role in ("prefill", "decode"):
             resources = spec.get(role, {}).get("resources") or {}

@@ -165,7 +165,7 @@ def operator_prometheus(provider, state_dir, port: int) -> LocalPrometheus:
 
 
 @pytest.fixture
-def ns(request, kube):
+def ns(request, provider, kube):
     """A fresh namespace for one test, deleted (with its pods gone) afterwards."""
     digest = hashlib.sha1(request.node.nodeid.encode()).hexdigest()[:6]
     name = re.sub(r"[^a-z0-9-]", "-", f"e2e-{request.node.name.lower()}"[:40]).strip("-") + f"-{digest}"
@@ -173,9 +173,11 @@ def ns(request, kube):
     core.create_namespace({"metadata": {"name": name}})
     wait_for(lambda: any(sa.metadata.name == "default" for sa in core.list_namespaced_service_account(name).items),
              60, f"default ServiceAccount in {name}")
+    provider.prepare_namespace(kube, name)
     yield name
     core.delete_namespace(name)
     wait_for(lambda: not core.list_namespaced_pod(name).items, 180, f"pods of namespace {name} to be deleted")
+    provider.cleanup_namespace(kube, name)
 
 
 # ---------------------------------------------------------------- the release

@@ -1,22 +1,23 @@
 #!/usr/bin/env bash
-# The end-to-end suite on kind (needs Docker, kind, kubectl, curl; helm is taken from PATH or the
-# repository's cache). See e2e/kind/README.md.
+# The end-to-end suite on kind. Everything comes from this machine: Debian's Docker engine started for
+# the run and stopped after it (engine.sh), kind and kubeadm from their Go modules (build.sh), and a
+# node image built from the project's own binaries (node-image.sh). See e2e/kind/README.md.
 #
-#   bash e2e/kind/e2e.sh          # up, images, test, down (the cluster is kept when a step fails)
-#   bash e2e/kind/e2e.sh up       # create the cluster and advertise its GPUs
+#   bash e2e/kind/e2e.sh          # engine, node image, up, images, test, down, engine stop
+#   bash e2e/kind/e2e.sh up       # start the engine, create the cluster and advertise its GPUs
 #   bash e2e/kind/e2e.sh images   # build the Dockerfile's targets and the stub worker, load them into kind
 #   bash e2e/kind/e2e.sh test     # run tests/test_e2e_helm.py with DISAGG_E2E_PROVIDER=kind
-#   bash e2e/kind/e2e.sh down     # delete the cluster
+#   bash e2e/kind/e2e.sh down     # delete the cluster and its network, stop the engine
 #
-# Environment: KIND_CLUSTER_NAME (disagg-e2e), KIND_NODE_IMAGE (kindest/node:v1.37.2, the local control
-# plane's Kubernetes version), DISAGG_E2E_SKIP_WORKER_IMAGE=1 (do not build and load the vLLM worker
-# image, about 10 GB: the suite's pods run the stub worker anyway), PYTHON (.venv/bin/python).
+# Environment: DISAGG_KIND_KEEP=1 (keep the cluster and engine when a step fails), KIND_CLUSTER_NAME (disagg-e2e), KIND_NODE_IMAGE (default: the image node-image.sh builds
+# for the local control plane's Kubernetes version), DISAGG_E2E_SKIP_WORKER_IMAGE=1 (do not build and
+# load the vLLM worker image, about 10 GB: the suite's pods run the stub worker anyway), PYTHON
+# (.venv/bin/python), DOCKER_HOST (an engine of your own; engine.sh's is started when unset).
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
 name="${KIND_CLUSTER_NAME:-disagg-e2e}"
-node_image="${KIND_NODE_IMAGE:-kindest/node:v1.37.2}"
 state="${DISAGG_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/disagg}/kind/$name"
 kubeconfig="$state/kubeconfig"
 python="${PYTHON:-$repo/.venv/bin/python}"
@@ -25,18 +26,43 @@ control_plane_image="disagg/control-plane:$version"
 worker_image="disagg/worker:$version"
 stub_image="disagg/e2e-stub-worker:$version"
 stub_image_next="disagg/e2e-stub-worker:$version-next"
-
-proxy_pid=""
+# kind's network, made before kind would make it: its own bridge name and addresses off the private
+# ranges and off this machine's own (engine.sh says which).
+kind_network=kind
+kind_subnet=198.51.100.0/24
+kind_bridge=disagg-kind0
 
 log() { printf '[kind-e2e] %s\n' "$*" >&2; }
+stage_start=$SECONDS
+stage() {  # stage NAME: logs how long the previous stage took, then NAME
+  log "stage done in $((SECONDS - stage_start)) s; next: $1"
+  stage_start=$SECONDS
+}
 
-stop_proxy() {
-  if [[ -n "$proxy_pid" ]]; then
-    kill "$proxy_pid" 2>/dev/null || true
-    proxy_pid=""
+# kind and kubeadm's build (build.sh), kubectl and helm from the local control plane's (PATH first).
+tools() {
+  local kind_bin k8s_bin
+  kind_bin="$(bash "$here/build.sh")"
+  k8s_bin="$(bash "$repo/e2e/localcluster/build.sh")"
+  export PATH="$PATH:$kind_bin:$k8s_bin"
+  command -v kind >/dev/null || export PATH="$kind_bin:$PATH"
+}
+
+# The engine: the caller's (DOCKER_HOST set) or engine.sh's, started here.
+engine_started=""
+engine() {
+  if [[ -z "${DOCKER_HOST:-}" ]]; then
+    export "$(bash "$here/engine.sh" start)"
+    engine_started=1
   fi
 }
-trap stop_proxy EXIT
+engine_stop() {
+  if [[ -n "$engine_started" ]]; then
+    bash "$here/engine.sh" stop
+    engine_started=""
+  fi
+}
+
 
 need() {
   local tool
@@ -48,24 +74,26 @@ need() {
 kctl() { kubectl --kubeconfig "$kubeconfig" "$@"; }
 
 # Advertise each GPU-labelled node's GPUs (its nvidia.com/gpu.count label) as the extended resource
-# nvidia.com/gpu: a JSON patch of the node's status through `kubectl proxy`, as the Kubernetes docs on
-# extended resources describe. kind nodes have no device plugin, so nothing takes it away again.
+# nvidia.com/gpu: a JSON patch of the node's status, as the Kubernetes docs on extended resources describe
+# (kubectl's --subresource=status in place of their curl through `kubectl proxy`). kind nodes have no
+# device plugin, so nothing takes it away again. Retried: right after `kind create` a node's status is
+# still being written by its kubelet and the API server may answer 500 or a conflict.
 advertise_gpus() {
-  local port=18001 node count
-  kctl proxy --port "$port" >"$state/proxy.log" 2>&1 &
-  proxy_pid=$!
-  for _ in $(seq 50); do
-    curl -fsS "http://127.0.0.1:$port/api" >/dev/null 2>&1 && break
-    sleep 0.2
-  done
+  local node count ok
   for node in $(kctl get nodes -l nvidia.com/gpu.present=true -o jsonpath='{.items[*].metadata.name}'); do
     count="$(kctl get node "$node" -o jsonpath='{.metadata.labels.nvidia\.com/gpu\.count}')"
     log "node $node: nvidia.com/gpu=$count"
-    curl -fsS --header "Content-Type: application/json-patch+json" --request PATCH \
-      --data "[{\"op\": \"add\", \"path\": \"/status/capacity/nvidia.com~1gpu\", \"value\": \"$count\"}]" \
-      "http://127.0.0.1:$port/api/v1/nodes/$node/status" >/dev/null
+    ok=""
+    for _ in $(seq 30); do
+      if kctl patch node "$node" --subresource=status --type=json \
+        -p "[{\"op\": \"add\", \"path\": \"/status/capacity/nvidia.com~1gpu\", \"value\": \"$count\"}]" >/dev/null; then
+        ok=1
+        break
+      fi
+      sleep 2
+    done
+    [[ -n "$ok" ]] || { log "could not advertise nvidia.com/gpu on $node"; exit 1; }
   done
-  stop_proxy
   # the kubelet copies capacity into allocatable at its next status update
   for node in $(kctl get nodes -l nvidia.com/gpu.present=true -o jsonpath='{.items[*].metadata.name}'); do
     for _ in $(seq 60); do
@@ -77,13 +105,25 @@ advertise_gpus() {
 }
 
 up() {
-  need docker kind kubectl curl
+  need docker kind kubectl
   mkdir -p "$state"
   if kind get clusters 2>/dev/null | grep -qx "$name"; then
     log "cluster $name exists: reused"
   else
+    local node_image="${KIND_NODE_IMAGE:-}"
+    if [[ -z "$node_image" ]]; then
+      log "building the node image (node-image.sh)"
+      node_image="$(bash "$here/node-image.sh")"
+      stage "cluster"
+    fi
+    if ! docker network inspect "$kind_network" >/dev/null 2>&1; then
+      docker network create --driver bridge --subnet "$kind_subnet" \
+        -o com.docker.network.bridge.name="$kind_bridge" \
+        -o com.docker.network.bridge.enable_ip_masquerade=false "$kind_network" >/dev/null
+    fi
     log "creating cluster $name from $here/cluster.yaml ($node_image)"
-    kind create cluster --name "$name" --config "$here/cluster.yaml" --image "$node_image" --wait 180s
+    kind create cluster --name "$name" --config "$here/cluster.yaml" --image "$node_image" --wait 300s \
+      --kubeconfig "$kubeconfig"
   fi
   kind get kubeconfig --name "$name" >"$kubeconfig"
   chmod 600 "$kubeconfig"
@@ -91,27 +131,92 @@ up() {
   log "KUBECONFIG=$kubeconfig"
 }
 
+cpu_nodes() {
+  kctl get nodes -l topology.disagg.dev/pool=cpu -o jsonpath='{.items[*].metadata.name}' | tr ' ' ','
+}
+
 gpu_nodes() {
   kctl get nodes -l nvidia.com/gpu.present=true -o jsonpath='{.items[*].metadata.name}' | tr ' ' ','
 }
 
+# docker build with BuildKit (the Dockerfile's RUN --mount lines need it): Debian's docker.io client
+# (20.10) builds through the engine's own BuildKit; a newer client without the buildx plugin cannot.
+# RUN steps use the host's network (the engine's only network is kind's, which reaches nothing).
+build() {
+  local client=docker
+  [[ -x /usr/bin/docker ]] && client=/usr/bin/docker
+  DOCKER_BUILDKIT=1 "$client" build --network host "$@"
+}
+
+# The Dockerfile's Python base (python:3.11-slim-bookworm, and the stub worker's python:3.11-slim), where
+# no registry serves it: the project's own Debian base (e2e/images/base.py, mmdebstrap), imported once.
+base_images() {
+  local layer
+  docker image inspect python:3.11-slim-bookworm >/dev/null 2>&1 && return
+  layer="$(cd "$repo" && "$python" -c '
+import json, sys
+from disagg.e2e.images.base import ensure_base
+b = ensure_base(log=lambda *a: print(*a, file=sys.stderr))
+index = json.loads((b.layout / "index.json").read_text())
+blob = lambda d: b.layout / "blobs" / "sha256" / d.removeprefix("sha256:")
+manifest = json.loads(blob(b.digest).read_text())
+print(blob(manifest["layers"][0]["digest"]))
+')"
+  log "importing the project's Debian base as python:3.11-slim-bookworm"
+  docker import --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
+    --change 'ENV LANG=C.UTF-8' --change 'CMD ["python3"]' "$layer" disagg.local/debian-python:base >/dev/null
+  # The official image's `python` command (the stub worker's entrypoint runs it); Debian names it python3.
+  printf 'FROM disagg.local/debian-python:base\nRUN ln -s /usr/bin/python3 /usr/local/bin/python\n' |
+    build -t python:3.11-slim-bookworm -
+  docker tag python:3.11-slim-bookworm python:3.11-slim
+}
+
 images() {
   need docker kind kubectl
+  [[ -x "$python" ]] || { log "no $python: run \`make venv\` first"; exit 2; }
+  base_images
   log "building $control_plane_image (Dockerfile target control-plane)"
-  docker build --target control-plane -t "$control_plane_image" "$repo"
+  build --target control-plane -t "$control_plane_image" "$repo"
   log "building $stub_image (e2e/kind/stub-worker)"
-  docker build -t "$stub_image" "$here/stub-worker"
+  build -t "$stub_image" "$here/stub-worker"
   docker tag "$stub_image" "$stub_image_next"
-  kind load docker-image --name "$name" "$control_plane_image" "$stub_image" "$stub_image_next"
+  # Each image onto the nodes that run it (every node unpacks its own copy): the control-plane image
+  # (operator, planner, routers) onto the CPU pool, the worker stub onto the GPU nodes.
+  kind load docker-image --name "$name" --nodes "$(cpu_nodes)" "$control_plane_image"
+  kind load docker-image --name "$name" --nodes "$(gpu_nodes)" "$stub_image" "$stub_image_next"
   if [[ "${DISAGG_E2E_SKIP_WORKER_IMAGE:-0}" != 1 ]]; then
     log "building $worker_image (Dockerfile target worker; vLLM, large)"
-    docker build --target worker -t "$worker_image" "$repo"
+    build --target worker -t "$worker_image" "$repo"
     kind load docker-image --name "$name" --nodes "$(gpu_nodes)" "$worker_image"
   fi
 }
 
+# The router loads its tokenizer at start. Unless DISAGG_E2E_TOKENIZER names one the nodes can download,
+# the tiny model's (workers/tinymodel.py; made once by the worker environment, which a machine without
+# it builds first, as `make test` does) goes into every node at
+# $tokenizer_node_dir; the provider gives each test namespace a read-only volume of it.
+tokenizer_node_dir=/disagg-e2e/tokenizer
+tokenizer() {
+  local dir node
+  [[ -n "${DISAGG_E2E_TOKENIZER:-}" ]] && return
+  dir="$(cd "$repo" && "$python" -c '
+from disagg.workers.tinymodel import cache_dir, ensure
+if (cache_dir() / ".complete").exists():
+    print(cache_dir())
+else:  # made once by the worker environment (built first when missing, as make test does)
+    from disagg.workers.envpath import worker_python
+    print(ensure(worker_python()))')"
+  for node in $(kind get nodes --name "$name"); do
+    docker exec "$node" mkdir -p "$tokenizer_node_dir"
+    for f in "$dir"/*.json "$dir"/*.jinja; do docker cp "$f" "$node:$tokenizer_node_dir/"; done
+    docker exec "$node" chmod -R a+rX "$tokenizer_node_dir"
+  done
+  export DISAGG_E2E_TOKENIZER_NODE_DIR="$tokenizer_node_dir"
+}
+
 run_tests() {
   [[ -x "$python" ]] || { log "no $python: run \`make venv\` first"; exit 2; }
+  tokenizer
   log "running tests/test_e2e_helm.py on kind"
   cd "$repo"
   DISAGG_E2E_PROVIDER=kind KUBECONFIG="$kubeconfig" \
@@ -122,20 +227,49 @@ run_tests() {
 
 down() {
   need kind
-  kind delete cluster --name "$name"
+  kind delete cluster --name "$name" --kubeconfig "$kubeconfig"
+  docker network rm "$kind_network" >/dev/null 2>&1 || true
+  # the nodes' /var volumes (kind removes them with the nodes; an interrupted run may leave some)
+  docker volume prune -f >/dev/null 2>&1 || true
   rm -rf "$state"
 }
 
-case "${1:-all}" in
-  up) up ;;
-  images) images ;;
-  test) shift; run_tests "$@" ;;
-  down) down ;;
-  all)
-    up
-    images
-    run_tests
+# The end of `all`: everything it made goes, unless a step failed and DISAGG_KIND_KEEP=1.
+finish() {
+  local rc=$?
+  set +e
+  if [[ $rc != 0 && "${DISAGG_KIND_KEEP:-0}" == 1 ]]; then
+    log "kept for a look (DOCKER_HOST=$DOCKER_HOST; \`bash e2e/kind/e2e.sh down\` removes it)"
+  else
     down
+    engine_stop
+  fi
+  log "total $SECONDS s"
+  exit "$rc"
+}
+
+tools
+case "${1:-all}" in
+  up) engine; up ;;
+  images) engine; images ;;
+  test) shift; engine; run_tests "$@" ;;
+  down)
+    engine
+    down
+    engine_stop
+    ;;
+  all)
+    # Whatever happens, the cluster, its network and the engine go at the end (DISAGG_KIND_KEEP=1 keeps
+    # them after a failure, for a look; `e2e.sh down` removes them then).
+    trap finish EXIT
+    engine
+    stage "up"
+    up
+    stage "images"
+    images
+    stage "test"
+    run_tests
+    stage "down"
     ;;
   *) log "usage: $0 [all|up|images|test [pytest args]|down]"; exit 2 ;;
 esac

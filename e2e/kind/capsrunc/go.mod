@@ -1,0 +1,3 @@
+module disagg.dev/capsrunc
+
+go 1.26.0
