@@ -124,7 +124,7 @@ def main() -> int:
     p.add_argument("--layouts", default="direct,aggregated,disaggregated")
     args = p.parse_args()
     python = worker_python()
-    model = ensure(python)
+    model = str(ensure(python))
     layouts = args.layouts.split(",")
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="field-clients-") as tmp:

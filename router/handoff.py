@@ -48,7 +48,9 @@ class Handoff:
         ``route``, and the decode prefills locally)."""
         if plan.prefill is None:
             return None
-        pbody = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "max_completion_tokens")}
+        # min_tokens is the decode's: vLLM refuses a prefill asked for 1 token and at least min_tokens (400)
+        pbody = {k: v for k, v in body.items()
+                 if k not in ("stream", "stream_options", "max_completion_tokens", "min_tokens")}
         pbody.update(max_tokens=1, stream=False, kv_transfer_params=REMOTE_DECODE)
         w = plan.prefill
         trace, span, headers = route.trace, None, None

@@ -465,6 +465,19 @@ def test_vllm_bench_serve_runs_through_the_router_and_reports_goodput(pd, tiny_m
     assert scrape(url).get(series, 0) - before >= 8
 
 
+def test_min_tokens_binds_the_decode_not_the_prefill(pd):
+    """aiperf sends min_tokens (with ignore_eos) to hold every answer to its output length: the prefill leg
+    (max_tokens 1) must not carry it, or vLLM refuses the prefill (min_tokens above max_tokens) and the
+    client gets a 400 on the P/D path only; the decode honours it."""
+    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 12, "min_tokens": 12, "temperature": 0}
+    req = urllib.request.Request(f"{pd['router'].url}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        path, answer = r.headers["x-disagg-path"], json.loads(r.read())
+    assert path == m.PATH_REMOTE_PREFILL
+    assert answer["usage"]["completion_tokens"] == 12
+
+
 # ---------------------------------------------------------------- workers that die under a request
 FAILURE_PROMPT = "A journey of a thousand miles begins with a single step " * 5
 MAX_TOKENS_LONG, KILL_AFTER = 160, 16
