@@ -184,7 +184,14 @@ images() {
   # (operator, planner, routers) onto the CPU pool, the worker stub onto the GPU nodes.
   kind load docker-image --name "$name" --nodes "$(cpu_nodes)" "$control_plane_image"
   kind load docker-image --name "$name" --nodes "$(gpu_nodes)" "$stub_image" "$stub_image_next"
-  if [[ "${DISAGG_E2E_SKIP_WORKER_IMAGE:-0}" != 1 ]]; then
+  # The GPU worker image starts FROM vLLM's CUDA image: built where that image can be had (present in
+  # the engine or pulled), skipped with a note where no registry serves it (the suite runs the stub).
+  local vllm_image
+  vllm_image="$(sed -n 's/^ARG VLLM_IMAGE=//p' "$repo/Dockerfile")"
+  if [[ "${DISAGG_E2E_SKIP_WORKER_IMAGE:-0}" != 1 ]] && ! docker image inspect "$vllm_image" >/dev/null 2>&1 &&
+    ! timeout 600 docker pull "$vllm_image" >/dev/null; then
+    log "skipping $worker_image: its base $vllm_image is not available here (no registry serves it)"
+  elif [[ "${DISAGG_E2E_SKIP_WORKER_IMAGE:-0}" != 1 ]]; then
     log "building $worker_image (Dockerfile target worker; vLLM, large)"
     build --target worker -t "$worker_image" "$repo"
     kind load docker-image --name "$name" --nodes "$(gpu_nodes)" "$worker_image"
