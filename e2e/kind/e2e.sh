@@ -11,7 +11,8 @@
 #
 # Environment: DISAGG_KIND_KEEP=1 (keep the cluster and engine when a step fails), KIND_CLUSTER_NAME (disagg-e2e), KIND_NODE_IMAGE (default: the image node-image.sh builds
 # for the local control plane's Kubernetes version), DISAGG_E2E_SKIP_WORKER_IMAGE=1 (do not build and
-# load the vLLM worker image, about 10 GB: the suite's pods run the stub worker anyway), PYTHON
+# load the vLLM worker image, about 10 GB; skipped anyway where its vLLM base cannot be had: the suite's
+# pods run the stub worker), PYTHON
 # (.venv/bin/python), DOCKER_HOST (an engine of your own; engine.sh's is started when unset).
 set -euo pipefail
 
