@@ -9,10 +9,11 @@
 #   bash e2e/kind/e2e.sh test     # run tests/test_e2e_helm.py with DISAGG_E2E_PROVIDER=kind
 #   bash e2e/kind/e2e.sh down     # delete the cluster and its network, stop the engine
 #
-# Environment: DISAGG_KIND_KEEP=1 (keep the cluster and engine when a step fails), KIND_CLUSTER_NAME (disagg-e2e), KIND_NODE_IMAGE (default: the image node-image.sh builds
-# for the local control plane's Kubernetes version), DISAGG_E2E_SKIP_WORKER_IMAGE=1 (do not build and
-# load the vLLM worker image, about 10 GB; skipped anyway where its vLLM base cannot be had: the suite's
-# pods run the stub worker), PYTHON
+# Environment: DISAGG_KIND_KEEP=1 (keep the cluster and engine when a step fails), KIND_CLUSTER_NAME
+# (disagg-e2e), KIND_NODE_IMAGE (default: the image node-image.sh builds for the local control plane's
+# Kubernetes version), DISAGG_E2E_SKIP_WORKER_IMAGE=1 (do not build and load the vLLM worker image, about
+# 10 GB; skipped anyway where its vLLM base cannot be had: the suite's pods run the stub worker),
+# DISAGG_E2E_TOKENIZER (a tokenizer the nodes can download, instead of the tiny model's), PYTHON
 # (.venv/bin/python), DOCKER_HOST (an engine of your own; engine.sh's is started when unset).
 set -euo pipefail
 
