@@ -9,9 +9,11 @@
 #   bash e2e/kind/e2e.sh test     # run tests/test_e2e_helm.py with DISAGG_E2E_PROVIDER=kind
 #   bash e2e/kind/e2e.sh down     # delete the cluster and its network, stop the engine
 #
-# Environment: DISAGG_KIND_KEEP=1 (keep the cluster and engine when a step fails), KIND_CLUSTER_NAME (disagg-e2e), KIND_NODE_IMAGE (default: the image node-image.sh builds
-# for the local control plane's Kubernetes version), DISAGG_E2E_SKIP_WORKER_IMAGE=1 (do not build and
-# load the vLLM worker image, about 10 GB: the suite's pods run the stub worker anyway), PYTHON
+# Environment: DISAGG_KIND_KEEP=1 (keep the cluster and engine when a step fails), KIND_CLUSTER_NAME
+# (disagg-e2e), KIND_NODE_IMAGE (default: the image node-image.sh builds for the local control plane's
+# Kubernetes version), DISAGG_E2E_SKIP_WORKER_IMAGE=1 (do not build and load the vLLM worker image, about
+# 10 GB; skipped anyway where its vLLM base cannot be had: the suite's pods run the stub worker),
+# DISAGG_E2E_TOKENIZER (a tokenizer the nodes can download, instead of the tiny model's), PYTHON
 # (.venv/bin/python), DOCKER_HOST (an engine of your own; engine.sh's is started when unset).
 set -euo pipefail
 
@@ -184,7 +186,14 @@ images() {
   # (operator, planner, routers) onto the CPU pool, the worker stub onto the GPU nodes.
   kind load docker-image --name "$name" --nodes "$(cpu_nodes)" "$control_plane_image"
   kind load docker-image --name "$name" --nodes "$(gpu_nodes)" "$stub_image" "$stub_image_next"
-  if [[ "${DISAGG_E2E_SKIP_WORKER_IMAGE:-0}" != 1 ]]; then
+  # The GPU worker image starts FROM vLLM's CUDA image: built where that image can be had (present in
+  # the engine or pulled), skipped with a note where no registry serves it (the suite runs the stub).
+  local vllm_image
+  vllm_image="$(sed -n 's/^ARG VLLM_IMAGE=//p' "$repo/Dockerfile")"
+  if [[ "${DISAGG_E2E_SKIP_WORKER_IMAGE:-0}" != 1 ]] && ! docker image inspect "$vllm_image" >/dev/null 2>&1 &&
+    ! timeout 600 docker pull "$vllm_image" >/dev/null; then
+    log "skipping $worker_image: its base $vllm_image is not available here (no registry serves it)"
+  elif [[ "${DISAGG_E2E_SKIP_WORKER_IMAGE:-0}" != 1 ]]; then
     log "building $worker_image (Dockerfile target worker; vLLM, large)"
     build --target worker -t "$worker_image" "$repo"
     kind load docker-image --name "$name" --nodes "$(gpu_nodes)" "$worker_image"
