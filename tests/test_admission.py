@@ -244,6 +244,10 @@ def test_flex_pool_of_the_shared_shape_is_accepted(cluster, crd_installed, names
                                          "yaml").stdout)
     assert got["spec"]["flex"] == {"replicas": 1, "maxReplicas": 4, "switchDrainSeconds": 120}
     assert api.DisaggDeployment.model_validate({k: v for k, v in got.items() if k != "status"}).spec.flex.replicas == 1
+    # once set it stays: its Deployment and Service would outlive it (the operator deletes neither)
+    out = cluster.kubectl("apply", "-n", namespace, "-f", str(REPO / "examples" / "small.yaml"), check=False)
+    assert out.returncode != 0 and "spec.flex" in out.stderr and "replicas to 0" in out.stderr, out.stderr
+    cluster.kubectl("delete", "dd", doc["metadata"]["name"], "-n", namespace)
     # without spec.flex nothing is stored for it (the CEL rules can tell it was not written)
     plain = yaml.safe_load(cluster.kubectl("apply", "-n", namespace, "-f", str(REPO / "examples" / "small.yaml"),
                                            "-o", "yaml").stdout)

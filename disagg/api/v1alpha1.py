@@ -806,6 +806,9 @@ FLEX_SHAPE_MESSAGE = ("spec.flex needs prefill and decode of one shape, since a 
                       "with one engine: spec.prefill and spec.decode differ in {what}")
 FLEX_MULTI_POD_MESSAGE = ("spec.flex: flex workers of replicas that span several pods (podsPerReplica above 1) "
                           "are not supported yet")
+# Removing spec.flex would leave its Deployment and Service behind: the operator deletes no Deployment or
+# Service (it has no such grant); replicas: 0 stops the workers.
+FLEX_REMOVED_MESSAGE = "spec.flex cannot be removed once set: set spec.flex.replicas to 0 to stop its workers"
 FLEX_NEEDS_PREFILL_MESSAGE = ("spec.flex needs a prefill role to switch to: router.disaggregation never "
                               "sends no work to prefill workers")
 
@@ -916,6 +919,8 @@ class DisaggDeploymentSpec(_Model):
               field_path=f".{role}.parallelism.pipeline") for role in ("prefill", "decode")),
         *(cel(f"!has(self.flex) || ({rule})", FLEX_SHAPE_MESSAGE.format(what=what), field_path=".flex")
           for what, rule in _FLEX_SHAPE),
+        cel("!has(oldSelf.flex) || has(self.flex)", FLEX_REMOVED_MESSAGE, field_path=".flex",
+            reason="FieldValueForbidden"),
         cel(f"!has(self.flex) || {_cel_pods('self.prefill')} == 1", FLEX_MULTI_POD_MESSAGE, field_path=".flex",
             reason="FieldValueForbidden"),
         cel("!has(self.flex) || !has(self.router.disaggregation) || self.router.disaggregation != 'never'",
