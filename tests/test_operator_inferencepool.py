@@ -91,7 +91,11 @@ def test_a_pool_the_api_server_cannot_take_fails_nothing_else(status, reason):
 
 
 @pytest.mark.cluster
-def test_the_pool_follows_its_crd_and_the_mode(cluster, api_client, namespace, operator):
+def test_the_pool_follows_its_crd_and_the_mode(cluster, api_client, namespace, operator, monkeypatch):
+    from disagg.operator import handlers
+
+    # the operator runs in this process: its retry period shortened, so the test does not wait out 30 s
+    monkeypatch.setattr(handlers, "POOL_RETRY_SECONDS", 3)
     remove_inference_pool_crd(cluster)
     dd = DD(api_client, namespace, dd_manifest("gw", decode={"replicas": 2}, router={"mode": "picker"}))
 
