@@ -68,11 +68,13 @@ def api_client(cluster):
 
 
 @pytest.fixture(scope="session")
-def crd_installed(cluster):
-    """The DisaggDeployment CRD, applied from crds/ and Established."""
+def crd_installed(cluster, api_client):
+    """The DisaggDeployment CRD, applied from crds/ and Established. Waited for by reading it, not with
+    `kubectl wait`, which now and then exited 1 right after the apply (seen in about one run in ten)."""
+    from disagg.e2e.suite import wait_crd_established
+
     cluster.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=300s",
-                    "crd/disaggdeployments.serving.disagg.dev")
+    wait_crd_established(api_client)
     return True
 
 
