@@ -366,7 +366,11 @@ def test_probe_endpoints_answer_on_the_pod_ips(pd):
 
 def test_prometheus_discovers_the_pods_and_every_panel_has_data(api, pd, real, tmp_path):
     dd, url = pd
-    objects = monitoring.chart_objects(Path(real._state()["bin"]) / "helm", CHART, RELEASE, RELEASE_NS, "--set", "planner.enabled=false")
+    # the chart's monitors and rules at a few seconds, not their production 15-30 s: the panels then fill
+    # after a few scrapes instead of a minute's (what is checked is the same objects and queries)
+    fast = [f"monitoring.{v}=3s" for v in ("podMonitors.interval", "serviceMonitor.interval", "prometheusRule.interval")]
+    objects = monitoring.chart_objects(Path(real._state()["bin"]) / "helm", CHART, RELEASE, RELEASE_NS, "--set", "planner.enabled=false",
+                                       *[a for v in fast for a in ("--set", v)])
     prom = LocalPrometheus(tmp_path / "prometheus", [], scrape_interval="2s",
                            scrape_configs=monitoring.scrape_configs(objects, real.kubeconfig),
                            rule_groups=monitoring.rule_groups(objects), kubernetes_sd=True).start()
@@ -382,7 +386,7 @@ def test_prometheus_discovers_the_pods_and_every_panel_has_data(api, pd, real, t
             return {p.metadata.name for p in dd.pods()} <= pods
         wait_for(targets_up, 120, "every pod of the deployment scraped through the chart's monitors", interval=1)
         # traffic for as long as the panels are checked: a ratio of rates needs its counters to move across
-        # scrapes (the chart scrapes pods every 15 s), as on a serving cluster
+        # scrapes, as on a serving cluster
         def traffic() -> None:
             import openai
 
