@@ -15,7 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 from disagg.api.names import (ANNOTATION_OBSERVED_SERVING_ROLE, LABEL_SERVING_ROLE, ROLE_DECODE, ROLE_FLEX,
-                              ROLE_PREFILL, SERVING_ROLES)
+                              ROLE_PREFILL, SERVING_ROLES, initial_serving_role)
 
 from . import metrics
 from . import status as statuses
@@ -23,8 +23,7 @@ from . import status as statuses
 
 def initial_role(pods: list[statuses.PodView]) -> str:
     """The role a new flex worker takes: the one fewer flex workers serve, decode on a tie."""
-    serving = [p.serving_role for p in pods if p.role == ROLE_FLEX and not p.terminating]
-    return ROLE_PREFILL if serving.count(ROLE_PREFILL) < serving.count(ROLE_DECODE) else ROLE_DECODE
+    return initial_serving_role([p.serving_role for p in pods if p.role == ROLE_FLEX and not p.terminating])
 
 
 def run(core, namespace: str, name: str, pods: list[statuses.PodView], written: dict[str, str]
