@@ -304,10 +304,10 @@ class MetricsExporter:
             for role, waiting in (("prefill", t.prefill_waiting), ("decode", t.decode_waiting)):
                 self.waiting.labels(**lab, role=role).set(waiting)
                 self.running.labels(**lab, role=role, pod="").set(1)
+                self.kv.labels(**lab, role=role).set(0.5)
                 self.flex.labels(**lab, role=role, state="draining").set(t.flex_draining.get(role, 0))
             for pod, (role, running) in t.flex_pods.items():
                 self.running.labels(**lab, role=role, pod=pod).set(running)
-                self.kv.labels(**lab, role=role).set(0.5)
 
     def close(self):
         self._stop.set()
