@@ -29,6 +29,7 @@ the GPU budget bounding all three).
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import math
@@ -176,6 +177,10 @@ class _State:
     flex: FlexMemory | None = None     # with spec.flex: the planner's memory plus each role's keep size
     switching: dict[str, Switch] = field(default_factory=dict)   # flex pod -> the switch it drains for
     last_flex: FlexDecision | None = None
+    # the roles of the flex workers the planner asked for that have no pod yet, in order: a new pod takes
+    # the next one (the operator's own pick for a new pod, the role fewer serve, is not the planner's)
+    adding: list[str] = field(default_factory=list)
+    adding_at: Any = None    # when they were asked for (a pod created before is not one of them)
 
 
 def _since(value: str | None) -> float:
@@ -381,6 +386,11 @@ class PlannerLoop:
             else:
                 state.switching[name] = Switch(frm, to, time.monotonic())
         state.last_flex = fd
+        adding = [role for name, role in fd.roles if name not in pool.pods] + list(fd.add)
+        if not state.adding or state.adding_at is None:
+            # (creation timestamps are whole seconds)
+            state.adding_at = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)
+        state.adding = adding
         return decision
 
     def _switch_outcome(self, meta: dict[str, Any], switch: Switch, outcome: str) -> None:
@@ -411,11 +421,20 @@ class PlannerLoop:
         self._settle_switches(meta, state, pods, signals, flex.switch_drain_seconds)
         serving = [(p.metadata.labels or {}).get(LABEL_SERVING_ROLE) for p in pods]
         serving = [r for r in serving if r in SERVING_ROLES]
+        adding = list(state.adding)
         workers = []
-        for p in pods:
+        for p in sorted(pods, key=lambda p: (p.metadata.creation_timestamp is None, p.metadata.creation_timestamp,
+                                             p.metadata.name)):
             labels, notes = p.metadata.labels or {}, p.metadata.annotations or {}
             role = labels.get(LABEL_SERVING_ROLE)
-            if role not in SERVING_ROLES:
+            if (adding and ANNOTATION_SERVING_ROLE_SINCE not in notes and state.adding_at is not None
+                    and p.metadata.creation_timestamp is not None and p.metadata.creation_timestamp >= state.adding_at):
+                # a pod the planner asked for whose role is not the planner's yet: the one it was asked for
+                # (the executor labels it; a pod already serving the operator's pick drains it first)
+                role = adding.pop(0)
+                wstate = STARTING if not _pod_ready(p) or labels.get(LABEL_SERVING_ROLE) not in SERVING_ROLES \
+                    else SWITCHING if labels.get(LABEL_SERVING_ROLE) != role else SERVING
+            elif role not in SERVING_ROLES:
                 role = initial_serving_role(serving)
                 serving.append(role)
                 wstate = STARTING
@@ -426,9 +445,10 @@ class PlannerLoop:
             workers.append(FlexWorker(p.metadata.name, role, wstate, _since(notes.get(ANNOTATION_SERVING_ROLE_SINCE)),
                                       (signals.load or {}).get(p.metadata.name, 0.0)))
         for i in range(max(flex.replicas - len(pods), 0)):
-            role = initial_serving_role(serving)
+            role = adding.pop(0) if adding else initial_serving_role(serving)
             serving.append(role)
             workers.append(FlexWorker(f"(not created {i})", role, STARTING, now))
+        workers.sort(key=lambda w: w.name)
         flex_max = flex.max_replicas if flex.max_replicas is not None else MAX_REPLICAS
         return FlexPool(FlexTarget(target, tuple(workers), flex.min_replicas or 0, max(flex_max, flex.min_replicas or 0)),
                         {p.metadata.name: p for p in pods}, signals, spec.flex.replicas)

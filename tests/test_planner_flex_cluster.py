@@ -34,7 +34,7 @@ def manifest(namespace):
             "metadata": {"name": NAME, "namespace": namespace, "annotations": {GPU_ANNOTATION: "H100-SXM"}},
             "spec": {"model": {"name": "llama-3.1-8b", "source": "hf://meta-llama/Llama-3.1-8B-Instruct"},
                      "prefill": {"replicas": 1, "maxReplicas": 1}, "decode": {"replicas": 1, "maxReplicas": 1},
-                     "flex": {"replicas": 2, "minReplicas": 1, "maxReplicas": 3},
+                     "flex": {"replicas": 2, "minReplicas": 1, "maxReplicas": 6},
                      "slo": {"ttftMs": 1000, "itlMs": 50, "percentile": 90},
                      "planner": {"enabled": True, "intervalSeconds": 5, "gpuBudget": 16,
                                  "scaleDownCooldownSeconds": 60, "prometheus": ENDPOINT}}}
@@ -135,35 +135,54 @@ def test_the_planner_switches_flex_workers_before_it_scales_grows_and_shrinks_th
     assert metrics.registry.get_sample_value(m.PLANNER_ROLE_SWITCHES, {
         **lab, "from_role": "decode", "to_role": "prefill", "outcome": m.SWITCH_SWITCHED}) == 1
 
-    # 3. both roles busy: no flex worker to spare (decode has none; the one that just switched does not switch
-    # back within its dwell): the pool grows, to its maximum
+    # 3. between decisions (the fast path), a prefill queue growing faster than its workers drain it: decode
+    # keeps its one dedicated worker (the last decision's keep), so the pool grows by a prefill worker
+    clock = iter(1001.0 + k / 100 for k in range(100_000))
+
+    def reacted():
+        exporter.traffic = replace(exporter.traffic, prefill_waiting=exporter.traffic.prefill_waiting + 20)
+        return loop.react_one(get(), now=next(clock))
+
+    fast = wait_for(reacted, 120, "the fast path's reaction", interval=0.5)
+    print("fast path:", fast.reason, fast.message)
+    n3 = get()["spec"]["flex"]["replicas"]
+    assert fast.reason == reasons.FLEX_GROWN and f"new {n3 - 2} prefill)" in fast.message and n3 > 2, fast.message
+    assert roles(core, namespace)[decode_worker] == "prefill"
+    wait_for(lambda: len(flex_pods(core, namespace)) == n3, 120, "the new flex pods")
+    exporter.traffic = replace(exporter.traffic, prefill_waiting=0)
+
+    # 4. both roles busy: no flex worker to spare (decode has none; the one that just switched does not switch
+    # back within its dwell, prefill keeps all it has): the pool grows, for decode. The pods the fast path asked
+    # for prefill serve prefill, whatever the operator gave them when they were created
     exporter.traffic = replace(exporter.traffic, itl=0.2, output_tokens=400)
     wait_for(lambda: (lambda o: o.itl and o.itl > 0.1 and o.output_tokens_mean > 390)(
         source.observe(namespace, NAME, 90, 5)), 60,
              "decode's ITL over its target in Prometheus", interval=0.5)
     [(_, _, decision)] = loop.step(now=1010.0)
-    print("decision 3:", decision.reason, decision.message)
-    assert decision.reason == reasons.FLEX_GROWN and get()["spec"]["flex"]["replicas"] == 3, decision.message
-    assert roles(core, namespace)[decode_worker] == "prefill"
+    print("decision 4:", decision.reason, decision.message)
+    n4 = get()["spec"]["flex"]["replicas"]
+    assert decision.reason == reasons.FLEX_GROWN and n4 > n3 and f"new {n4 - n3} decode)" in decision.message, \
+        decision.message
+    assert list(roles(core, namespace).values()).count("prefill") == n3
     assert metrics.registry.get_sample_value(m.PLANNER_DECISIONS, {
-        **lab, "role": "flex", "direction": "up", "reason": reasons.FLEX_GROWN}) == 1
+        **lab, "role": "flex", "direction": "up", "reason": reasons.FLEX_GROWN}) == 2
     # (ready: a ReplicaSet removes a pod that is not before any other, whatever its deletion cost)
-    wait_for(lambda: len(flex_pods(core, namespace)) == 3 and all(roles(core, namespace).values())
-             and all(ready(p) for p in flex_pods(core, namespace).values()), 120, "the third flex pod, labelled")
+    wait_for(lambda: len(flex_pods(core, namespace)) == n4 and all(roles(core, namespace).values())
+             and all(ready(p) for p in flex_pods(core, namespace).values()), 120, "the new flex pods, ready")
 
-    # 4. Prometheus gone: the planner holds (no switch, no size change) and says so
+    # 5. Prometheus gone: the planner holds (no switch, no size change) and says so
     labelled = roles(core, namespace)
     prom.stop()
     [(_, _, held)] = loop.step(now=1020.0)
     assert held.reason == reasons.PROMETHEUS_UNREACHABLE and not held.metrics_ok
     obj = get()
-    assert obj["spec"]["flex"]["replicas"] == 3 and roles(core, namespace) == labelled
+    assert obj["spec"]["flex"]["replicas"] == n4 and roles(core, namespace) == labelled
     assert obj["status"]["planner"]["reason"] == reasons.PROMETHEUS_UNREACHABLE
     active = next(c for c in obj["status"]["conditions"] if c["type"] == "PlannerActive")
     assert active["status"] == "False" and "unreachable" in active["message"]
     assert metrics.registry.get_sample_value(m.PLANNER_METRICS_AVAILABLE, lab) == 0
 
-    # 5. both roles idle, past the cooldown: the pool shrinks first, down to its minimum; the worker removed is
+    # 6. both roles idle, past the cooldown: the pool shrinks first, down to its minimum; the worker removed is
     # the one the planner chose (its deletion cost), not the ReplicaSet's pick
     prom.start()
     exporter.traffic = replace(exporter.traffic, rate=0.5, ttft=0.1, itl=0.01, prefill_ttft=0.1, output_tokens=50,
@@ -176,15 +195,15 @@ def test_the_planner_switches_flex_workers_before_it_scales_grows_and_shrinks_th
         if shrunk.reason == reasons.FLEX_SHRUNK:
             break
         now += 5.0
-    print("decision 5:", shrunk.reason, shrunk.message)
+    print("decision 6:", shrunk.reason, shrunk.message)
     assert shrunk.reason == reasons.FLEX_SHRUNK, shrunk.message
     fd = state.last_flex
-    assert fd.remove and get()["spec"]["flex"]["replicas"] == 3 - len(fd.remove) >= 1
+    assert fd.remove and get()["spec"]["flex"]["replicas"] == n4 - len(fd.remove) >= 1
     marked = {n for n, p in flex_pods(core, namespace).items()
               if (p.metadata.annotations or {}).get(ANNOTATION_POD_DELETION_COST) == REMOVE_COST}
     assert marked == set(fd.remove)
     wait_for(lambda: not set(fd.remove) & set(flex_pods(core, namespace)) and
-             len(flex_pods(core, namespace)) == 3 - len(fd.remove), 120, "the marked workers removed, the others kept")
+             len(flex_pods(core, namespace)) == n4 - len(fd.remove), 120, "the marked workers removed, the others kept")
     assert metrics.registry.get_sample_value(m.PLANNER_DECISIONS, {
         **lab, "role": "flex", "direction": "down", "reason": reasons.FLEX_SHRUNK}) == 1
 
