@@ -1,7 +1,8 @@
 """Flex workers (spec.flex): the serving role on each flex pod, and what the operator reports of it.
 
 A flex pod's role is its LABEL_SERVING_ROLE label. The planner owns it where it runs (its decision, written
-on the pod); the operator writes it only on a pod that has none yet: a new flex worker takes the role fewer
+on the pod, disagg.planner.apply; a pod it asked for takes the role it was asked for at the planner's next
+pass); the operator writes it only on a pod that has none yet: a new flex worker takes the role fewer
 flex workers serve (decode on a tie: decode's KV memory is what a burst of long answers runs out of first),
 so a pool with no planner stays split evenly, and the operator never changes a role someone set. Each change
 of the label it sees (against ANNOTATION_OBSERVED_SERVING_ROLE, its record on the pod) is reported once: an

@@ -2,8 +2,10 @@
 under its own role) renders the pool and labels new flex pods; the planner loop, under the planner's own role,
 reads the pods and a real Prometheus (scraping an exporter the test drives, in the routers' and engines' names)
 and carries decide_flex out: a role switch as the pod's serving-role label, written before any replica count;
-the pool grown or shrunk as spec.flex.replicas, the worker it removes marked so its ReplicaSet removes that one;
-a hold without metrics. Every decision's reason in status, events and metrics.
+the pool grown (by a decision, and by the fast path between decisions) or shrunk as spec.flex.replicas, the
+worker it removes marked so its ReplicaSet removes that one; a hold without metrics. Every decision's reason in
+status, events and metrics. No engine runs here (kwok pods): tests/test_router_pd.py has the routers' drain and
+flip on real engines.
 """
 
 from dataclasses import replace
