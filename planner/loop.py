@@ -473,8 +473,8 @@ class PlannerLoop:
         for name, sw in list(state.switching.items()):
             if labels.get(name) != sw.to:
                 del state.switching[name]
-            elif (signals.draining is not None and not signals.draining.get(sw.frm)
-                  and clock - sw.asked >= self.scrape_interval):
+            elif (signals.draining is not None and sw.frm in signals.draining and not signals.draining[sw.frm]
+                  and clock - sw.asked >= self.scrape_interval):   # (no series at all: no router says)
                 del state.switching[name]
                 self._switch_outcome(meta, sw, m.SWITCH_SWITCHED)
             elif clock - sw.asked > bound:
