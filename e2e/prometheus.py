@@ -18,7 +18,7 @@ import subprocess
 import threading
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
@@ -226,6 +226,11 @@ class Traffic:
     streamed: float = 1.0       # share of requests streamed: the router sees TTFT and ITL of those only
     prefill_ttft: float = 0.25  # the workers' own vLLM TTFT (seconds), every request
     decode_ttft: float = 0.05
+    # a flex pool (spec.flex): the workers the routers have draining out of each role, and per flex pod
+    # (name -> (serving role, requests running)) its engine's series, labelled with its pod as the chart's
+    # pod monitor labels them
+    flex_draining: dict[str, float] = field(default_factory=dict)
+    flex_pods: dict[str, tuple[str, float]] = field(default_factory=dict)
 
 
 class MetricsExporter:
@@ -254,7 +259,9 @@ class MetricsExporter:
         self.engine_itl = Histogram(m.VLLM_ITL_SECONDS, "engine itl", labels + ["role"], registry=r,
                                     buckets=(0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.08, 0.16, 0.32))
         self.waiting = Gauge(m.VLLM_NUM_REQUESTS_WAITING, "waiting", labels + ["role"], registry=r)
-        self.running = Gauge(m.VLLM_NUM_REQUESTS_RUNNING, "running", labels + ["role"], registry=r)
+        # (pod "" is no label at all: the role's series as before)
+        self.running = Gauge(m.VLLM_NUM_REQUESTS_RUNNING, "running", labels + ["role", "pod"], registry=r)
+        self.flex = Gauge(m.ROUTER_FLEX_WORKERS, "flex workers", labels + ["role", "state"], registry=r)
         self.kv = Gauge(m.VLLM_KV_CACHE_USAGE, "kv usage", labels + ["role"], registry=r)
         # what the engines served: prompt tokens (and prefix-cache hits) at prefill, generated tokens at decode
         self.engine_prompt = Counter(m.VLLM_PROMPT_TOKENS, "engine prompt tokens", labels + ["role"], registry=r)
@@ -296,8 +303,11 @@ class MetricsExporter:
                 self.engine_generated.labels(**lab, role="decode").inc(t.output_tokens)
             for role, waiting in (("prefill", t.prefill_waiting), ("decode", t.decode_waiting)):
                 self.waiting.labels(**lab, role=role).set(waiting)
-                self.running.labels(**lab, role=role).set(1)
+                self.running.labels(**lab, role=role, pod="").set(1)
                 self.kv.labels(**lab, role=role).set(0.5)
+                self.flex.labels(**lab, role=role, state="draining").set(t.flex_draining.get(role, 0))
+            for pod, (role, running) in t.flex_pods.items():
+                self.running.labels(**lab, role=role, pod=pod).set(running)
 
     def close(self):
         self._stop.set()

@@ -1,7 +1,8 @@
 """Flex workers (spec.flex): the serving role on each flex pod, and what the operator reports of it.
 
 A flex pod's role is its LABEL_SERVING_ROLE label. The planner owns it where it runs (its decision, written
-on the pod); the operator writes it only on a pod that has none yet: a new flex worker takes the role fewer
+on the pod, disagg.planner.apply; a pod it asked for takes the role it was asked for at the planner's next
+pass); the operator writes it only on a pod that has none yet: a new flex worker takes the role fewer
 flex workers serve (decode on a tie: decode's KV memory is what a burst of long answers runs out of first),
 so a pool with no planner stays split evenly, and the operator never changes a role someone set. Each change
 of the label it sees (against ANNOTATION_OBSERVED_SERVING_ROLE, its record on the pod) is reported once: an
@@ -15,7 +16,7 @@ from dataclasses import replace
 from typing import Any
 
 from disagg.api.names import (ANNOTATION_OBSERVED_SERVING_ROLE, LABEL_SERVING_ROLE, ROLE_DECODE, ROLE_FLEX,
-                              ROLE_PREFILL, SERVING_ROLES)
+                              ROLE_PREFILL, SERVING_ROLES, initial_serving_role)
 
 from . import metrics
 from . import status as statuses
@@ -23,8 +24,7 @@ from . import status as statuses
 
 def initial_role(pods: list[statuses.PodView]) -> str:
     """The role a new flex worker takes: the one fewer flex workers serve, decode on a tie."""
-    serving = [p.serving_role for p in pods if p.role == ROLE_FLEX and not p.terminating]
-    return ROLE_PREFILL if serving.count(ROLE_PREFILL) < serving.count(ROLE_DECODE) else ROLE_DECODE
+    return initial_serving_role([p.serving_role for p in pods if p.role == ROLE_FLEX and not p.terminating])
 
 
 def run(core, namespace: str, name: str, pods: list[statuses.PodView], written: dict[str, str]

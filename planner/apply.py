@@ -10,6 +10,12 @@
 * an Event when the size changes or the planner starts or stops holding for want of metrics;
 * ``disagg_planner_*`` metrics.
 
+With a flex pool (``spec.flex``), switch before scale: each flex worker whose role the decision changes
+gets its pod's serving-role label (and the time, :data:`~disagg.api.names.ANNOTATION_SERVING_ROLE_SINCE`)
+first, a metadata patch that the routers carry out as drain-then-flip and the operator reports; each worker
+to remove gets the lowest pod-deletion-cost, so its ReplicaSet removes that one; only then
+``spec.flex.replicas``, beside the dedicated roles' replicas, in the same apply.
+
 Every Kubernetes call carries ``_request_timeout=`` :data:`KUBE_REQUEST_TIMEOUT` (the client's default is
 none: one API server that accepts a connection and never answers would stall the loop for good).
 """
@@ -22,10 +28,15 @@ from typing import Any
 
 from disagg.api import kube
 from disagg.api import metrics as m
-from disagg.api.names import GROUP, ROLE_DECODE, ROLE_PREFILL
+from dataclasses import dataclass
+
+from disagg.api.names import (ANNOTATION_POD_DELETION_COST, ANNOTATION_SERVING_ROLE_SINCE, GROUP, LABEL_SERVING_ROLE,
+                              ROLE_DECODE, ROLE_FLEX, ROLE_PREFILL, SERVING_ROLES)
 from disagg.api.v1alpha1 import API_VERSION, KIND, PLURAL, VERSION, ConditionType
 
 from .decide import Decision, Target
+from .flex import FlexDecision, FlexTarget
+from .metrics_source import FlexSignals
 from .reasons import METRICS_OK, UNKNOWN_GPU, UNKNOWN_MODEL
 from .slo import Verdict
 
@@ -37,6 +48,20 @@ APPLY = "application/apply-patch+yaml"
 KUBE_REQUEST_TIMEOUT = kube.KUBE_REQUEST_TIMEOUT
 
 log = logging.getLogger("disagg.planner")
+# the pod-deletion-cost of a flex worker the planner removes: below the default 0 of every other pod
+REMOVE_COST = "-1000"
+
+
+@dataclass(frozen=True)
+class FlexPool:
+    """A flex pool as the loop observed it (PlannerLoop.flex_pool): the target decide_flex takes, the live
+    pods by name (a worker without one is a replica not created yet), what Prometheus said of the pool, and
+    spec.flex.replicas as read."""
+
+    target: FlexTarget
+    pods: dict[str, Any]
+    signals: FlexSignals
+    replicas: int
 
 
 def _now() -> str:
@@ -53,6 +78,13 @@ def replicas_owner(obj: dict[str, Any]) -> str:
                 if entry["manager"] not in owners:
                     owners.append(entry["manager"])
     return ",".join(owners)
+
+
+def owns_flex_replicas(obj: dict[str, Any]) -> bool:
+    """Whether the planner's field manager owns ``spec.flex.replicas``."""
+    return any(e.get("manager") == FIELD_MANAGER and e.get("subresource", "") == "" and
+               "f:replicas" in (e.get("fieldsV1") or {}).get("f:spec", {}).get("f:flex", {})
+               for e in obj.get("metadata", {}).get("managedFields") or [])
 
 
 def _find(obj: dict[str, Any], ctype: str) -> dict[str, Any] | None:
@@ -88,9 +120,15 @@ class PlannerMetrics:
                                registry=r)
         self.model_known = Gauge(m.PLANNER_MODEL_KNOWN, "1 when the model and GPU are in the performance model's "
                                  "data (0: the planner holds)", labels, registry=r)
+        self.flex_workers = Gauge(m.PLANNER_FLEX_WORKERS, "Flex workers by the role the planner gave them (serving "
+                                  "it or draining to switch to it)", labels + ["role"], registry=r)
+        self.role_switches = Counter(m.PLANNER_ROLE_SWITCHES, "Role switches the planner asked for, by how they "
+                                     "ended (switched: the routers drained and flipped; abandoned: the drain's "
+                                     "bound passed; cancelled: asked back first)",
+                                     labels + ["from_role", "to_role", "outcome"], registry=r)
         # per deployment: what forget() removes when a deployment goes (or leaves the planner)
         self._per_deployment = (self.decisions, self.desired, self.predicted_rate, self.ttft, self.itl,
-                                self.available, self.model_known)
+                                self.available, self.model_known, self.flex_workers, self.role_switches)
         self.errors = Counter(m.PLANNER_ERRORS, "Failed calls and passes (the loop goes on)", ["stage", "error"],
                               registry=r)
         self.last_pass = Gauge(m.PLANNER_LAST_PASS, "When the loop last made progress (unix seconds)", registry=r)
@@ -101,12 +139,28 @@ class PlannerMetrics:
         for metric in self._per_deployment:
             metric.remove_by_labels({"namespace": namespace, "deployment": name})
 
-    def record(self, namespace: str, name: str, decision: Decision, target: Target) -> None:
+    def record(self, namespace: str, name: str, decision: Decision, target: Target,
+               flex: tuple[FlexDecision, FlexTarget] | None = None) -> None:
+        """``flex``: a deployment with a flex pool, whose changes are counted per role as
+        :meth:`FlexDecision.records` names them (role ``flex`` for the pool; a switch one role up, the other
+        down, reason RoleSwitched), its desired replicas the dedicated ones and the pool's."""
         lab = {"namespace": namespace, "deployment": name}
-        for role, rd, current in ((ROLE_PREFILL, decision.prefill, target.prefill),
-                                  (ROLE_DECODE, decision.decode, target.decode)):
-            self.decisions.labels(**lab, role=role, direction=rd.direction(current), reason=rd.reason).inc()
-            self.desired.labels(**lab, role=role).set(rd.replicas)
+        if flex is not None:
+            fd, ftarget = flex
+            records = fd.records(ftarget) or [(role, "hold", fd.reason) for role in (ROLE_PREFILL, ROLE_DECODE,
+                                                                                      ROLE_FLEX)]
+            for role, direction, reason in records:
+                self.decisions.labels(**lab, role=role, direction=direction, reason=reason).inc()
+            for role, n in ((ROLE_PREFILL, fd.prefill), (ROLE_DECODE, fd.decode), (ROLE_FLEX, fd.flex)):
+                self.desired.labels(**lab, role=role).set(n)
+            for role in SERVING_ROLES:
+                self.flex_workers.labels(**lab, role=role).set(fd.total(role) - (fd.prefill if role == ROLE_PREFILL
+                                                                                 else fd.decode))
+        else:
+            for role, rd, current in ((ROLE_PREFILL, decision.prefill, target.prefill),
+                                      (ROLE_DECODE, decision.decode, target.decode)):
+                self.decisions.labels(**lab, role=role, direction=rd.direction(current), reason=rd.reason).inc()
+                self.desired.labels(**lab, role=role).set(rd.replicas)
         # a hold for an unknown model or GPU comes only after the metrics were read (the loop sees to it): the
         # metrics alert must not fire for it, PlannerActive and model_known say it instead
         self.available.labels(**lab).set(1 if decision.metrics_ok or decision.reason in (UNKNOWN_MODEL, UNKNOWN_GPU)
@@ -130,17 +184,28 @@ class Executor:
         self.request_timeout = request_timeout
 
     def apply(self, obj: dict[str, Any], decision: Decision, target: Target,
-              verdict: Verdict | None = None) -> dict[str, Any]:
+              verdict: Verdict | None = None, flex: tuple[FlexDecision, FlexPool] | None = None,
+              now: float | None = None) -> dict[str, Any]:
         """Carry ``decision`` out on ``obj`` (the DisaggDeployment as read); returns the object after it.
-        With a ``verdict``, status.latency and SLOMet are written in the same status apply."""
+        With a ``verdict``, status.latency and SLOMet are written in the same status apply. With ``flex``
+        (a flex pool's decision and the pool it was made on; ``decision`` then carries its reason and
+        message, ``target`` is the dedicated roles'), the pods' roles first, the replicas after;
+        ``now``: the planner's clock, recorded on each pod it gives a role."""
         meta = obj["metadata"]
         ns, name = meta["namespace"], meta["name"]
         owner = replicas_owner(obj)
-        if decision.changes(target) or owner != FIELD_MANAGER:
-            # always both roles: a field left out of an apply is a field given up
+        sizes = {"prefill": {"replicas": decision.prefill.replicas}, "decode": {"replicas": decision.decode.replicas}}
+        changes = decision.changes(target)
+        if flex is not None:
+            fd, pool = flex
+            self._flex_pods(ns, fd, pool, now)
+            sizes = {"prefill": {"replicas": fd.prefill}, "decode": {"replicas": fd.decode},
+                     "flex": {"replicas": fd.flex}}
+            changes = (fd.prefill, fd.decode, fd.flex) != (target.prefill, target.decode, pool.replicas)
+        if changes or owner != FIELD_MANAGER or (flex is not None and not owns_flex_replicas(obj)):
+            # always every role: a field left out of an apply is a field given up
             body = {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name, "namespace": ns},
-                    "spec": {"prefill": {"replicas": decision.prefill.replicas},
-                             "decode": {"replicas": decision.decode.replicas}}}
+                    "spec": sizes}
             obj = self.custom.patch_namespaced_custom_object(
                 GROUP, VERSION, ns, PLURAL, name, body, field_manager=FIELD_MANAGER, force=True,
                 _content_type=APPLY, _request_timeout=self.request_timeout)
@@ -155,9 +220,12 @@ class Executor:
                      if previous and previous.get("status") == status else _now(),
                      "observedGeneration": obj["metadata"].get("generation")}
         planner = {"replicasManagedBy": owner, "lastDecisionTime": _now(),
-                   "prefillReplicas": decision.prefill.replicas, "decodeReplicas": decision.decode.replicas,
+                   "prefillReplicas": sizes["prefill"]["replicas"], "decodeReplicas": sizes["decode"]["replicas"],
                    "reason": decision.reason, "message": decision.message[:32768],
                    "inputs": decision.inputs, "prediction": decision.prediction}
+        if flex is not None:
+            planner.update(flexReplicas=fd.flex, flexPrefill=fd.total(ROLE_PREFILL) - fd.prefill,
+                           flexDecode=fd.total(ROLE_DECODE) - fd.decode)
         planner = {k: v for k, v in planner.items() if v != {}}  # (an empty map would be sent as null)
         written: dict[str, Any] = {"planner": planner, "conditions": [condition]}
         before = obj
@@ -171,15 +239,34 @@ class Executor:
             _request_timeout=self.request_timeout)
         if verdict is not None:
             self._slo_event(before, obj, verdict)
-        if decision.changes(target):
+        if changes or (flex is not None and fd.switches):
             self._event(obj, "Normal", decision.reason, decision.message)
         elif previous is None or previous.get("status") != status:
             self._event(obj, "Normal" if decision.metrics_ok else "Warning", reason, decision.message)
         if self.metrics:
-            self.metrics.record(ns, name, decision, target)
-        log.info('{"deployment": "%s/%s", "prefill": %d, "decode": %d, "reason": "%s"}', ns, name,
-                 decision.prefill.replicas, decision.decode.replicas, decision.reason)
+            self.metrics.record(ns, name, decision, target, (fd, pool.target) if flex is not None else None)
+        log.info('{"deployment": "%s/%s", "prefill": %d, "decode": %d%s, "reason": "%s"}', ns, name,
+                 sizes["prefill"]["replicas"], sizes["decode"]["replicas"],
+                 f', "flex": {fd.flex}, "switches": {len(fd.switches)}' if flex is not None else "", decision.reason)
         return obj
+
+    def _flex_pods(self, namespace: str, fd: FlexDecision, pool: FlexPool, now: float | None) -> None:
+        """The pods' side of a flex decision: the serving-role label of every kept worker whose pod has
+        another (a switch) or none yet, and the lowest deletion cost on each worker to remove. Metadata only,
+        on flex pods only: a planner role that patches pods is admitted no other change (the chart's
+        planner-writes policy)."""
+        since = f"{now if now is not None else dt.datetime.now(dt.timezone.utc).timestamp():.0f}"
+        for pod_name, role in fd.roles:
+            pod = pool.pods.get(pod_name)
+            if pod is None or (pod.metadata.labels or {}).get(LABEL_SERVING_ROLE) == role:
+                continue
+            self.core.patch_namespaced_pod(pod_name, namespace, {"metadata": {
+                "labels": {LABEL_SERVING_ROLE: role}, "annotations": {ANNOTATION_SERVING_ROLE_SINCE: since}}},
+                _request_timeout=self.request_timeout)
+        for pod_name in fd.remove:
+            if pod_name in pool.pods:
+                self.core.patch_namespaced_pod(pod_name, namespace, {"metadata": {
+                    "annotations": {ANNOTATION_POD_DELETION_COST: REMOVE_COST}}}, _request_timeout=self.request_timeout)
 
     def report(self, obj: dict[str, Any], verdict: Verdict) -> dict[str, Any]:
         """status.latency and SLOMet alone (a deployment with spec.slo and no planner)."""

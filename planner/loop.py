@@ -16,10 +16,20 @@ stays, and the next pass tries again. Each pass, and each deployment handled, is
 The model and GPU are looked up in the performance model's data; one it does not know is never planned as
 another: the planner holds, says why in status (``UnknownModel``, ``UnknownGPU``), in a log line and in
 ``disagg_planner_model_known``.
+
+A deployment with a flex pool (``spec.flex``) is planned by :func:`disagg.planner.flex.decide_flex` (and
+:func:`~disagg.planner.flex.react_flex` between decisions) on what the loop observes of the pool
+(:meth:`PlannerLoop.flex_pool`): its pods (each one's serving-role label, readiness, the time the planner
+gave it that role) from the API server, and from Prometheus the workers its routers have draining for a
+switch and each engine's requests. The executor carries a switch out as the pod's serving-role label (the
+routers drain, then flip; the operator reports it), before it writes any replica count. The pool's bounds:
+``spec.flex.minReplicas`` (none: 0) to ``spec.flex.maxReplicas`` (none: the dedicated roles' own limit,
+the GPU budget bounding all three).
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import math
@@ -31,15 +41,19 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import yaml
 
-from disagg.api.names import GROUP
+from disagg.api.names import (ANNOTATION_POD_DELETION_COST, ANNOTATION_SERVING_ROLE_SINCE, GROUP, LABEL_DEPLOYMENT,
+                              LABEL_ROLE, LABEL_SERVING_ROLE, ROLE_FLEX, SERVING_ROLES, initial_serving_role)
+from disagg.api import metrics as m
 from disagg.api.v1alpha1 import PLURAL, VERSION, ConditionType, DisaggDeploymentSpec
 from disagg.perf import model as perfmodel
 
 from . import slo
-from .apply import KUBE_REQUEST_TIMEOUT, Executor, PlannerMetrics
-from .decide import Decision, Memory, Observation, RoleModels, Target, decide, react
+from .apply import KUBE_REQUEST_TIMEOUT, REMOVE_COST, Executor, FlexPool, PlannerMetrics
+from .decide import MAX_REPLICAS, Decision, Memory, Observation, RoleModels, Target, decide, react
+from .flex import (STARTING, SERVING, SWITCHING, FlexDecision, FlexMemory, FlexTarget, FlexWorker, decide_flex,
+                   react_flex)
 from .endpoints import Allowlist, Endpoint
-from .metrics_source import DEFAULT_SCRAPE_INTERVAL, FAST_SCRAPES, MetricsSource, query_window
+from .metrics_source import DEFAULT_SCRAPE_INTERVAL, FAST_SCRAPES, FlexSignals, MetricsSource, query_window
 from .reasons import PROMETHEUS_NOT_ALLOWED, UNKNOWN_GPU, UNKNOWN_MODEL
 
 if TYPE_CHECKING:   # (off, the planner imports no OpenTelemetry)
@@ -143,6 +157,15 @@ def readiness(obj: dict[str, Any]) -> tuple[bool, bool]:
     return ready, progressing or stale
 
 
+@dataclass(frozen=True)
+class Switch:
+    """A role switch the planner asked for, until its routers report the worker's drain over."""
+
+    frm: str
+    to: str
+    asked: float     # time.monotonic() when the label was written (the drain's bound is wall time)
+
+
 @dataclass
 class _State:
     namespace: str
@@ -151,6 +174,25 @@ class _State:
     last: float | None = None
     last_fast: float | None = None     # the fast path's last look at the queues
     unplannable: Unplannable | None = None   # as last logged (logged again only when it changes)
+    flex: FlexMemory | None = None     # with spec.flex: the planner's memory plus each role's keep size
+    switching: dict[str, Switch] = field(default_factory=dict)   # flex pod -> the switch it drains for
+    last_flex: FlexDecision | None = None
+    # the roles of the flex workers the planner asked for that have no pod yet, in order: a new pod takes
+    # the next one (the operator's own pick for a new pod, the role fewer serve, is not the planner's)
+    adding: list[str] = field(default_factory=list)
+    adding_at: Any = None    # when they were asked for (a pod created before is not one of them)
+
+
+def _since(value: str | None) -> float:
+    try:
+        since = float(value) if value is not None else 0.0
+    except ValueError:
+        return 0.0
+    return since if math.isfinite(since) else 0.0
+
+
+def _pod_ready(pod: Any) -> bool:
+    return any(c.type == "Ready" and c.status == "True" for c in (pod.status.conditions or []) if pod.status)
 
 
 class PlannerLoop:
@@ -282,6 +324,8 @@ class PlannerLoop:
         obs, window = self._observe(meta, spec, now)
         models, problem = self._models(obj, spec)
         self._say_unplannable(meta, state, problem)
+        if spec.flex is not None:
+            return self._plan_flex(obj, spec, target, state, obs, window, models, problem, now, started)
         if problem is not None and _readable(obs):
             # hold, in decide()'s own words, with what was observed; nothing is learnt from this interval
             held = Observation.unavailable(obs.time, problem.message, problem.reason)
@@ -300,6 +344,142 @@ class PlannerLoop:
             self.tracer.record(meta, obs, decision, target, started, window_seconds=window,
                                prometheus=None if isinstance(endpoint, str) else endpoint.name)
         return decision
+
+    def _plan_flex(self, obj: dict[str, Any], spec: DisaggDeploymentSpec, target: Target, state: _State,
+                   obs: Observation, window: float, models: RoleModels | None, problem: Unplannable | None,
+                   now: float, started: int) -> Decision:
+        """plan_one for a deployment with a flex pool: :func:`decide_flex` on the pool as observed, carried
+        out switch first (the executor), every switch remembered until its drain is seen over."""
+        meta = obj["metadata"]
+        pool = self.flex_pool(obj, spec, target, state, now)
+        memory = state.flex or FlexMemory(state.memory)
+        if problem is not None and _readable(obs):
+            held = Observation.unavailable(obs.time, problem.message, problem.reason)
+            fd, _ = decide_flex(held, pool.target, memory, models, now)
+            fd = replace(fd, decision=replace(fd.decision, inputs=obs.inputs()))
+        else:
+            fd, state.flex = decide_flex(obs, pool.target, memory, models, now)
+            state.memory = state.flex.planner
+            if problem is not None:
+                fd = replace(fd, message=f"{fd.message}; also {problem.message}")
+        state.last = now
+        decision = self._carry_out(obj, fd, pool, state, now, slo.judge(obs, spec.slo, window))
+        if self.tracer is not None:
+            endpoint = self.endpoints.resolve(spec.planner.prometheus)
+            self.tracer.record(meta, obs, decision, pool.target.combined(), started, window_seconds=window,
+                               prometheus=None if isinstance(endpoint, str) else endpoint.name)
+        return decision
+
+    def _carry_out(self, obj: dict[str, Any], fd: FlexDecision, pool: FlexPool, state: _State, now: float,
+                   verdict: slo.Verdict | None = None) -> Decision:
+        """Apply ``fd`` and remember its switches; the decision as plan_one returns it (its reason and
+        message are the flex decision's: RoleSwitched, FlexPoolGrown, FlexPoolShrunk or decide's own)."""
+        decision = replace(fd.decision, reason=fd.reason, message=fd.message)
+        self.executor.apply(obj, decision, pool.target.dedicated, verdict, flex=(fd, pool), now=now)
+        meta = obj["metadata"]
+        for name, frm, to in fd.switches:
+            if name not in pool.pods:   # a replica not created yet: it takes its role when it is
+                continue
+            previous = state.switching.pop(name, None)
+            if previous is not None and previous.frm == to:   # asked back before its drain ended
+                self._switch_outcome(meta, previous, m.SWITCH_CANCELLED)
+            else:
+                state.switching[name] = Switch(frm, to, time.monotonic())
+        state.last_flex = fd
+        adding = [role for name, role in fd.roles if name not in pool.pods] + list(fd.add)
+        if not state.adding or state.adding_at is None:
+            # (creation timestamps are whole seconds)
+            state.adding_at = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)
+        state.adding = adding
+        return decision
+
+    def _switch_outcome(self, meta: dict[str, Any], switch: Switch, outcome: str) -> None:
+        if self.metrics:
+            self.metrics.role_switches.labels(namespace=meta["namespace"], deployment=meta["name"],
+                                              from_role=switch.frm, to_role=switch.to, outcome=outcome).inc()
+
+    def flex_pool(self, obj: dict[str, Any], spec: DisaggDeploymentSpec, target: Target, state: _State,
+                  now: float) -> FlexPool:
+        """The flex pool now, as :func:`decide_flex` takes it: each live flex pod a worker in the role its
+        label gives it (starting while not ready, or while it has no role yet: it then counts in the role
+        the operator will give it), switching while its routers still drain it for a switch the planner
+        asked for; each replica its Deployment has yet to create, a starting worker."""
+        meta = obj["metadata"]
+        ns, name = meta["namespace"], meta["name"]
+        flex = spec.flex
+        pods = [p for p in self.core.list_namespaced_pod(
+            ns, label_selector=f"{LABEL_DEPLOYMENT}={name},{LABEL_ROLE}={ROLE_FLEX}",
+            _request_timeout=self.request_timeout).items if p.metadata.deletion_timestamp is None]
+        # pods past spec.flex.replicas that the planner marked for removal: their ReplicaSet is removing them
+        marked = [p for p in pods if (p.metadata.annotations or {}).get(ANNOTATION_POD_DELETION_COST) == REMOVE_COST]
+        going = {p.metadata.name for p in marked[:max(len(pods) - flex.replicas, 0)]}
+        # past spec.flex.replicas otherwise (a rollout's surge): the ready ones count, the rest wait their turn
+        pods = sorted((p for p in pods if p.metadata.name not in going),
+                      key=lambda p: (not _pod_ready(p), p.metadata.name))[:flex.replicas]
+        pods.sort(key=lambda p: p.metadata.name)
+        signals = self._flex_signals(meta, spec)
+        self._settle_switches(meta, state, pods, signals, flex.switch_drain_seconds)
+        serving = [(p.metadata.labels or {}).get(LABEL_SERVING_ROLE) for p in pods]
+        serving = [r for r in serving if r in SERVING_ROLES]
+        adding = list(state.adding)
+        workers = []
+        for p in sorted(pods, key=lambda p: (p.metadata.creation_timestamp is None, p.metadata.creation_timestamp,
+                                             p.metadata.name)):
+            labels, notes = p.metadata.labels or {}, p.metadata.annotations or {}
+            role = labels.get(LABEL_SERVING_ROLE)
+            if (adding and ANNOTATION_SERVING_ROLE_SINCE not in notes and state.adding_at is not None
+                    and p.metadata.creation_timestamp is not None and p.metadata.creation_timestamp >= state.adding_at):
+                # a pod the planner asked for whose role is not the planner's yet: the one it was asked for
+                # (the executor labels it; a pod already serving the operator's pick drains it first)
+                role = adding.pop(0)
+                wstate = STARTING if not _pod_ready(p) or labels.get(LABEL_SERVING_ROLE) not in SERVING_ROLES \
+                    else SWITCHING if labels.get(LABEL_SERVING_ROLE) != role else SERVING
+            elif role not in SERVING_ROLES:
+                role = initial_serving_role(serving)
+                serving.append(role)
+                wstate = STARTING
+            elif p.metadata.name in state.switching:
+                wstate = SWITCHING
+            else:
+                wstate = SERVING if _pod_ready(p) else STARTING
+            workers.append(FlexWorker(p.metadata.name, role, wstate, _since(notes.get(ANNOTATION_SERVING_ROLE_SINCE)),
+                                      (signals.load or {}).get(p.metadata.name, 0.0)))
+        for i in range(max(flex.replicas - len(pods), 0)):
+            role = adding.pop(0) if adding else initial_serving_role(serving)
+            serving.append(role)
+            workers.append(FlexWorker(f"(not created {i})", role, STARTING, now))
+        workers.sort(key=lambda w: w.name)
+        flex_max = flex.max_replicas if flex.max_replicas is not None else MAX_REPLICAS
+        return FlexPool(FlexTarget(target, tuple(workers), flex.min_replicas or 0, max(flex_max, flex.min_replicas or 0)),
+                        {p.metadata.name: p for p in pods}, signals, spec.flex.replicas)
+
+    def _flex_signals(self, meta: dict[str, Any], spec: DisaggDeploymentSpec) -> FlexSignals:
+        endpoint = self.endpoints.resolve(spec.planner.prometheus)
+        if isinstance(endpoint, str):
+            return FlexSignals(error=endpoint)
+        observe_flex = getattr(self.source_for(endpoint), "observe_flex", None)
+        if observe_flex is None:
+            return FlexSignals(error="the metrics source reads no flex pool")
+        return observe_flex(meta["namespace"], meta["name"])
+
+    def _settle_switches(self, meta: dict[str, Any], state: _State, pods: list[Any], signals: FlexSignals,
+                         bound: float) -> None:
+        """Forget the switches that are over: counted ``switched`` once the routers report no worker draining
+        out of the old role (at least a scrape interval after the label was written, so the routers' view
+        had time to reach Prometheus), ``abandoned`` past the drain's bound (the routers flip anyway).
+        A switch whose pod is gone or relabelled by someone else is dropped uncounted."""
+        labels = {p.metadata.name: (p.metadata.labels or {}).get(LABEL_SERVING_ROLE) for p in pods}
+        clock = time.monotonic()
+        for name, sw in list(state.switching.items()):
+            if labels.get(name) != sw.to:
+                del state.switching[name]
+            elif (signals.draining is not None and sw.frm in signals.draining and not signals.draining[sw.frm]
+                  and clock - sw.asked >= self.scrape_interval):   # (no series at all: no router says)
+                del state.switching[name]
+                self._switch_outcome(meta, sw, m.SWITCH_SWITCHED)
+            elif clock - sw.asked > bound:
+                del state.switching[name]
+                self._switch_outcome(meta, sw, m.SWITCH_ABANDONED)
 
     def react_one(self, obj: dict[str, Any], now: float | None = None) -> Decision | None:
         """The fast path for one deployment between its decisions: read the queues, scale up if one grows
@@ -326,6 +506,18 @@ class PlannerLoop:
         models, problem = self._models(obj, spec)
         if models is None:
             return None
+        if spec.flex is not None:
+            pool = self.flex_pool(obj, spec, target, state, now)
+            fd, state.flex = react_flex(obs, pool.target, state.flex or FlexMemory(state.memory), models, now)
+            state.memory = state.flex.planner
+            if fd is None:
+                return None
+            log.info('{"deployment": "%s/%s", "fast_path": "%s"}', meta["namespace"], meta["name"], fd.message)
+            decision = self._carry_out(obj, fd, pool, state, now)
+            if self.tracer is not None:
+                self.tracer.record(meta, obs, decision, pool.target.combined(), started, fast=True,
+                                   prometheus=endpoint.name, window_seconds=FAST_SCRAPES * self.scrape_interval)
+            return decision
         decision, state.memory = react(obs, target, state.memory, models, now)
         if decision is not None:  # (an unreadable Prometheus is left to the next decision to report)
             log.info('{"deployment": "%s/%s", "fast_path": "%s"}', meta["namespace"], meta["name"], decision.message)

@@ -104,6 +104,8 @@ class MetricsSource(Protocol):
 
     # optional (the fast path between decisions): the waiting queues, their growth and the ready replicas
     # def observe_queues(self, namespace: str, name: str, window_seconds: float) -> Observation: ...
+    # optional (spec.flex): the flex pool's drains and per-pod load
+    # def observe_flex(self, namespace: str, name: str) -> FlexSignals: ...
 
 
 @dataclass(frozen=True)
@@ -205,6 +207,26 @@ def queue_queries(namespace: str, name: str, window_seconds: float, labels: Labe
         out[f"{role_value}_queue_growth"] = f"sum(deriv({waiting}[{w}]))"
         out[f"{role_value}_ready"] = f"count(sum by (instance) ({running}))"
     return out
+
+
+def flex_queries(namespace: str, name: str, labels: Labels = Labels()) -> dict[str, str]:
+    """What the planner reads of a flex pool (spec.flex) beside its pods: the workers each role's routers
+    have draining for a switch (a router process per series; each sees every worker, so the largest count
+    is the one furthest behind), and per pod the requests running and waiting on its engine (the chart's
+    pod monitor labels a flex worker's series with its serving role and its pod)."""
+    sel = f'{labels.namespace}="{namespace}",{labels.deployment}="{name}"'
+    engine = "|".join(f"{n}|{n.replace(':', '_')}" for n in (m.VLLM_NUM_REQUESTS_RUNNING, m.VLLM_NUM_REQUESTS_WAITING))
+    return {"draining": f'max by (role) ({m.ROUTER_FLEX_WORKERS}{{{sel},state="draining"}})',
+            "load": f'sum by (pod) ({{__name__=~"{engine}",{sel},pod!=""}})'}
+
+
+@dataclass(frozen=True)
+class FlexSignals:
+    """A flex pool as its routers and engines report it (:meth:`PrometheusSource.observe_flex`)."""
+
+    draining: dict[str, float] | None = None   # role -> workers draining out of it; None: not known
+    load: dict[str, float] | None = None       # pod -> requests running and waiting on its engine
+    error: str = ""
 
 
 # needed whenever there is traffic; the rest is used when present
@@ -323,6 +345,21 @@ class PrometheusSource:
             decode_ready=values["decode_ready"], prefill_saturated_tokens=values["prefill_saturated_tokens"],
             decode_saturated_tokens=values["decode_saturated_tokens"],
             decode_saturated_batch=values["decode_saturated_batch"], missing=missing, reads=tuple(reads))
+
+    def _vector(self, promql: str, label: str) -> dict[str, float]:
+        return {r["metric"].get(label, ""): float(r["value"][1]) for r in self._client.instant(promql)
+                if math.isfinite(float(r["value"][1]))}
+
+    def observe_flex(self, namespace: str, name: str) -> FlexSignals:
+        """The flex pool's drains and per-pod load; on any failure, nothing known and why (the planner
+        then treats a switch it asked for as draining until its bound, and every worker as idle)."""
+        q = flex_queries(namespace, name, self.labels)
+        try:
+            return FlexSignals(draining=self._vector(q["draining"], "role"), load=self._vector(q["load"], "pod"))
+        except QueryRefused as e:
+            return FlexSignals(error=f"{self.what} refused a flex query ({e})")
+        except Exception as e:
+            return FlexSignals(error=f"{self.what} unreachable ({type(e).__name__})")
 
     def observe_queues(self, namespace: str, name: str, window_seconds: float) -> Observation:
         """The fast path's snapshot: waiting queues, their growth and the ready replicas (no traffic figures)."""

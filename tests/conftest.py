@@ -119,6 +119,20 @@ def operator_kubeconfig(cluster, api_client, crd_installed, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def planner_api(cluster, api_client, crd_installed, tmp_path_factory):
+    """An API client holding a token of the planner's ServiceAccount (operator/rbac.yaml's disagg-planner
+    role only)."""
+    from kubernetes import config
+
+    from disagg.e2e.operator_fixture import planner_kubeconfig
+
+    path = planner_kubeconfig(cluster, api_client, tmp_path_factory.mktemp("planner") / "kubeconfig")
+    api = config.new_client_from_config(str(path))
+    yield api
+    api.close()
+
+
+@pytest.fixture(scope="module")
 def operator(operator_kubeconfig):
     """The operator running in this process under least privilege, for one test module."""
     from disagg.e2e.operator_fixture import running_operator

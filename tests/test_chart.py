@@ -162,10 +162,10 @@ def test_defaults_render_no_monitors_without_the_prometheus_operator(helm):
     # operator and planner: a ServiceAccount, a Deployment and a metrics Service each; roles: the operator's
     # cluster-scoped one, its namespaced one and the planner's (bound cluster-wide: no watchNamespaces),
     # and the two aggregated user roles; the planner's Prometheus allowlist (a ConfigMap) and the admission
-    # policy that refuses other names, and the policy on what the operator account writes
+    # policy that refuses other names, and the policies on what the operator's and the planner's accounts write
     assert kinds(objs) == sorted(["ServiceAccount"] * 2 + ["ClusterRole"] * 5 + ["ClusterRoleBinding"] * 3
                                  + ["Service"] * 2 + ["Deployment"] * 2 + ["ConfigMap"] * 5
-                                 + ["ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"] * 2)
+                                 + ["ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"] * 3)
     assert not MONITOR_KINDS & set(kinds(objs))
     dashboards = [o for o in objs if o["kind"] == "ConfigMap" and "dashboard" in o["metadata"]["name"]]
     for cm in dashboards:
@@ -196,7 +196,8 @@ def test_monitors_render_when_the_prometheus_operator_is_there(helm):
     workers, routers = one(objs, "PodMonitor", "workers"), one(objs, "PodMonitor", "routers")
     targets = lambda pm: [r["targetLabel"] for r in pm["spec"]["podMetricsEndpoints"][0]["relabelings"]  # noqa: E731
                           if "targetLabel" in r]
-    assert targets(workers) == ["deployment", "role"]
+    # (the second `role`: a flex worker's serving role, over its pool's name)
+    assert targets(workers) == ["deployment", "role", "role"]
     # the router's own series carry `role`: a `role` target label would rename theirs to exported_role
     assert targets(routers) == ["endpoint", "deployment"]
     # every router process on its own port (spec.router.processes): no one port named, those the operator
@@ -219,7 +220,7 @@ def test_monitors_render_when_the_prometheus_operator_is_there(helm):
     assert [(r["action"], r["regex"]) for r in port_rules(jobs[workers["metadata"]["name"]])] == \
         [("keep", contract.WORKER_METRICS_PORT_NAME)]
     assert routers["spec"]["selector"]["matchExpressions"][0]["values"] == ["router"]
-    assert workers["spec"]["selector"]["matchExpressions"][0]["values"] == ["prefill", "decode"]
+    assert workers["spec"]["selector"]["matchExpressions"][0]["values"] == ["prefill", "decode", "flex"]
 
     off = render(helm, "--api-versions", MONITORING, "--set", "monitoring.serviceMonitor.enabled=false",
                  "--set", "monitoring.podMonitors.enabled=false", "--set", "monitoring.prometheusRule.enabled=false",

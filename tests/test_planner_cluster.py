@@ -60,19 +60,6 @@ def metrics_world(namespace, tmp_path):
     exporter.close()
 
 
-@pytest.fixture(scope="module")
-def planner_api(cluster, api_client, crd_installed, tmp_path_factory):
-    """An API client holding a token of the planner's ServiceAccount (its role only)."""
-    from kubernetes import config
-
-    from disagg.e2e.operator_fixture import planner_kubeconfig
-
-    path = planner_kubeconfig(cluster, api_client, tmp_path_factory.mktemp("planner") / "kubeconfig")
-    api = config.new_client_from_config(str(path))
-    yield api
-    api.close()
-
-
 def _get(api_client, namespace):
     from kubernetes import client
 

@@ -7,7 +7,8 @@ The operator runs in this process under a token of the chart's operator ServiceA
 under the planner's, through a scenario that makes each do everything it does: create, drift-revert and
 re-gang a deployment, the other gang backends, a gang that does not fit (the capacity lists), the
 NetworkPolicy switched off, a deployment in picker mode (its InferencePool, under the chart's CRD) switched
-back to proxy mode, a planner decision with a profile ConfigMap. Then, per account, the grants
+back to proxy mode, a planner decision with a profile ConfigMap over a flex pool. The chart's policies on what the
+operator's and the planner's accounts write are applied too, and each refusal proved. Then, per account, the grants
 (API group, resource, verb) are compared with the audit log:
 
 - a grant never used fails the test (remove it, or exercise it);
@@ -37,7 +38,7 @@ import yaml
 from kubernetes import client, config
 
 from disagg.api import inferencepool as pools
-from disagg.api.names import LABEL_DEPLOYMENT
+from disagg.api.names import LABEL_DEPLOYMENT, LABEL_ROLE, LABEL_SERVING_ROLE, ROLE_FLEX, SERVING_ROLES
 from disagg.api.v1alpha1 import DisaggDeployment
 from disagg.e2e.localcluster import binaries, nodepools
 from disagg.e2e.operator_fixture import AUDITED_NAMESPACE, running_operator, token_kubeconfig
@@ -60,6 +61,7 @@ RBAC_KINDS = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "Ro
 # roles, so the whole scenario runs under it
 POLICY_KINDS = {"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}
 WRITES_POLICY = "operator-writes"
+PLANNER_POLICY = "planner-writes"   # and on what the planner's account writes to pods (planner-admission.yaml)
 GANG_GROUPS = {"coscheduling": ("scheduling.x-k8s.io", "v1alpha1"), "volcano": ("scheduling.volcano.sh", "v1beta1")}
 Grant = tuple[str, str, str]   # (API group, resource[/subresource], verb)
 
@@ -70,7 +72,7 @@ def chart_rbac(release: str, *values: str) -> list[dict]:
          "--set", "gangBackends.coscheduling=true", "--set", "gangBackends.volcano=true", *values],
         capture_output=True, text=True, check=True).stdout
     return [d for d in yaml.safe_load_all(out) if d and (d["kind"] in RBAC_KINDS or (
-        d["kind"] in POLICY_KINDS and d["metadata"]["name"].endswith(WRITES_POLICY)))]
+        d["kind"] in POLICY_KINDS and d["metadata"]["name"].endswith((WRITES_POLICY, PLANNER_POLICY))))]
 
 
 def expand(rules: list[dict]) -> set[Grant]:
@@ -177,7 +179,6 @@ def operator_scenario(api_client, namespace: str) -> None:
     wait_for(lambda: "gw" not in pools_now(), 60, "the InferencePool deleted back in proxy mode")
     # a flex pool: the operator labels its pod with a serving role (a metadata-only update of a pod it did not
     # create, which the write policy allows on flex pods alone)
-    from disagg.api.names import LABEL_SERVING_ROLE, ROLE_FLEX
     flexy = DD(api_client, namespace, dd_manifest("flexy", flex={"replicas": 1}))
     wait_for(lambda: any(LABEL_SERVING_ROLE in (p.metadata.labels or {}) for p in flexy.pods(ROLE_FLEX)), 60,
              "the flex pod labelled with its serving role")
@@ -202,18 +203,52 @@ def operator_scenario(api_client, namespace: str) -> None:
 
 
 def planner_scenario(planner_api, api_client, namespace: str, namespaces: list[str]) -> None:
-    """One planner pass over a deployment with a profile ConfigMap, its Prometheus unreachable: it reads the
-    profile, takes the replicas (server-side apply), writes status and posts an event."""
+    """One planner pass over a deployment with a profile ConfigMap and a flex pool, its Prometheus unreachable:
+    it reads the profile, lists the flex pods and gives the one that has no serving role yet its role (a
+    label: the operator, which would, is not running), takes the replicas (server-side apply), writes status
+    and posts an event."""
     profile = perfmodel.Profile(model="tiny", gpu="H100-SXM", tensor_parallel_size=1,
                                 prefill=tuple({"tokens": t, "batch": 1, "seconds": t / 1e4} for t in (64, 128, 256)),
                                 decode=tuple({"concurrency": c, "context": 128, "seconds": 0.01 * c} for c in (1, 2, 4)))
-    client.CoreV1Api(api_client).create_namespaced_config_map(namespace, configmap(profile, "profile"))
+    core = client.CoreV1Api(api_client)
+    core.create_namespaced_config_map(namespace, configmap(profile, "profile"))
     DD(api_client, namespace, dd_manifest("planned", slo={"ttftMs": 1000, "itlMs": 50}, planner={
-        "enabled": True, "prometheus": "main", "profileRef": {"name": "profile"}}))
+        "enabled": True, "prometheus": "main", "profileRef": {"name": "profile"}}, flex={"replicas": 1}))
+    core.create_namespaced_pod(namespace, {
+        "metadata": {"name": "planned-flex-0", "labels": {LABEL_DEPLOYMENT: "planned", LABEL_ROLE: ROLE_FLEX}},
+        "spec": {"containers": [{"name": "c", "image": "x"}], "automountServiceAccountToken": False}})
     loop = PlannerLoop(planner_api, Executor(planner_api), lambda endpoint: PrometheusSource.for_endpoint(endpoint, 1),
                        Allowlist({"main": Endpoint("main", "http://127.0.0.1:9")}), namespace=namespaces)
     done = [d for ns, name, d in loop.step() if (ns, name) == (namespace, "planned")]
     assert done and done[0].reason == "PrometheusUnreachable", done
+    labels = core.read_namespaced_pod("planned-flex-0", namespace).metadata.labels
+    assert labels.get(LABEL_SERVING_ROLE) in SERVING_ROLES, labels
+
+
+def planner_refusals(planner_api, namespace: str) -> dict[str, str]:
+    """What the chart's planner-writes policy refuses the planner's account, each a patch RBAC allows it:
+    kind -> the API server's message."""
+    core = client.CoreV1Api(planner_api)
+    prefill = next(p.metadata.name for p in client.CoreV1Api(planner_api).list_namespaced_pod(
+        namespace, label_selector=f"{LABEL_DEPLOYMENT}=main,{LABEL_ROLE}=prefill").items)
+    attempts = {
+        "a serving role on a prefill pod": lambda: core.patch_namespaced_pod(
+            prefill, namespace, {"metadata": {"labels": {LABEL_SERVING_ROLE: "decode"}}}),
+        "another label on a flex pod": lambda: core.patch_namespaced_pod(
+            "planned-flex-0", namespace, {"metadata": {"labels": {LABEL_DEPLOYMENT: "main"}}}),
+        "a flex pod's pool label": lambda: core.patch_namespaced_pod(
+            "planned-flex-0", namespace, {"metadata": {"labels": {LABEL_ROLE: "prefill"}}}),
+    }
+    out = {}
+    for what, attempt in attempts.items():
+        def refused() -> str | None:
+            try:
+                attempt()
+            except client.ApiException as e:
+                return e.body if e.status in (403, 422) and "ValidatingAdmissionPolicy" in (e.body or "") else None
+            raise AssertionError(f"{what}: admitted")
+        out[what] = wait_for(refused, 30, f"{what} refused by the planner's write policy")
+    return out
 
 
 ROUTED = "routed"    # the deployment whose router account is audited (in AUDITED_NAMESPACE)
@@ -331,6 +366,8 @@ def test_every_grant_is_used_and_nothing_is_denied(mode, cluster, api_client, cr
                 wait_for(lambda: ROUTED not in {o["metadata"]["name"] for o in routed.custom.list_namespaced_custom_object(
                     GROUP, VERSION, AUDITED_NAMESPACE, PLURAL)["items"]}, 120, "the routed deployment deleted")
         planner_scenario(planner_api, api_client, namespace, watched)
+        for what, message in planner_refusals(planner_api, namespace).items():
+            assert "denied request" in message and PLANNER_POLICY in message, (what, message)
         planner_api.close()
         # the operator's account, outside the operator: what RBAC alone would let it write, refused
         operator_api = config.new_client_from_config(str(operator_config))

@@ -622,7 +622,8 @@ class _DecodeProxy(_Proxy):
 # _GateProxy, which can keep one decode from pulling its KV) and decode-b (through a _PauseProxy, which can
 # keep its streams in flight) in the role a roles file gives it,
 # as a pod's serving-role label gives it in Kubernetes. The test writes that file where the planner would
-# write the label: the planner process does not drive switches yet (planner/README).
+# write the label: this router runs without Kubernetes (the planner process writing the label is
+# tests/test_planner_flex_cluster.py's).
 FLEX_LONG_TOKENS, FLEX_SHORT_TOKENS = 48, 2
 
 

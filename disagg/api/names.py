@@ -50,6 +50,18 @@ LABEL_SERVING_ROLE = f"{GROUP}/serving-role"
 # The serving role the operator last saw on a flex pod: a label that differs from it is a switch, which
 # the operator reports (event RoleSwitched, metric) once, whoever wrote the label.
 ANNOTATION_OBSERVED_SERVING_ROLE = f"{GROUP}/observed-serving-role"
+# When the planner gave a flex pod its serving role (unix seconds, the planner's clock): a worker does not
+# switch back within disagg.planner.flex.SWITCH_DWELL of it, across planner restarts too.
+ANNOTATION_SERVING_ROLE_SINCE = f"{GROUP}/serving-role-since"
+# Kubernetes' own: the ReplicaSet removes the pods of lowest cost first when it scales down, so the flex
+# worker the planner chose to remove is the one that goes.
+ANNOTATION_POD_DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
+
+
+def initial_serving_role(serving: list[str]) -> str:
+    """The role a flex worker that has none yet takes, given the roles the others serve: the one fewer serve,
+    decode on a tie (decode's KV memory is what a burst of long answers runs out of first)."""
+    return ROLE_PREFILL if serving.count(ROLE_PREFILL) < serving.count(ROLE_DECODE) else ROLE_DECODE
 
 # A pvc://<claim>/<path> model source is mounted read-only at MODEL_MOUNT_ROOT/<claim>.
 MODEL_MOUNT_ROOT = "/models"

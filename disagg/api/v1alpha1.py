@@ -1030,6 +1030,9 @@ class PlannerStatus(_Model):
                                            description="When the planner last decided.")
     prefill_replicas: int | None = Field(None, ge=0, description="Prefill replicas the planner chose.")
     decode_replicas: int | None = Field(None, ge=0, description="Decode replicas the planner chose.")
+    flex_replicas: int | None = Field(None, ge=0, description="Flex workers the planner chose (spec.flex).")
+    flex_prefill: int | None = Field(None, ge=0, description="Flex workers the planner gave the prefill role.")
+    flex_decode: int | None = Field(None, ge=0, description="Flex workers the planner gave the decode role.")
     reason: str = Field("", max_length=1024, description="CamelCase reason for the last decision.")
     message: str = Field("", max_length=32768, description="Why, with the numbers involved.")
     inputs: dict[str, float] = Field(default_factory=dict, max_length=64,

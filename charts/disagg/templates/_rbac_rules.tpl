@@ -97,4 +97,10 @@
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
+# A flex pool (spec.flex): its pods (list: each one's serving role and readiness), and a switch or a
+# removal written on one (patch: its serving-role label, the time it took the role, its deletion cost),
+# which the chart's planner-writes admission policy allows on flex pods' metadata and nothing else.
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [list, patch]
 {{- end }}
