@@ -48,8 +48,9 @@ BURST_NOISE = 2.0           # ... less this many Poisson standard deviations of 
 CAPACITY_ALPHA = 0.5        # weight of a new saturated interval in the learnt capacity (service-time scale)
 CAPACITY_MAX_CV2 = 1.0      # ... learnt for prefill only from a prompt mix whose service cv^2 is at most this
 MARGIN_AT = 0.5             # TTFT above this share of target adds prefill (before a breach) when ...
-RISE_KEEPS = 1.0            # a role whose work rose this many standard deviations above its forecast keeps its size
 MARGIN_DRAIN = 0.5          # ... the prefill queue takes this share of the TTFT target to drain on the replicas
+RISE_KEEPS = 1.0            # a role whose work rose this many standard deviations above its forecast keeps
+                            # its size (RoleDecision.keep: no flex worker leaves it)
 
 
 
