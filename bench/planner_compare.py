@@ -42,6 +42,7 @@ average elsewhere). See planner/README.md for how faithfully the Dynamo-style pl
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import multiprocessing
 import statistics
@@ -64,7 +65,8 @@ SYN = sm.SimConfig(ttft_target=1.0, itl_target=0.04)
 REAL = sm.SimConfig(ttft_target=4.0, itl_target=0.05)
 WORKLOADS = ("mooncake", "step", "diurnal", "bursty", "step-slow", "step-fast", "heavy-lognormal", "heavy-pareto",
              "tenants", "flash")
-POLICIES = ("planner", "planner-flex", "static-peak", "reactive", "dynamo")
+POLICIES = ("planner", "planner-flex", "static-peak", "reactive", "dynamo", "oracle")
+DEFAULT_POLICIES = POLICIES[:-1]   # the oracle reads the future: a bound, run only when asked for
 FLEX_MAX = 64           # the flex pool's maximum (the roles' own maximum: 64 each)
 FLEX_SPARE = 0          # flex workers kept beyond both roles' need (--flex-spare)
 SHORT, LONG = 1200.0, 7200.0
@@ -110,10 +112,32 @@ def workload(name: str, horizon: float, seed: int) -> tuple[traces.Trace, sm.Sim
     raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
 
 
+class LookaheadOracle:
+    """A bound, not a policy: it reads the trace's future. Every decision sizes for the next start-up plus two
+    intervals of the actual requests, as static-peak sizes for the whole trace (the same serving model, the
+    busiest 30 s of the window), scaling up and down at once. It pays the same start-up as every policy, so
+    it says what perfect foresight buys with this serving model against static-peak: what no planner
+    that sees only the past can beat by much."""
+
+    name = "oracle"
+
+    def __init__(self, config: sm.SimConfig, trace: traces.Trace):
+        self.cfg, self.trace = config, trace
+        self.requests = tuple(sorted(trace.requests, key=lambda r: r.t))
+        self.times = [r.t for r in self.requests]
+        self.ahead = config.startup + 2 * config.interval
+
+    def plan(self, obs, target, now: float) -> tuple[int, int]:
+        lo, hi = bisect.bisect_left(self.times, now), bisect.bisect_left(self.times, now + self.ahead)
+        if lo >= hi:
+            return target.prefill, target.decode
+        return sm.static_peak(self.cfg, traces.Trace("window", self.requests[lo:hi])).size
+
+
 def run_row(args: tuple) -> list[dict]:
     """Every policy (of ``policies``; static-peak always: the ratios' baseline) on one (workload, horizon, seed)."""
     name, horizon, seed, plot_dir, trace_dir, *rest = args
-    policies = rest[0] if rest else POLICIES
+    policies = rest[0] if rest else DEFAULT_POLICIES
     spare = rest[1] if len(rest) > 1 else FLEX_SPARE
     made = workload(name, horizon, seed)
     if made is None:
@@ -127,6 +151,8 @@ def run_row(args: tuple) -> list[dict]:
         started = time.perf_counter()
         if policy == "static-peak":
             pol, c = peak, replace(cfg, initial_prefill=peak.size[0], initial_decode=peak.size[1])
+        elif policy == "oracle":
+            pol, c = LookaheadOracle(cfg, trace), dyn
         elif policy == "planner-flex":
             c = dyn.with_flex(FLEX_MAX, spare=spare)
             pol = sm.make_policy(policy, c, trace, season)
@@ -206,7 +232,7 @@ def markdown(table: list[dict], goal: dict) -> str:
             f"| {e['workload']} | {e['horizon_s'] / 60:.0f} min x{e['seeds']} | {three(e, 'planner')} | "
             f"{three(e, 'planner-flex')} | {three(e, 'dynamo')} | {re} | {e['static-peak']['attainment_min']:.1%} |")
     lines.append("")
-    for p in ("planner", "planner-flex", "dynamo", "reactive"):
+    for p in ("planner", "planner-flex", "dynamo", "reactive", "oracle"):
         if p not in goal:
             continue
         g = goal[p]
@@ -228,8 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--flex-spare", type=int, default=FLEX_SPARE,
                    help="planner-flex: flex workers kept beyond both roles' need (a pooled headroom)")
-    p.add_argument("--policies", default=",".join(POLICIES),
-                   help="policies to run (static-peak always runs: it is every ratio's baseline)")
+    p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
+                   help="policies to run (static-peak always runs: it is every ratio's baseline); 'oracle' adds "
+                        "the look-ahead bound (LookaheadOracle: it reads the trace's future)")
     p.add_argument("--jobs", type=int, default=1, help="rows simulated in parallel (processes)")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--traces", action="store_true",

@@ -52,3 +52,21 @@ def test_planner_bench_quick_runs_every_workload_and_policy(tmp_path):
         assert len(rows) >= 300 // 30 and all(r["sized_rate"] for r in rows), w
         # the planner sizes for at least the rate it forecast, never less than it saw
         assert all(float(r["sized_rate"]) >= float(r["request_rate"]) - 1e-6 for r in rows), w
+
+
+def test_the_lookahead_oracle_sizes_for_the_load_a_start_up_ahead():
+    # the bound the README compares with: at a decision it already sizes for a step that comes within
+    # its window (start-up + two intervals), and sizes down once the window is past it
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import planner_compare as pc
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    from disagg.simulator import traces
+    trace = traces.step([4.0, 24.0], 600.0, seed=0)
+    oracle = pc.LookaheadOracle(pc.SYN, trace)
+    target = pc.SYN.target(1, 1)
+    quiet, before, during = (oracle.plan(None, target, t) for t in (60.0, 600.0 - oracle.ahead / 2, 900.0))
+    assert sum(before) > sum(quiet) and sum(during) > sum(quiet)
+    assert oracle.plan(None, target, 1300.0) == (1, 1)    # no requests ahead: the size it has
+    assert "oracle" not in pc.DEFAULT_POLICIES

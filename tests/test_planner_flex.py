@@ -178,3 +178,25 @@ def test_the_spare_is_not_made_again_within_a_cooldown_of_a_removal():
     # decide_flex remembers when the pool last lost a worker
     fd, after = fx.decide_flex(_obs(), t, fx.FlexMemory(removed_at=NOW - 100), MODEL, NOW)
     assert after.removed_at == (NOW if fd.remove else NOW - 100)
+
+
+def test_a_donor_whose_own_work_rises_above_its_forecast_keeps_its_workers():
+    # tenants seed 1: RAG's step raised prefill's work ~20% above its forecast while the model, on a mix it
+    # had not caught up with, still asked for fewer prefill replicas than ran; a prefill worker switched to
+    # decode and prefill missed for 150 s. A role whose work rose over a standard deviation above the
+    # forecast made for it keeps what it holds.
+    t = target(prefill=1, decode=1, workers=[worker("p1", "prefill"), worker("p2", "prefill"),
+                                             worker("d1", "decode")], ttft_target=2.0)
+    steady = _obs(request_rate=6.0, ttft=0.3, prefill_ready=3.0, decode_ready=2.0)
+    memory = fx.FlexMemory()
+    for k in range(3, 0, -1):
+        _, memory = fx.decide_flex(replace(steady, time=NOW - 30 * k), t, memory, MODEL, NOW - 30 * k)
+    longer = replace(steady, input_tokens_mean=4200, input_tokens_p=6300)    # prefill's work +40%, decode's not
+    fd, after = fx.decide_flex(longer, t, memory, MODEL, NOW)
+    assert after.planner.rise_prefill > dc.RISE_KEEPS and after.planner.rise_decode == 0.0
+    assert fd.decision.prefill.keep == 3 and fd.decision.prefill.needed < 3   # keeps all three, needs fewer
+    assert all(frm != "prefill" for _, frm, _ in fd.switches)
+    # the same need without the rise: the model's size is what prefill keeps, its surplus may switch
+    fd, after = fx.decide_flex(steady, t, memory, MODEL, NOW)
+    assert after.planner.rise_prefill <= dc.RISE_KEEPS
+    assert fd.decision.prefill.keep == max(fd.decision.prefill.needed, 1) < 3
