@@ -24,11 +24,11 @@ Clients: ``vllm bench serve`` (disagg.e2e.fieldclients: vLLM's own, run from the
 from ~/.cache/disagg/guidellm-env (``--guidellm``; bench/guidellm_env.sh builds it); each client is skipped
 when its environment is not there. Bench only: both conflict with the project's pins. Each run:
 ``--prompts`` random prompts of ``--input-len`` tokens, exactly ``--output-len`` tokens out (EOS ignored),
-``--concurrency`` at a time, goodput at ``--ttft-ms`` and ``--tpot-ms``. Tiny model, CPU engines: the
+``--concurrency`` at a time, goodput at each of ``--targets`` (TTFT and TPOT in ms). Tiny model, CPU engines: the
 figures rank the layouts' overheads on this machine, not what GPUs serve.
 
     .venv/bin/python bench/field_clients.py [--prompts 32] [--input-len 256] [--output-len 32] [--concurrency 4]
-        [--aiperf] [--guidellm] [--layouts direct,aggregated,disaggregated,node-direct,node-aggregated,node-disaggregated]
+        [--targets 2000:200,100:10] [--aiperf] [--guidellm] [--json rows.json] [--layouts direct,aggregated,disaggregated,node-direct,node-aggregated,node-disaggregated]
 """
 
 from __future__ import annotations
@@ -156,37 +156,57 @@ def guidellm_row(layout: str, r: dict) -> dict:
 
 
 def measure(layout: str, url: str, model: str, python: str, work: Path, args) -> list[dict]:
-    out = [vllm_row(layout, vllm_bench_serve(python, url, "tiny", model, work / f"{layout}-vllm.json",
-                                             num_prompts=args.prompts, input_len=args.input_len,
-                                             output_len=args.output_len, max_concurrency=args.concurrency,
-                                             ttft_ms=args.ttft_ms, tpot_ms=args.tpot_ms, timeout=3600))]
-    if args.aiperf:
-        r = aiperf(url, model, work / f"{layout}-aiperf", args)
-        if r is not None:
-            out.append(aiperf_row(layout, r))
-    if args.guidellm:
-        r = guidellm(url, model, work / f"{layout}-guidellm", args)
-        if r is not None:
-            out.append(guidellm_row(layout, r))
+    """Every client against ``url``, once per goodput target (the engines stay up between them)."""
+    out = []
+    for ttft_ms, tpot_ms in args.targets:
+        a = argparse.Namespace(**{**vars(args), "ttft_ms": ttft_ms, "tpot_ms": tpot_ms})
+        tag = f"{layout}-{ttft_ms:g}-{tpot_ms:g}"
+        rows = [vllm_row(layout, vllm_bench_serve(python, url, "tiny", model, work / f"{tag}-vllm.json",
+                                                  num_prompts=a.prompts, input_len=a.input_len,
+                                                  output_len=a.output_len, max_concurrency=a.concurrency,
+                                                  ttft_ms=ttft_ms, tpot_ms=tpot_ms, timeout=3600))]
+        if a.aiperf and (r := aiperf(url, model, work / f"{tag}-aiperf", a)) is not None:
+            rows.append(aiperf_row(layout, r))
+        if a.guidellm and (r := guidellm(url, model, work / f"{tag}-guidellm", a)) is not None:
+            rows.append(guidellm_row(layout, r))
+        out += [dict(r, target=f"TTFT {ttft_ms:g} ms, TPOT {tpot_ms:g} ms") for r in rows]
     return out
 
 
 def table(rows: list[dict]) -> str:
+    """One markdown table per goodput target."""
     cols = ["layout", "client", "completed", "failed", "req_s", "goodput_req_s", "out_tok_s", "ttft_p50_ms",
             "ttft_p90_ms", "tpot_p50_ms", "itl_p90_ms", "goodput_vs_direct"]
-    # each row against its own client's direct row on the same ground (local processes or the real node)
-    base = {(r["layout"].startswith("node-"), r["client"]): r.get("goodput_req_s") for r in rows
-            if r["layout"] in ("direct", "node-direct")}
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['layout']} | {r['client']} | error: {r['error'][:200]} |")
-            continue
-        b = base.get((r["layout"].startswith("node-"), r["client"]))
-        r = dict(r, goodput_vs_direct=(r["goodput_req_s"] / b) if b and r.get("goodput_req_s") is not None else None)
-        lines.append("| " + " | ".join(f"{r[c]:.3g}" if isinstance(r.get(c), float) else str(r.get(c))
-                                       for c in cols) + " |")
-    return "\n".join(lines)
+    out = []
+    for target in dict.fromkeys(r["target"] for r in rows):
+        these = [r for r in rows if r["target"] == target]
+        # each row against its own client's direct row on the same ground (local processes or the real node)
+        base = {(r["layout"].startswith("node-"), r["client"]): r.get("goodput_req_s") for r in these
+                if r["layout"] in ("direct", "node-direct")}
+        lines = [f"goodput at {target}:", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        for r in these:
+            if "error" in r:
+                lines.append(f"| {r['layout']} | {r['client']} | error: {r['error'][:200]} |")
+                continue
+            b = base.get((r["layout"].startswith("node-"), r["client"]))
+            r = dict(r, goodput_vs_direct=(r["goodput_req_s"] / b) if b and r.get("goodput_req_s") is not None
+                     else None)
+            lines.append("| " + " | ".join(f"{r[c]:.3g}" if isinstance(r.get(c), float) else str(r.get(c))
+                                           for c in cols) + " |")
+        out.append("\n".join(lines))
+    return "\n\n".join(out)
+
+
+def targets(text: str) -> list[tuple[float, float]]:
+    """``--targets``: TTFT_MS:TPOT_MS pairs, comma-separated."""
+    try:
+        pairs = [tuple(float(x) for x in pair.split(":")) for pair in text.split(",")]
+    except ValueError:
+        pairs = []
+    if not pairs or any(len(pair) != 2 or min(pair) <= 0 for pair in pairs):
+        raise argparse.ArgumentTypeError(f"--targets: {text!r} is not TTFT_MS:TPOT_MS[,TTFT_MS:TPOT_MS...] "
+                                         "with positive numbers")
+    return pairs
 
 
 def on_real_node(layouts: list[str], model: str, python: str, work: Path, args) -> list[dict]:
@@ -241,6 +261,7 @@ def on_real_node(layouts: list[str], model: str, python: str, work: Path, args) 
             if "node-disaggregated" in layouts:
                 dd, url = serve("pd")
                 rows += measure("node-disaggregated", url, model, python, work, args)
+                print(table(rows), flush=True)
                 delete(dd)
     finally:
         cluster.down()
@@ -253,8 +274,9 @@ def main() -> int:
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--concurrency", type=int, default=4)
-    p.add_argument("--ttft-ms", type=float, default=2000)
-    p.add_argument("--tpot-ms", type=float, default=200)
+    p.add_argument("--targets", type=targets, default="2000:200",
+                   help="goodput targets, TTFT_MS:TPOT_MS pairs, comma-separated: each client runs once per pair")
+    p.add_argument("--json", type=Path, help="also write the rows here")
     p.add_argument("--aiperf", action="store_true", help=f"also aiperf, from {AIPERF_ENV} when it is installed")
     p.add_argument("--guidellm", action="store_true", help=f"also guidellm, from {GUIDELLM_ENV} when it is installed")
     p.add_argument("--layouts", default=",".join(LOCAL_LAYOUTS),
@@ -297,8 +319,10 @@ def main() -> int:
                 stop_all(procs)
         if set(NODE_LAYOUTS) & set(layouts):
             rows += on_real_node(layouts, model, python, work, args)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
     print(f"\n{args.prompts} prompts x {args.input_len} tokens in, {args.output_len} out, concurrency "
-          f"{args.concurrency}, goodput at TTFT {args.ttft_ms:g} ms and TPOT {args.tpot_ms:g} ms\n")
+          f"{args.concurrency}\n")
     print(table(rows))
     return 0
 
