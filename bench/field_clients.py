@@ -28,7 +28,8 @@ when its environment is not there. Bench only: both conflict with the project's 
 figures rank the layouts' overheads on this machine, not what GPUs serve.
 
     .venv/bin/python bench/field_clients.py [--prompts 32] [--input-len 256] [--output-len 32] [--concurrency 4]
-        [--targets 2000:200,100:10] [--aiperf] [--guidellm] [--json rows.json] [--layouts direct,aggregated,disaggregated,node-direct,node-aggregated,node-disaggregated]
+        [--targets 2000:200,100:10] [--aiperf] [--guidellm] [--json rows.json]
+        [--layouts direct,aggregated,disaggregated,node-direct,node-aggregated,node-disaggregated]
 """
 
 from __future__ import annotations
@@ -156,27 +157,31 @@ def guidellm_row(layout: str, r: dict) -> dict:
 
 
 def measure(layout: str, url: str, model: str, python: str, work: Path, args) -> list[dict]:
-    """Every client against ``url``, once per goodput target (the engines stay up between them)."""
+    """Every client against ``url``, once per goodput target (the engines stay up between them). Each row
+    carries the machine's 1-minute load average when its client finished: other jobs share these cores."""
     out = []
     for ttft_ms, tpot_ms in args.targets:
         a = argparse.Namespace(**{**vars(args), "ttft_ms": ttft_ms, "tpot_ms": tpot_ms})
         tag = f"{layout}-{ttft_ms:g}-{tpot_ms:g}"
-        rows = [vllm_row(layout, vllm_bench_serve(python, url, "tiny", model, work / f"{tag}-vllm.json",
-                                                  num_prompts=a.prompts, input_len=a.input_len,
-                                                  output_len=a.output_len, max_concurrency=a.concurrency,
-                                                  ttft_ms=ttft_ms, tpot_ms=tpot_ms, timeout=3600))]
+        target = f"TTFT {ttft_ms:g} ms, TPOT {tpot_ms:g} ms"
+
+        def add(r: dict) -> None:
+            out.append(dict(r, target=target, load=round(os.getloadavg()[0], 1)))
+        add(vllm_row(layout, vllm_bench_serve(python, url, "tiny", model, work / f"{tag}-vllm.json",
+                                              num_prompts=a.prompts, input_len=a.input_len, output_len=a.output_len,
+                                              max_concurrency=a.concurrency, ttft_ms=ttft_ms, tpot_ms=tpot_ms,
+                                              timeout=3600)))
         if a.aiperf and (r := aiperf(url, model, work / f"{tag}-aiperf", a)) is not None:
-            rows.append(aiperf_row(layout, r))
+            add(aiperf_row(layout, r))
         if a.guidellm and (r := guidellm(url, model, work / f"{tag}-guidellm", a)) is not None:
-            rows.append(guidellm_row(layout, r))
-        out += [dict(r, target=f"TTFT {ttft_ms:g} ms, TPOT {tpot_ms:g} ms") for r in rows]
+            add(guidellm_row(layout, r))
     return out
 
 
 def table(rows: list[dict]) -> str:
     """One markdown table per goodput target."""
     cols = ["layout", "client", "completed", "failed", "req_s", "goodput_req_s", "out_tok_s", "ttft_p50_ms",
-            "ttft_p90_ms", "tpot_p50_ms", "itl_p90_ms", "goodput_vs_direct"]
+            "ttft_p90_ms", "tpot_p50_ms", "itl_p90_ms", "goodput_vs_direct", "load"]
     out = []
     for target in dict.fromkeys(r["target"] for r in rows):
         these = [r for r in rows if r["target"] == target]
