@@ -214,6 +214,12 @@ def targets(text: str) -> list[tuple[float, float]]:
     return pairs
 
 
+def progress(text: str) -> None:
+    """Printed as it comes, also while kopf's test runner (the in-process operator) has swapped sys.stdout
+    for its own capture."""
+    print(text, file=sys.__stdout__, flush=True)
+
+
 def on_real_node(layouts: list[str], model: str, python: str, work: Path, args) -> list[dict]:
     """The node layouts: a cluster with the real node, the images built into it (reused when unchanged), the
     operator in this process, then one DisaggDeployment after the other (two CPU engines at a time at most on
@@ -261,12 +267,12 @@ def on_real_node(layouts: list[str], model: str, python: str, work: Path, args) 
                 for layout, target in (("node-direct", f"http://{pod.status.pod_ip}:8000"), ("node-aggregated", url)):
                     if layout in layouts:
                         rows += measure(layout, target, model, python, work, args)
-                        print(table(rows), flush=True)
+                        progress(table(rows))
                 delete(dd)
             if "node-disaggregated" in layouts:
                 dd, url = serve("pd")
                 rows += measure("node-disaggregated", url, model, python, work, args)
-                print(table(rows), flush=True)
+                progress(table(rows))
                 delete(dd)
     finally:
         cluster.down()
