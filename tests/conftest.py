@@ -158,6 +158,20 @@ class Routers:
                             f"http://127.0.0.1:{port}", logs).start()
 
     @staticmethod
+    @contextmanager
+    def running(*upstreams, grace: float = 2) -> Iterator[tuple]:
+        """Started upstreams (:meth:`upstream`), yielded once each answers /health; stopped afterwards (all at
+        once, ``grace`` seconds each), whatever happened."""
+        from disagg.workers.local import stop_all
+
+        try:
+            for u in upstreams:
+                u.wait_ready(timeout=30)
+            yield upstreams
+        finally:
+            stop_all(list(upstreams), grace=grace)
+
+    @staticmethod
     def config(tokenizer: str, port: int, decode: Sequence[str], prefill: Sequence[str] = (),
                spec: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
         """A router configuration for the tiny model: decode-only (spec.disaggregation never) unless

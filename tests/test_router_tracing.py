@@ -23,7 +23,7 @@ from disagg.router import tracing as t
 from disagg.router.app import ROUTER_KEY, make_app
 from disagg.router.config import RouterConfig, WorkerEndpoint
 from disagg.router.tracing import TRACE_ID_HEADER, Tracing
-from disagg.workers.local import free_port, stop_all
+from disagg.workers.local import free_port
 
 TOKENS = 6
 CLIENT_TRACE = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
@@ -113,12 +113,8 @@ def test_a_disaggregated_stream_is_one_trace_across_router_prefill_and_decode(ro
     and the decode attempt with its wait for the first token; each worker got a traceparent naming its
     leg's span, so vLLM's llm_request spans join under them; the client got the trace id; a client's own
     traceparent is the root's parent."""
-    prefill = routers.upstream(tmp_path, "prefill", TOKENS, 0.01)
-    decode = routers.upstream(tmp_path, "decode", TOKENS, 0.05)
-    try:
-        for u in (prefill, decode):
-            u.wait_ready(timeout=30)
-
+    with routers.running(routers.upstream(tmp_path, "prefill", TOKENS, 0.01),
+                         routers.upstream(tmp_path, "decode", TOKENS, 0.05)) as (prefill, decode):
         async def main():
             async with _router(tiny_model, [decode], [prefill]) as (url, exporter, router):
                 status, headers, text, ttft = await _complete(url, headers={"traceparent": CLIENT_TRACE})
@@ -174,20 +170,14 @@ def test_a_disaggregated_stream_is_one_trace_across_router_prefill_and_decode(ro
         assert content_type.startswith("application/openmetrics-text")
         assert [line for line in scraped.splitlines() if line.startswith(f"{m.ROUTER_TTFT_SECONDS}_bucket")
                 and f'# {{trace_id="{trace_id}"}}' in line], scraped
-    finally:
-        stop_all([prefill, decode], grace=2)
 
 
 def test_a_non_streamed_request_and_the_second_turns_prefix_overlap(routers, tiny_model, tmp_path):
     """Non-streamed: a decode span per attempt (no first-token span: the first token comes inside the
     answer), the decode's traceparent naming it. The same prompt again: the routing span shows the prefix
     the first one left on the chosen workers (the router's prediction of it)."""
-    prefill = routers.upstream(tmp_path, "prefill", TOKENS, 0.01)
-    decode = routers.upstream(tmp_path, "decode", TOKENS, 0.01)
-    try:
-        for u in (prefill, decode):
-            u.wait_ready(timeout=30)
-
+    with routers.running(routers.upstream(tmp_path, "prefill", TOKENS, 0.01),
+                         routers.upstream(tmp_path, "decode", TOKENS, 0.01)) as (prefill, decode):
         async def main():
             async with _router(tiny_model, [decode], [prefill]) as (url, exporter, router):
                 first = await _complete(url, stream=False)
@@ -209,20 +199,15 @@ def test_a_non_streamed_request_and_the_second_turns_prefix_overlap(routers, tin
             routing["disagg.routing.decode.candidates"]
         assert routing["disagg.routing.cached_tokens"] > 0
         assert second[1][TRACE_ID_HEADER] != headers[TRACE_ID_HEADER]
-    finally:
-        stop_all([prefill, decode], grace=2)
 
 
 def test_a_fallback_shows_in_the_trace(routers, tiny_model, tmp_path):
     """The prefill answers and dies; the decode waits for its KV until the router's probe finds it gone,
     then prefills locally: the first decode attempt failed, a fallback marker names the reason, and the
     second attempt (without KV) served the stream."""
-    prefill = routers.upstream(tmp_path, "prefill", TOKENS, 0.005, env={"SSE_EXIT_AFTER_PREFILL": "1"})
-    decode = routers.upstream(tmp_path, "decode", TOKENS, 0.005, env={"SSE_KV_WAIT": "1"})
-    try:
-        for u in (prefill, decode):
-            u.wait_ready(timeout=30)
-
+    with routers.running(
+            routers.upstream(tmp_path, "prefill", TOKENS, 0.005, env={"SSE_EXIT_AFTER_PREFILL": "1"}),
+            routers.upstream(tmp_path, "decode", TOKENS, 0.005, env={"SSE_KV_WAIT": "1"})) as (prefill, decode):
         async def main():
             async with _router(tiny_model, [decode], [prefill]) as (url, exporter, router):
                 out = await _complete(url)
@@ -242,8 +227,6 @@ def test_a_fallback_shows_in_the_trace(routers, tiny_model, tmp_path):
         assert root.attributes[t.A_PATH] == m.PATH_FALLBACK
         assert root.attributes[t.A_OUTCOME] == m.OUTCOME_SUCCESS
         assert len(by[t.FIRST_TOKEN]) == 2 and not min(by[t.FIRST_TOKEN], key=lambda s: s.start_time).status.is_ok
-    finally:
-        stop_all([prefill, decode], grace=2)
 
 
 def test_a_migration_shows_in_the_trace(routers, tiny_model, tmp_path):
@@ -254,10 +237,8 @@ def test_a_migration_shows_in_the_trace(routers, tiny_model, tmp_path):
     # the upstream's "tok " as the tiny model's id, so the continuation's text is whole (as in
     # tests/test_router_migration.py)
     tok_id = Tokenizer(tiny_model)._encode("tok ", add_special_tokens=False)[0]
-    decode = routers.upstream(tmp_path, "decode", TOKENS, 0.01, 3, env={"SSE_TOKEN_ID": str(tok_id)})
-    try:
-        decode.wait_ready(timeout=30)
-
+    with routers.running(
+            routers.upstream(tmp_path, "decode", TOKENS, 0.01, 3, env={"SSE_TOKEN_ID": str(tok_id)})) as (decode,):
         async def main():
             async with _router(tiny_model, [decode]) as (url, exporter, router):
                 out = await _complete(url)
@@ -276,18 +257,13 @@ def test_a_migration_shows_in_the_trace(routers, tiny_model, tmp_path):
         d_tp = _stats(decode)["traceparents"]["decode"]
         assert [_parent_of(x)[1] for x in d_tp] == [_hex(first.context.span_id), _hex(cont.context.span_id)]
         assert root.attributes[t.A_OUTCOME] == m.OUTCOME_SUCCESS
-    finally:
-        stop_all([decode], grace=2)
 
 
 def test_unsampled_and_untraced_requests(routers, tiny_model, tmp_path):
     """Sampling ratio 0: nothing exported and no trace id for the client, but the workers get the decision
     (a traceparent flagged not sampled), so they do not trace the request on their own. Tracing off: no
     tracer at all, and nothing added to the workers' requests or the client's response."""
-    decode = routers.upstream(tmp_path, "decode", TOKENS, 0.005)
-    try:
-        decode.wait_ready(timeout=30)
-
+    with routers.running(routers.upstream(tmp_path, "decode", TOKENS, 0.005)) as (decode,):
         async def main(ratio):
             async with _router(tiny_model, [decode], ratio=ratio) as (url, exporter, router):
                 assert (router.tracing is None) == (ratio is None)
@@ -305,16 +281,11 @@ def test_unsampled_and_untraced_requests(routers, tiny_model, tmp_path):
         assert metrics_type.startswith("text/plain")         # the exposition as it always was
         tps = _stats(decode)["traceparents"]["decode"]
         assert len(tps) == 2 and not _sampled(tps[0]) and tps[1] is None, tps
-    finally:
-        stop_all([decode], grace=2)
 
 
 def test_an_error_answered_by_the_router_carries_its_trace(routers, tiny_model, tmp_path):
     """A request the router refuses (an unknown model: 404) is traced too, its id in the error's headers."""
-    decode = routers.upstream(tmp_path, "decode", TOKENS, 0.005)
-    try:
-        decode.wait_ready(timeout=30)
-
+    with routers.running(routers.upstream(tmp_path, "decode", TOKENS, 0.005)) as (decode,):
         async def main():
             async with _router(tiny_model, [decode]) as (url, exporter, router):
                 async with aiohttp.ClientSession() as s:
@@ -327,8 +298,6 @@ def test_an_error_answered_by_the_router_carries_its_trace(routers, tiny_model, 
         assert status == 404 and headers[TRACE_ID_HEADER] == format(root.context.trace_id, "032x")
         assert root.attributes[t.A_STATUS] == 404 and not root.status.is_ok
         assert not by[t.TOKENIZE][0].status.is_ok and t.ROUTING not in by
-    finally:
-        stop_all([decode], grace=2)
 
 
 def test_the_pickers_decision_and_prefill_are_traced(routers, tiny_model, tmp_path):
@@ -338,12 +307,8 @@ def test_the_pickers_decision_and_prefill_are_traced(routers, tiny_model, tmp_pa
     own traceparent is the root's parent."""
     from disagg.router.picker import Picker
 
-    prefill = routers.upstream(tmp_path, "prefill", TOKENS, 0.005)
-    decode = routers.upstream(tmp_path, "decode", TOKENS, 0.005)
-    try:
-        for u in (prefill, decode):
-            u.wait_ready(timeout=30)
-
+    with routers.running(routers.upstream(tmp_path, "prefill", TOKENS, 0.005),
+                         routers.upstream(tmp_path, "decode", TOKENS, 0.005)) as (prefill, decode):
         async def main():
             async with _router(tiny_model, [decode], [prefill]) as (url, exporter, router):
                 picker = Picker(router)
@@ -368,5 +333,3 @@ def test_the_pickers_decision_and_prefill_are_traced(routers, tiny_model, tmp_pa
         assert root.attributes[t.A_OUTCOME] == m.OUTCOME_SUCCESS and root.attributes[t.A_STATUS] == 200
         p_tp = _stats(prefill)["traceparents"]["prefill"]
         assert _parent_of(p_tp[0])[1] == _hex(by[t.PREFILL][0].context.span_id)
-    finally:
-        stop_all([prefill, decode], grace=2)
