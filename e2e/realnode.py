@@ -107,8 +107,11 @@ def deployment(name: str, source: str, worker_image: str, prefill: int = 1, deco
     """The tiny model as a DisaggDeployment whose every pod lands on the real node. spec.kvTransfer is left at
     its defaults: what a user applies unchanged to a CPU cluster must serve. ``prefill_layout``: the prefill
     replica's podsPerReplica and parallelism (replicas larger than one pod), instead of one pod at TP 1.
-    ``router_mode``: spec.router.mode (picker: also the endpoint picker of an InferencePool)."""
-    p = placement()
+    ``router_mode``: spec.router.mode (picker: also the endpoint picker of an InferencePool).
+    ``worker_placement``/``router_placement``: nodeSelector and tolerations in place of the real node's (the
+    kind provider's nodes)."""
+    p = placement() if worker_placement is None else worker_placement
+    rp = p if router_placement is None else router_placement
     role = {"tensorParallelSize": 1, **p}
     spec: dict[str, Any] = {
         "model": {"name": SERVED_MODEL, "source": source},
