@@ -35,7 +35,7 @@ from typing import BinaryIO, Iterator
 
 from ..localcluster.controlplane import cache_root
 from ..localcluster.node import CONTAINERD_NAMESPACE, RealNode, node_binaries
-from .build import TARGETS, ImageBuildError, ensure_images
+from .build import TARGETS, ImageBuildError, ensure_images, pinned_ref
 
 MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 INDEX = "application/vnd.oci.image.index.v1+json"
@@ -132,17 +132,32 @@ class Blob:
 
 
 def open_image(target: str, log=print) -> tuple[str, bytes, list[Blob]]:
-    """The target's image (built first when the store lacks its current inputs): its name, config and open
-    layers. Everything the stream needs is opened before the store's containerd stops. ``LOCK_ENV`` names a
-    file locked meanwhile, where several users' test runs share the real node and serialize on one."""
-    with _locked(os.environ.get(LOCK_ENV)), real_node_store(log) as (socket, root):
+    """The target's image built from this tree: its name, config and open layers, opened before the store's
+    containerd stops. Where the store holds it already, it is only read (a running real node's tests are
+    not disturbed: no tag moves); otherwise :func:`ensure_images` builds it first, with the file that
+    ``LOCK_ENV`` names locked, where several users' test runs share the real node and serialize on one."""
+    pinned = pinned_ref(target, log)
+    ref = pinned.rsplit("-", 1)[0]
+    opened = _open(pinned, ref, log)
+    if opened is None:
+        with _locked(os.environ.get(LOCK_ENV)):
+            opened = _open(pinned, ref, log, build=target)
+    if opened is None:
+        raise ImageBuildError(f"{pinned} is not in the real node's store after ensure_images")
+    return opened
+
+
+def _open(pinned: str, ref: str, log, build: str = "") -> tuple[str, bytes, list[Blob]] | None:
+    with real_node_store(log) as (socket, root):
         ctr = str(node_binaries() / "ctr")
-        ref = ensure_images(socket, CONTAINERD_NAMESPACE, (target,), ctr=ctr, log=log)[target]
+        if build:
+            ensure_images(socket, CONTAINERD_NAMESPACE, (build,), ctr=ctr, log=log)
         base = [ctr, "--address", socket, "--namespace", CONTAINERD_NAMESPACE]
         lines = subprocess.run([*base, "images", "ls"], capture_output=True, text=True, check=True).stdout
-        digest = {c[0]: c[2] for c in (line.split() for line in lines.splitlines()[1:]) if len(c) >= 3}.get(ref)
+        digest = {c[0]: c[2] for c in (line.split() for line in lines.splitlines()[1:]) if len(c) >= 3}.get(pinned)
         if not digest:
-            raise ImageBuildError(f"{ref} is not in the real node's store after ensure_images")
+            return None
+        log(f"[stream] {pinned} in the real node's store")
 
         def content(d: str) -> bytes:
             return subprocess.run([*base, "content", "get", d], capture_output=True, check=True).stdout
@@ -158,7 +173,7 @@ def open_image(target: str, log=print) -> tuple[str, bytes, list[Blob]]:
             path = blobs / desc["digest"].removeprefix("sha256:")
             f = open(path, "rb")
             if os.fstat(f.fileno()).st_size != desc["size"]:
-                raise ImageBuildError(f"{ref}: layer {desc['digest']} is {os.fstat(f.fileno()).st_size} bytes "
+                raise ImageBuildError(f"{pinned}: layer {desc['digest']} is {os.fstat(f.fileno()).st_size} bytes "
                                       f"in {path}, its manifest says {desc['size']}")
             layers.append(Blob(desc, f))
     return ref, config, layers

@@ -175,7 +175,7 @@ cpu_worker() {
   node="$(cpu_worker_node)"
   log "streaming $cpu_worker_image from the real node's store into $node"
   (cd "$repo" && "$python" -m disagg.e2e.images.stream worker-cpu) |
-    docker exec -i "$node" ctr --namespace=k8s.io images import --all-platforms --discard-unpacked-layers \
+    docker exec -i "$node" ctr --namespace=k8s.io images import --local --all-platforms --discard-unpacked-layers \
       --snapshotter=overlayfs - >/dev/null
   docker exec "$node" ctr --namespace=k8s.io images ls -q "name==$cpu_worker_image" | grep -qx "$cpu_worker_image" ||
     { log "$cpu_worker_image is not in $node's containerd after the import"; exit 1; }
