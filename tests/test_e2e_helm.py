@@ -344,7 +344,7 @@ def test_rollout_never_leaves_a_role_without_a_ready_pod(provider, kube, operato
 # ---------------------------------------------------------------- serving, on a provider whose pods run images
 
 
-def test_the_tiny_model_on_the_cpu_worker_image_answers_the_openai_client(provider, kube, operator, ns):
+def test_the_tiny_model_on_the_cpu_worker_image_answers_the_openai_client(provider, kube, operator, request):
     """kind: a DisaggDeployment of the tiny model whose prefill and decode pods run the CPU worker image
     (vLLM's CPU build, NIXL) on one node and whose router pod runs the control-plane image on the CPU pool,
     as the chart's operator pod renders them; the official client's chat and completions, streamed and not,
@@ -356,6 +356,7 @@ def test_the_tiny_model_on_the_cpu_worker_image_answers_the_openai_client(provid
         manifest = provider.tiny_model_deployment("tiny")
     except Unsupported as e:
         pytest.skip(f"{e}; tests/test_e2e_realnode.py serves the same on the local cluster's real node")
+    ns = request.getfixturevalue("ns")   # after the skip: no namespace made for nothing
     suite.apply(provider, ns, manifest)
     dd = DD(kube, ns, "tiny")
     try:

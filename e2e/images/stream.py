@@ -82,7 +82,8 @@ state = '{tmp}/state'
 imports = []
 # The store only: no CRI (it would restore the node's pods), nothing that creates machine-wide paths.
 disabled_plugins = ['io.containerd.internal.v1.opt', 'io.containerd.nri.v1.nri', 'io.containerd.cri.v1.images',
-                    'io.containerd.cri.v1.runtime', 'io.containerd.grpc.v1.cri', 'io.containerd.podsandbox.controller.v1.podsandbox']
+                    'io.containerd.cri.v1.runtime', 'io.containerd.grpc.v1.cri',
+                    'io.containerd.podsandbox.controller.v1.podsandbox']
 [grpc]
   address = '{socket}'
 [ttrpc]

@@ -14,7 +14,7 @@
 # Kubernetes version), DISAGG_E2E_SKIP_WORKER_IMAGE=1 (do not build and load the vLLM worker image, about
 # 10 GB; skipped anyway where its vLLM base cannot be had: the suite's pods run the stub worker),
 # DISAGG_E2E_SKIP_CPU_WORKER_IMAGE=1 (do not stream the CPU worker image onto its node: the tiny model's
-# serving test skips), DISAGG_REAL_NODE_LOCK (a file locked while the real node's image store is read),
+# serving test skips), DISAGG_REAL_NODE_LOCK (a file locked while the real node's store builds that image),
 # DISAGG_E2E_TOKENIZER (a tokenizer the nodes can download, for the examples' routers), PYTHON
 # (.venv/bin/python), DOCKER_HOST (an engine of your own; engine.sh's is started when unset).
 set -euo pipefail
@@ -154,7 +154,7 @@ cpu_worker_node() {
   kctl get nodes -l nvidia.com/gpu.clique=h100.zone-a-rack-0-nvl-1 -o jsonpath='{.items[0].metadata.name}'
 }
 # What streaming it needs free where the engine keeps the nodes' volumes: the unpacked image (about
-# 7 GB), its compressed layers until they are discarded (about 2 GB), and room left for everything else.
+# 7 GB), its compressed layers until they are discarded (about 3 GB), and room left for everything else.
 cpu_worker_free_gib=14
 
 # The CPU worker image from the real node's store (e2e/images/stream.py: built there by the project's
