@@ -2,10 +2,11 @@
 
 ``python -m disagg.e2e.images.stream worker-cpu | ctr images import -`` is how the kind provider puts the
 CPU worker image (about 7 GB unpacked) into a kind node without a copy in Docker's store or a tarball on
-disk: :func:`ensure_images` first builds it into the real node's store when that store lacks the current
-inputs, then the blobs are opened there and streamed. Large layers travel zstd-compressed (the real node
-keeps them uncompressed, see build.py), so the importing containerd's content store holds about a third of
-the unpacked size until ``--discard-unpacked-layers`` lets it go.
+disk. The image of this tree's inputs is read from the real node's store as it is (nothing there is tagged
+or removed); only when the store lacks it does :func:`ensure_images` build it there first. The blobs are
+opened there and streamed. Large layers travel zstd-compressed (the real node keeps them uncompressed, see
+build.py): the worker's 6.3 GiB layer as about 3 GiB, which the importing containerd's content store holds
+only until ``--discard-unpacked-layers`` lets it go.
 
 The real node's store is only reachable through a containerd on its root. When a local cluster's real
 node runs, its containerd is used; otherwise one is started on that root for the moment it takes to check
