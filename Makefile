@@ -86,8 +86,9 @@ e2e-kind: kind-packages venv cluster-build node-build
 	bash e2e/kind/e2e.sh
 
 # The kind provider's packages: the real node's (runc, CNI plugins, nftables, mmdebstrap for the node
-# image) and Debian's Docker engine, which e2e/kind/engine.sh starts for one run and stops after it.
-KIND_PACKAGES := $(NODE_PACKAGES) docker.io
+# image), Debian's Docker engine, which e2e/kind/engine.sh starts for one run and stops after it, and zstd
+# (the CPU worker image's layers travel compressed into its kind node: e2e/images/stream.py).
+KIND_PACKAGES := $(NODE_PACKAGES) docker.io zstd
 kind-packages:
 	$(call apt-install,$(KIND_PACKAGES))
 

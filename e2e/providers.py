@@ -7,9 +7,10 @@
   Running and Ready; no image is ever pulled.
 - ``kind`` (a machine with Docker, see e2e/kind/README.md): a kind cluster whose workers are labelled as
   GPU pools and advertise ``nvidia.com/gpu``; the chart runs the operator from the Dockerfile's
-  control-plane image, loaded into kind. The nodes have no GPUs, so the DisaggDeployments' workers run a
-  stub worker image that answers the worker's probes (e2e/kind/stub-worker); everything else (kubelets,
-  the router, the operator pod) is real.
+  control-plane image, loaded into kind. The nodes have no GPUs, so the examples' workers run a stub
+  worker image that answers the worker's probes (e2e/kind/stub-worker); everything else (kubelets, the
+  router, the operator pod) is real. One DisaggDeployment of the tiny model runs the real CPU worker
+  image (vLLM's CPU build, NIXL) on one node and serves (:meth:`KindProvider.tiny_model_deployment`).
 
 A provider gives the suite a kubeconfig, kubectl and helm, the chart values that fit it, and
 ``adapt``: an example DisaggDeployment fitted to its nodes and images.
@@ -17,17 +18,23 @@ A provider gives the suite a kubeconfig, kubectl and helm, the chart values that
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "charts" / "disagg"
 PROVIDER_ENV = "DISAGG_E2E_PROVIDER"
 PROVIDERS = ("local", "kind")
+
+
+class Unsupported(RuntimeError):
+    """What a provider cannot do here, and why (a test skips with it)."""
 
 
 def provider_name() -> str:
@@ -71,6 +78,11 @@ class Provider:
     def prepare_namespace(self, api, namespace: str) -> None:
         """What a test namespace needs before examples are applied in it (nothing, by default)."""
 
+    def tiny_model_deployment(self, name: str) -> dict[str, Any]:
+        """The tiny model on the CPU worker image, placed where that image is (e2e/realnode.py's deployment);
+        raises :class:`Unsupported` where no worker pod runs an image."""
+        raise Unsupported(f"the {self.name} provider runs no worker image")
+
     def cleanup_namespace(self, api, namespace: str) -> None:
         """Removes what :meth:`prepare_namespace` made outside the namespace."""
 
@@ -96,30 +108,34 @@ class LocalProvider(Provider):
 
 
 class KindProvider(Provider):
-    """A kind cluster made by e2e/kind/up.sh; ``KUBECONFIG`` points at it."""
+    """A kind cluster made by e2e/kind/e2e.sh; ``KUBECONFIG`` points at it."""
 
     name = "kind"
     operator_in_process = False
-    TOKENIZER_CLAIM = "e2e-tokenizer"
+    MODEL_CLAIM = "e2e-tiny-model"
     # the label of the node(s) the control-plane image is loaded onto (e2e/kind/cluster.yaml)
     CPU_POOL = ("topology.disagg.dev/pool", "cpu")
 
     def __init__(self):
         kubeconfig = os.environ.get("KUBECONFIG")
         if not kubeconfig:
-            raise RuntimeError("DISAGG_E2E_PROVIDER=kind needs KUBECONFIG (e2e/kind/up.sh prints it)")
+            raise RuntimeError("DISAGG_E2E_PROVIDER=kind needs KUBECONFIG (e2e/kind/e2e.sh up prints it)")
         self.kubeconfig = Path(kubeconfig.split(os.pathsep)[0])
         self.control_plane_image = os.environ.get("DISAGG_E2E_CONTROL_PLANE_IMAGE", "disagg/control-plane:0.1.0")
         self.worker_image = os.environ.get("DISAGG_E2E_WORKER_IMAGE", "disagg/e2e-stub-worker:0.1.0")
-        # the same stub under a second tag (e2e/kind/up.sh loads both), for a rollout
+        # the same stub under a second tag (e2e.sh loads both), for a rollout
         self.worker_image_next = os.environ.get("DISAGG_E2E_WORKER_IMAGE_NEXT", "disagg/e2e-stub-worker:0.1.0-next")
-        # The router loads the model's tokenizer at start. Where the nodes reach no model hub, e2e.sh copies
-        # the tiny model's tokenizer (workers/tinymodel.py) into every node at DISAGG_E2E_TOKENIZER_NODE_DIR,
-        # and each test namespace gets a read-only hostPath volume of it, claimed as TOKENIZER_CLAIM.
-        # Otherwise DISAGG_E2E_TOKENIZER: a small public one the nodes can download.
-        self.tokenizer_node_dir = os.environ.get("DISAGG_E2E_TOKENIZER_NODE_DIR", "")
-        self.tokenizer = (f"pvc://{self.TOKENIZER_CLAIM}" if self.tokenizer_node_dir else
-                          os.environ.get("DISAGG_E2E_TOKENIZER", "hf://Qwen/Qwen2.5-0.5B-Instruct"))
+        # The CPU worker image (vLLM's CPU build), streamed by e2e.sh onto this one node only: every node
+        # keeps its own unpacked copy, about 7 GB.
+        self.cpu_worker_image = os.environ.get("DISAGG_E2E_CPU_WORKER_IMAGE", "")
+        self.cpu_worker_node = os.environ.get("DISAGG_E2E_CPU_WORKER_NODE", "")
+        # The nodes reach no model hub: e2e.sh copies the tiny model (workers/tinymodel.py, 2 MB) into every
+        # node at DISAGG_E2E_MODEL_NODE_DIR, and each test namespace gets a read-only hostPath volume of it,
+        # claimed as MODEL_CLAIM: the examples' routers load its tokenizer, the tiny model's workers the
+        # model. DISAGG_E2E_TOKENIZER: a tokenizer the nodes can download instead, for the examples.
+        self.model_node_dir = os.environ.get("DISAGG_E2E_MODEL_NODE_DIR", "")
+        self.tokenizer = os.environ.get("DISAGG_E2E_TOKENIZER") or (
+            f"pvc://{self.MODEL_CLAIM}" if self.model_node_dir else "hf://Qwen/Qwen2.5-0.5B-Instruct")
         found = {tool: shutil.which(tool) for tool in ("kubectl", "helm")}
         if not all(found.values()):
             from .localcluster import binaries
@@ -142,35 +158,72 @@ class KindProvider(Provider):
         return self.worker_image_next
 
     def prepare_namespace(self, api, namespace: str) -> None:
-        if not self.tokenizer_node_dir:
+        if not self.model_node_dir:
             return
         from kubernetes import client
 
         core = client.CoreV1Api(api)
-        pv_name = f"{self.TOKENIZER_CLAIM}-{namespace}"
+        pv_name = f"{self.MODEL_CLAIM}-{namespace}"
         # every node holds the same copy, so no node affinity: worker pods mount the claim too
         core.create_persistent_volume({
             "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv_name},
             "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadOnlyMany"],
                      "persistentVolumeReclaimPolicy": "Retain", "storageClassName": "",
-                     "hostPath": {"path": self.tokenizer_node_dir, "type": "Directory"},
-                     "claimRef": {"namespace": namespace, "name": self.TOKENIZER_CLAIM}}})
+                     "hostPath": {"path": self.model_node_dir, "type": "Directory"},
+                     "claimRef": {"namespace": namespace, "name": self.MODEL_CLAIM}}})
         core.create_namespaced_persistent_volume_claim(namespace, {
-            "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": self.TOKENIZER_CLAIM},
+            "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": self.MODEL_CLAIM},
             "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": "", "volumeName": pv_name,
                      "resources": {"requests": {"storage": "1Gi"}}}})
 
     def cleanup_namespace(self, api, namespace: str) -> None:
-        if not self.tokenizer_node_dir:
+        if not self.model_node_dir:
             return
         from kubernetes import client
         from kubernetes.client.exceptions import ApiException
 
         try:
-            client.CoreV1Api(api).delete_persistent_volume(f"{self.TOKENIZER_CLAIM}-{namespace}")
+            client.CoreV1Api(api).delete_persistent_volume(f"{self.MODEL_CLAIM}-{namespace}")
         except ApiException as e:
             if e.status != 404:
                 raise
+
+    def tiny_model_deployment(self, name: str) -> dict[str, Any]:
+        if not (self.cpu_worker_image and self.cpu_worker_node):
+            raise Unsupported("no CPU worker image on the nodes (e2e.sh streams it unless "
+                              "DISAGG_E2E_SKIP_CPU_WORKER_IMAGE=1; DISAGG_E2E_CPU_WORKER_IMAGE/_NODE name it)")
+        if not self.model_node_dir:
+            raise Unsupported("the tiny model is not on the nodes (DISAGG_E2E_MODEL_NODE_DIR)")
+        from .realnode import deployment
+
+        return deployment(name, f"pvc://{self.MODEL_CLAIM}", self.cpu_worker_image,
+                          worker_placement={"nodeSelector": {"kubernetes.io/hostname": self.cpu_worker_node}},
+                          router_placement={"nodeSelector": dict([self.CPU_POOL])})
+
+    @contextlib.contextmanager
+    def port_forward(self, namespace: str, pod: str, *ports: int) -> Iterator[dict[int, int]]:
+        """``kubectl port-forward`` to ``pod``'s ``ports`` (through the API server and the pod's kubelet: the
+        kind nodes' pod network is not routed from this host); yields each port's local one on 127.0.0.1."""
+        proc = subprocess.Popen([str(self.kubectl_bin), f"--kubeconfig={self.kubeconfig}", "port-forward",
+                                 "--address=127.0.0.1", "-n", namespace, f"pod/{pod}", *(f":{p}" for p in ports)],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            local: dict[int, int] = {}
+            lines = []
+            while len(local) < len(ports):
+                line = proc.stdout.readline()
+                if not line:
+                    raise AssertionError(f"kubectl port-forward to {namespace}/{pod} exited ({proc.wait()}): "
+                                         + "".join(lines))
+                lines.append(line)
+                m = re.match(r"Forwarding from 127\.0\.0\.1:(\d+) -> (\d+)", line)
+                if m:
+                    local[int(m.group(2))] = int(m.group(1))
+            yield local
+        finally:
+            proc.terminate()
+            proc.wait()
+            proc.stdout.close()
 
     def adapt(self, manifest: dict[str, Any]) -> dict[str, Any]:
         doc = copy.deepcopy(manifest)

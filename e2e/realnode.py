@@ -102,12 +102,16 @@ def remove_model(api: client.ApiClient, namespace: str) -> None:
 
 def deployment(name: str, source: str, worker_image: str, prefill: int = 1, decode: int = 1,
                disaggregation: str = "always", prefill_layout: dict[str, Any] | None = None,
-               router_mode: str = "proxy") -> dict[str, Any]:
+               router_mode: str = "proxy", worker_placement: dict[str, Any] | None = None,
+               router_placement: dict[str, Any] | None = None) -> dict[str, Any]:
     """The tiny model as a DisaggDeployment whose every pod lands on the real node. spec.kvTransfer is left at
     its defaults: what a user applies unchanged to a CPU cluster must serve. ``prefill_layout``: the prefill
     replica's podsPerReplica and parallelism (replicas larger than one pod), instead of one pod at TP 1.
-    ``router_mode``: spec.router.mode (picker: also the endpoint picker of an InferencePool)."""
-    p = placement()
+    ``router_mode``: spec.router.mode (picker: also the endpoint picker of an InferencePool).
+    ``worker_placement``/``router_placement``: nodeSelector and tolerations in place of the real node's (the
+    kind provider's nodes)."""
+    p = placement() if worker_placement is None else worker_placement
+    rp = p if router_placement is None else router_placement
     role = {"tensorParallelSize": 1, **p}
     spec: dict[str, Any] = {
         "model": {"name": SERVED_MODEL, "source": source},
@@ -116,7 +120,7 @@ def deployment(name: str, source: str, worker_image: str, prefill: int = 1, deco
         "prefill": {"replicas": prefill, "minReplicas": 0 if prefill == 0 else 1,
                     **({**p, **prefill_layout} if prefill_layout else role)},
         "decode": {"replicas": decode, **role},
-        "router": {"replicas": 1, "disaggregation": disaggregation, "mode": router_mode, **p},
+        "router": {"replicas": 1, "disaggregation": disaggregation, "mode": router_mode, **rp},
         "scheduling": {"gang": {"minPrefill": min(prefill, 1), "minDecode": 1}},
     }
     return {"apiVersion": "serving.disagg.dev/v1alpha1", "kind": "DisaggDeployment",
@@ -183,27 +187,78 @@ def wait_serving(api: client.ApiClient, namespace: str, name: str, prefill: int 
     and `decode` workers healthy; returns the seconds waited. Pods Ready is not enough: the router learns
     its workers from the EndpointSlices and then probes them, and until it has a healthy prefill worker it
     prefills on the decode worker (the local_prefill path)."""
+    url = router_url(api, namespace, name)
+    start = time.monotonic()
+    wait_for(lambda: serving(url, router_metrics_urls(api, namespace, name), prefill, decode), timeout,
+             f"the router at {url} serving with {prefill} prefill and {decode} decode workers", interval=1)
+    return time.monotonic() - start
+
+
+def serving(url: str, metrics_urls: list[str], prefill: int = 1, decode: int = 1) -> bool:
+    """The router at `url` (…/v1) answers /v1/models and each of its processes' metrics (`metrics_urls`)
+    counts `prefill` and `decode` workers healthy."""
     import urllib.request
 
     from disagg.api import metrics as m
 
-    url = router_url(api, namespace, name)
-    start = time.monotonic()
+    try:
+        with urllib.request.urlopen(f"{url}/models", timeout=5) as r:
+            if r.status != 200:
+                return False
+        return bool(metrics_urls) and all(metric(base, m.ROUTER_WORKERS, role=role, state="healthy") >= want
+                                          for base in metrics_urls
+                                          for role, want in (("prefill", prefill), ("decode", decode)))
+    except OSError:
+        return False
 
-    def ready() -> bool:
-        try:
-            with urllib.request.urlopen(f"{url}/models", timeout=5) as r:
-                if r.status != 200:
-                    return False
-            processes = router_metrics_urls(api, namespace, name)
-            return bool(processes) and all(metric(base, m.ROUTER_WORKERS, role=role, state="healthy") >= want
-                                           for base in processes
-                                           for role, want in (("prefill", prefill), ("decode", decode)))
-        except OSError:
-            return False
-    wait_for(ready, timeout, f"the router at {url} serving with {prefill} prefill and {decode} decode workers",
-             interval=1)
-    return time.monotonic() - start
+
+# Prompts long enough to fill a KV block or two of the tiny model, so the decode has KV to pull.
+PROMPT = "You are a careful assistant for a parser project. Answer in one short line. " * 3
+
+
+def served_on_the_remote_prefill_path(url: str, decode_metrics_url: str) -> list[dict]:
+    """Chat and completions, streamed and not, through the router at ``url`` (…/v1) with the official
+    client: every one on the remote_prefill path, and NIXL bytes counted on the decode worker whose
+    metrics port is ``decode_metrics_url``. Returns each answer's x-disagg-* headers."""
+    import openai
+
+    from disagg.api import metrics as m
+    from disagg.workers.local import metric_sum, scrape
+
+    def nixl_bytes() -> float:
+        return metric_sum(scrape(decode_metrics_url), m.VLLM_NIXL_BYTES_TRANSFERRED + "_sum")
+
+    def route(headers) -> dict[str, str]:
+        return {k.lower(): v for k, v in headers.items() if k.lower().startswith("x-disagg-")}
+    before = nixl_bytes()
+    oa = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=300)
+    paths, routes = [], []
+    raw = oa.chat.completions.with_raw_response.create(
+        model=SERVED_MODEL, messages=[{"role": "user", "content": PROMPT + "chat"}], max_tokens=8, temperature=0)
+    paths.append(raw.headers.get("x-disagg-path"))
+    routes.append(route(raw.headers))
+    assert raw.parse().choices[0].message.content is not None
+    raw = oa.completions.with_raw_response.create(model=SERVED_MODEL, prompt=PROMPT + "completion", max_tokens=8,
+                                                  temperature=0)
+    paths.append(raw.headers.get("x-disagg-path"))
+    routes.append(route(raw.headers))
+    assert raw.parse().choices[0].text is not None
+    with oa.chat.completions.with_streaming_response.create(
+            model=SERVED_MODEL, messages=[{"role": "user", "content": PROMPT + "stream"}], max_tokens=8,
+            temperature=0, stream=True) as r:
+        paths.append(r.headers.get("x-disagg-path"))
+        routes.append(route(r.headers))
+        chunks = [c for c in r.parse() if c.choices]
+    assert chunks
+    with oa.completions.with_streaming_response.create(model=SERVED_MODEL, prompt=PROMPT + "stream2", max_tokens=8,
+                                                       temperature=0, stream=True) as r:
+        paths.append(r.headers.get("x-disagg-path"))
+        routes.append(route(r.headers))
+        assert [c for c in r.parse() if c.choices]
+    assert paths == [m.PATH_REMOTE_PREFILL] * 4, paths
+    moved = wait_for(lambda: (v := nixl_bytes()) > before and v, 60, "NIXL bytes counted on the decode pod")
+    assert moved > before
+    return routes
 
 
 def chat(url: str, question: str) -> str:
@@ -221,5 +276,5 @@ def chat(url: str, question: str) -> str:
 
 
 __all__ = ["chat", "CHART", "helm", "MODEL_CLAIM", "SERVED_MODEL", "chart_values", "deployment", "install_model",
-           "metric", "placement", "pod_logs", "ready_pods", "remove_model", "router_metrics_urls", "router_url",
-           "wait_serving"]
+           "metric", "placement", "pod_logs", "PROMPT", "ready_pods", "remove_model", "router_metrics_urls",
+           "router_url", "served_on_the_remote_prefill_path", "serving", "wait_serving"]

@@ -33,6 +33,7 @@ import pytest
 import yaml
 from kubernetes import client
 
+from disagg.api import contract
 from disagg.api import metrics as m
 from disagg.api.names import LABEL_ROLE
 from disagg.e2e import suite
@@ -338,6 +339,44 @@ def test_rollout_never_leaves_a_role_without_a_ready_pod(provider, kube, operato
     assert saw_progress, "status never showed the rollout in progress"
     suite.assert_conditions_healthy(dd)
     suite.assert_gang_scheduled(dd)
+
+
+# ---------------------------------------------------------------- serving, on a provider whose pods run images
+
+
+def test_the_tiny_model_on_the_cpu_worker_image_answers_the_openai_client(provider, kube, operator, request):
+    """kind: a DisaggDeployment of the tiny model whose prefill and decode pods run the CPU worker image
+    (vLLM's CPU build, NIXL) on one node and whose router pod runs the control-plane image on the CPU pool,
+    as the chart's operator pod renders them; the official client's chat and completions, streamed and not,
+    all on the remote_prefill path with NIXL bytes moved, through a port-forward to the router pod."""
+    from disagg.e2e import realnode
+    from disagg.e2e.providers import Unsupported
+
+    try:
+        manifest = provider.tiny_model_deployment("tiny")
+    except Unsupported as e:
+        pytest.skip(f"{e}; tests/test_e2e_realnode.py serves the same on the local cluster's real node")
+    ns = request.getfixturevalue("ns")   # after the skip: no namespace made for nothing
+    suite.apply(provider, ns, manifest)
+    dd = DD(kube, ns, "tiny")
+    try:
+        suite.wait_ready(dd, timeout=900)
+    except AssertionError as e:    # the pods and their logs go with the namespace
+        raise AssertionError(realnode.pod_logs(kube, ns, "")) from e
+    assert {p.spec.containers[0].image for p in suite.worker_pods(dd)} == {provider.cpu_worker_image}
+    (router,) = dd.pods("router")
+    (decode,) = dd.pods("decode")
+    metrics_ports = [p.container_port for c in router.spec.containers for p in c.ports or []
+                     if re.fullmatch(contract.ROUTER_METRICS_PORT_NAMES, p.name or "")]
+    with provider.port_forward(ns, router.metadata.name, contract.HTTP_PORT, *metrics_ports) as to_router, \
+            provider.port_forward(ns, decode.metadata.name, contract.WORKER_METRICS_PORT) as to_decode:
+        url = f"http://127.0.0.1:{to_router[contract.HTTP_PORT]}/v1"
+        # the router probes the workers it discovers; until it counts a healthy prefill it prefills locally
+        wait_for(lambda: realnode.serving(url, [f"http://127.0.0.1:{to_router[p]}" for p in metrics_ports]), 300,
+                 "the router serving with its prefill and decode workers", interval=1)
+        realnode.served_on_the_remote_prefill_path(
+            url, f"http://127.0.0.1:{to_decode[contract.WORKER_METRICS_PORT]}")
+    suite.delete(dd, kube)
 
 
 # ---------------------------------------------------------------- the operator's metrics

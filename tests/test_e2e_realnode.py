@@ -64,7 +64,7 @@ NOT_HERE = {
                         "traffic); only lost events or a restarted engine make one; tests/test_dashboards.py "
                         "starts its router late (a join)",
 }
-PROMPT = "You are a careful assistant for a parser project. Answer in one short line. " * 3
+PROMPT = realnode.PROMPT
 
 
 @pytest.fixture(scope="module")
@@ -208,46 +208,11 @@ def test_openai_client_chat_and_completions_take_the_remote_prefill_path(api, pd
     _served_on_the_remote_prefill_path(dd, url)
 
 
-def _nixl_bytes(decode: client.V1Pod) -> float:
-    return metric_sum(scrape(_pod_url(decode, contract.WORKER_METRICS_PORT)), m.VLLM_NIXL_BYTES_TRANSFERRED + "_sum")
-
-
 def _served_on_the_remote_prefill_path(dd: DD, url: str) -> list[dict]:
-    """Chat and completions, streamed and not, through ``url`` with the official client: every one on the
-    remote_prefill path, and NIXL bytes moved to the decode pod. Returns each answer's route headers."""
-    import openai
-
+    """Chat and completions, streamed and not, through ``url``: every one on the remote_prefill path, with
+    NIXL bytes counted on the decode pod (e2e/realnode.py, shared with the kind provider's suite)."""
     decode = dd.pods("decode")[0]
-    before = _nixl_bytes(decode)
-    oa = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=300)
-    paths, routes = [], []
-    raw = oa.chat.completions.with_raw_response.create(
-        model=realnode.SERVED_MODEL, messages=[{"role": "user", "content": PROMPT + "chat"}], max_tokens=8,
-        temperature=0)
-    paths.append(raw.headers.get("x-disagg-path"))
-    routes.append(_route(raw.headers))
-    assert raw.parse().choices[0].message.content is not None
-    raw = oa.completions.with_raw_response.create(model=realnode.SERVED_MODEL, prompt=PROMPT + "completion",
-                                                  max_tokens=8, temperature=0)
-    paths.append(raw.headers.get("x-disagg-path"))
-    routes.append(_route(raw.headers))
-    assert raw.parse().choices[0].text is not None
-    with oa.chat.completions.with_streaming_response.create(
-            model=realnode.SERVED_MODEL, messages=[{"role": "user", "content": PROMPT + "stream"}], max_tokens=8,
-            temperature=0, stream=True) as r:
-        paths.append(r.headers.get("x-disagg-path"))
-        routes.append(_route(r.headers))
-        chunks = [c for c in r.parse() if c.choices]
-    assert chunks
-    with oa.completions.with_streaming_response.create(model=realnode.SERVED_MODEL, prompt=PROMPT + "stream2",
-                                                       max_tokens=8, temperature=0, stream=True) as r:
-        paths.append(r.headers.get("x-disagg-path"))
-        routes.append(_route(r.headers))
-        assert [c for c in r.parse() if c.choices]
-    assert paths == [m.PATH_REMOTE_PREFILL] * 4, paths
-    moved = wait_for(lambda: (v := _nixl_bytes(decode)) > before and v, 60, "NIXL bytes counted on the decode pod")
-    assert moved > before
-    return routes
+    return realnode.served_on_the_remote_prefill_path(url, _pod_url(decode, contract.WORKER_METRICS_PORT))
 
 
 # the client's TTFT against the router's time to its first token (kube-proxy's hop and the client

@@ -156,3 +156,26 @@ def test_stub_worker_answers_the_probes_under_the_operators_arguments(tmp_path):
         proc.terminate()
         stdout, _ = proc.communicate(timeout=10)
     assert proc.returncode == 0 and "e2e stub worker" in stdout, stdout
+
+
+def test_tiny_model_runs_where_the_cpu_worker_image_is(monkeypatch, tmp_path, cluster, crd_installed, namespace):
+    from disagg.e2e.providers import Unsupported
+
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "kubeconfig"))
+    with pytest.raises(Unsupported, match="CPU worker image"):
+        KindProvider().tiny_model_deployment("tiny")
+    monkeypatch.setenv("DISAGG_E2E_CPU_WORKER_IMAGE", "docker.io/disagg/worker-cpu:0.1.0")
+    monkeypatch.setenv("DISAGG_E2E_CPU_WORKER_NODE", "disagg-e2e-worker5")
+    monkeypatch.setenv("DISAGG_E2E_MODEL_NODE_DIR", "/disagg-e2e/tiny-model")
+    provider = KindProvider()
+    doc = provider.tiny_model_deployment("tiny")
+    spec = doc["spec"]
+    assert spec["model"]["source"] == f"pvc://{provider.MODEL_CLAIM}"
+    assert spec["engine"]["image"] == "docker.io/disagg/worker-cpu:0.1.0"
+    for role in ("prefill", "decode"):   # both on the one node holding the image, no real-node toleration
+        assert spec[role]["nodeSelector"] == {"kubernetes.io/hostname": "disagg-e2e-worker5"}
+        assert "tolerations" not in spec[role]
+    assert spec["router"]["nodeSelector"] == dict([KindProvider.CPU_POOL])
+    out = cluster.kubectl("apply", "--server-side", "--dry-run=server", "--validate=strict", "-n", namespace,
+                          "-f", "-", input=yaml.safe_dump(doc), check=False)
+    assert out.returncode == 0 and "warning" not in out.stderr.lower(), out.stderr

@@ -102,6 +102,15 @@ def inputs_hash(target: str, base: BaseImage, context_digest: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
+def pinned_ref(target: str, log=print) -> str:
+    """The input-pinned name :func:`ensure_images` gives the target's image built from this tree; no store
+    is touched."""
+    base = ensure_base(log)
+    with tempfile.TemporaryDirectory(prefix="disagg-context-") as context:
+        digest = snapshot_context(Path(context))
+    return f"{REPOSITORY}/{target}:{version()}-{inputs_hash(target, base, digest)}"
+
+
 class Store:
     """The containerd image store, through containerd's own client (ctr)."""
 

@@ -13,7 +13,9 @@
 # (disagg-e2e), KIND_NODE_IMAGE (default: the image node-image.sh builds for the local control plane's
 # Kubernetes version), DISAGG_E2E_SKIP_WORKER_IMAGE=1 (do not build and load the vLLM worker image, about
 # 10 GB; skipped anyway where its vLLM base cannot be had: the suite's pods run the stub worker),
-# DISAGG_E2E_TOKENIZER (a tokenizer the nodes can download, instead of the tiny model's), PYTHON
+# DISAGG_E2E_SKIP_CPU_WORKER_IMAGE=1 (do not stream the CPU worker image onto its node: the tiny model's
+# serving test skips), DISAGG_REAL_NODE_LOCK (a file locked while the real node's store builds that image),
+# DISAGG_E2E_TOKENIZER (a tokenizer the nodes can download, for the examples' routers), PYTHON
 # (.venv/bin/python), DOCKER_HOST (an engine of your own; engine.sh's is started when unset).
 set -euo pipefail
 
@@ -141,6 +143,44 @@ gpu_nodes() {
   kctl get nodes -l nvidia.com/gpu.present=true -o jsonpath='{.items[*].metadata.name}' | tr ' ' ','
 }
 
+# The CPU worker image (vLLM's CPU build) goes onto one node only, the one 8-GPU node of NVLink domain
+# ...-nvl-1 (cluster.yaml), where the tiny model's prefill and decode pods are pinned: each node that holds
+# it keeps its own unpacked copy, about 7 GB.
+cpu_worker_ref() {  # the name e2e/images gives it
+  (cd "$repo" && "$python" -c 'from disagg.e2e.images.build import REPOSITORY, version
+print(f"{REPOSITORY}/worker-cpu:{version()}")')
+}
+cpu_worker_node() {
+  kctl get nodes -l nvidia.com/gpu.clique=h100.zone-a-rack-0-nvl-1 -o jsonpath='{.items[0].metadata.name}'
+}
+# What streaming it needs free where the engine keeps the nodes' volumes: the unpacked image (about
+# 7 GB), its compressed layers until they are discarded (about 3 GB), and room left for everything else.
+cpu_worker_free_gib=14
+
+# The CPU worker image from the real node's store (e2e/images/stream.py: built there by the project's
+# BuildKit when that store lacks the current inputs), streamed into the node's containerd: no copy in the
+# engine's store, no tarball; the importer drops the compressed layers once unpacked.
+cpu_worker() {
+  local node free cpu_worker_image
+  cpu_worker_image="$(cpu_worker_ref)"
+  if [[ "${DISAGG_E2E_SKIP_CPU_WORKER_IMAGE:-0}" == 1 ]]; then
+    log "skipping $cpu_worker_image (DISAGG_E2E_SKIP_CPU_WORKER_IMAGE=1)"
+    return
+  fi
+  free=$(($(df --output=avail -k "$(docker info --format '{{.DockerRootDir}}')" | tail -1) / 1024 / 1024))
+  if ((free < cpu_worker_free_gib)); then
+    log "skipping $cpu_worker_image: $free GiB free for the engine's data, streaming it needs $cpu_worker_free_gib"
+    return
+  fi
+  node="$(cpu_worker_node)"
+  log "streaming $cpu_worker_image from the real node's store into $node"
+  (cd "$repo" && "$python" -m disagg.e2e.images.stream worker-cpu) |
+    docker exec -i "$node" ctr --namespace=k8s.io images import --local --all-platforms --discard-unpacked-layers \
+      --snapshotter=overlayfs - >/dev/null
+  docker exec "$node" ctr --namespace=k8s.io images ls -q "name==$cpu_worker_image" | grep -qx "$cpu_worker_image" ||
+    { log "$cpu_worker_image is not in $node's containerd after the import"; exit 1; }
+}
+
 # docker build with BuildKit (the Dockerfile's RUN --mount lines need it): Debian's docker.io client
 # (20.10) builds through the engine's own BuildKit; a newer client without the buildx plugin cannot.
 # RUN steps use the host's network (the engine's only network is kind's, which reaches nothing).
@@ -198,16 +238,17 @@ images() {
     build --target worker -t "$worker_image" "$repo"
     kind load docker-image --name "$name" --nodes "$(gpu_nodes)" "$worker_image"
   fi
+  cpu_worker
 }
 
-# The router loads its tokenizer at start. Unless DISAGG_E2E_TOKENIZER names one the nodes can download,
-# the tiny model's (workers/tinymodel.py; made once by the worker environment, which a machine without
-# it builds first, as `make test` does) goes into every node at
-# $tokenizer_node_dir; the provider gives each test namespace a read-only volume of it.
-tokenizer_node_dir=/disagg-e2e/tokenizer
-tokenizer() {
+# The nodes reach no model hub: the tiny model (workers/tinymodel.py, 2 MB; made once by the worker
+# environment, which a machine without it builds first, as `make test` does) goes into every node at
+# $model_node_dir. The provider gives each test namespace a read-only volume of it: the examples' routers
+# load its tokenizer (unless DISAGG_E2E_TOKENIZER names one the nodes can download), the tiny model's
+# workers the model.
+model_node_dir=/disagg-e2e/tiny-model
+tiny_model() {
   local dir node
-  [[ -n "${DISAGG_E2E_TOKENIZER:-}" ]] && return
   dir="$(cd "$repo" && "$python" -c '
 from disagg.workers.tinymodel import cache_dir, ensure
 if (cache_dir() / ".complete").exists():
@@ -216,16 +257,22 @@ else:  # made once by the worker environment (built first when missing, as make 
     from disagg.workers.envpath import worker_python
     print(ensure(worker_python()))')"
   for node in $(kind get nodes --name "$name"); do
-    docker exec "$node" mkdir -p "$tokenizer_node_dir"
-    for f in "$dir"/*.json "$dir"/*.jinja; do docker cp "$f" "$node:$tokenizer_node_dir/"; done
-    docker exec "$node" chmod -R a+rX "$tokenizer_node_dir"
+    docker exec "$node" mkdir -p "$model_node_dir"
+    docker cp "$dir/." "$node:$model_node_dir/"
+    docker exec "$node" chmod -R a+rX "$model_node_dir"
   done
-  export DISAGG_E2E_TOKENIZER_NODE_DIR="$tokenizer_node_dir"
+  export DISAGG_E2E_MODEL_NODE_DIR="$model_node_dir"
 }
 
 run_tests() {
   [[ -x "$python" ]] || { log "no $python: run \`make venv\` first"; exit 2; }
-  tokenizer
+  tiny_model
+  local node cpu_worker_image
+  node="$(cpu_worker_node)"
+  cpu_worker_image="$(cpu_worker_ref)"
+  if docker exec "$node" ctr --namespace=k8s.io images ls -q "name==$cpu_worker_image" | grep -qx "$cpu_worker_image"; then
+    export DISAGG_E2E_CPU_WORKER_IMAGE="$cpu_worker_image" DISAGG_E2E_CPU_WORKER_NODE="$node"
+  fi
   log "running tests/test_e2e_helm.py on kind"
   cd "$repo"
   DISAGG_E2E_PROVIDER=kind KUBECONFIG="$kubeconfig" \
