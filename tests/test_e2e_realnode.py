@@ -44,6 +44,7 @@ from disagg.e2e.localcluster.node import NODE_NAME
 from disagg.e2e.prometheus import LocalPrometheus
 from disagg.e2e.providers import CHART
 from disagg.e2e.testing import DD, wait_for
+from disagg.router import adapters as lora
 from disagg.workers.local import metric_sum, scrape
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(3000)]
@@ -337,7 +338,8 @@ def test_an_adapter_declared_in_the_spec_is_loaded_into_both_pods_and_served_pd(
     and the decode pod (from the adapters' claim the operator mounted), status.adapters counts it ready on each
     role, /v1/models lists it, and the official client at temperature 0 gets other tokens with it than without
     it, on the remote_prefill path with NIXL bytes moved; the decode pod asked directly (one engine running the
-    prefill and the decode with the adapter) gives the same tokens as the pair."""
+    prefill and the decode with the adapter) gives the same tokens as the pair, and its engine reports the
+    adapter in vllm:lora_requests_info, the router's lora_affinity input."""
     dd, url = pd
     wait_for(lambda: _ready_on_both(dd, LORA), 300, f"status.adapters: {LORA} ready on the prefill and the decode")
     assert _models(url) == [realnode.SERVED_MODEL, LORA]
@@ -345,8 +347,13 @@ def test_an_adapter_declared_in_the_spec_is_loaded_into_both_pods_and_served_pd(
         assert LORA in _models(worker), worker
     prompt = PROMPT + "adapter"
     text = _served_with_adapter(dd, url, LORA, prompt)
-    alone, _ = _complete(_pod_url(dd.pods("decode")[0]) + "/v1", LORA, prompt)
+    decode = _pod_url(dd.pods("decode")[0])
+    alone, _ = _complete(decode + "/v1", LORA, prompt)
     assert text == alone
+    # the engine reports its adapters' requests where the router reads its lora_affinity queue from
+    with urllib.request.urlopen(f"{decode}/metrics", timeout=30) as r:
+        reported = lora.lora_requests(r.read().decode())
+    assert reported is not None and reported[0] | reported[1] <= {LORA}, reported
 
 
 def test_an_adapter_added_live_serves_with_no_restart_and_removed_gets_a_404(api, pd, node_adapters):
