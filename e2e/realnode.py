@@ -27,6 +27,10 @@ from .providers import CHART
 from .testing import wait_for
 
 MODEL_CLAIM = "tiny-model"
+# LoRA adapters of the tiny model (workers/tinyadapter.py) reach the pods the same way, on a claim of their own:
+# the model's directory is the shared cache, and a claim the workers mount from the start lets an adapter
+# added later on it roll no pod (operator/render.py _model_volumes).
+ADAPTER_CLAIM = "tiny-adapters"
 SERVED_MODEL = "tiny"
 # The tiny model's settings for the CPU build: a context the tokenizer's prompts fit, and a KV cache
 # small enough for two vLLM instances and everything else on a 2-core, 24 GiB machine.
@@ -66,16 +70,17 @@ def helm(cluster, *args: str, check: bool = True) -> subprocess.CompletedProcess
     return out
 
 
-def install_model(api: client.ApiClient, namespace: str, host_dir: Path | str, node_name: str = NODE_NAME) -> str:
+def install_model(api: client.ApiClient, namespace: str, host_dir: Path | str, node_name: str = NODE_NAME,
+                  claim: str = MODEL_CLAIM) -> str:
     """A read-only hostPath PersistentVolume of `host_dir` on the real node, bound to the claim
-    MODEL_CLAIM in `namespace`; returns the `pvc://` source."""
+    `claim` in `namespace`; returns the `pvc://` source."""
     core = client.CoreV1Api(api)
-    pv_name = f"{MODEL_CLAIM}-{namespace}"
+    pv_name = f"{claim}-{namespace}"
     pv = {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv_name},
           "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadOnlyMany"],
                    "persistentVolumeReclaimPolicy": "Retain", "storageClassName": "",
                    "hostPath": {"path": str(host_dir), "type": "Directory"},
-                   "claimRef": {"namespace": namespace, "name": MODEL_CLAIM},
+                   "claimRef": {"namespace": namespace, "name": claim},
                    "nodeAffinity": {"required": {"nodeSelectorTerms": [{"matchExpressions": [
                        {"key": "kubernetes.io/hostname", "operator": "In", "values": [node_name]}]}]}}}}
     try:
@@ -84,17 +89,17 @@ def install_model(api: client.ApiClient, namespace: str, host_dir: Path | str, n
         if e.status != 409:
             raise
     core.create_namespaced_persistent_volume_claim(namespace, {
-        "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": MODEL_CLAIM},
+        "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": claim},
         "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": "", "volumeName": pv_name,
                  "resources": {"requests": {"storage": "1Gi"}}}})
-    wait_for(lambda: core.read_namespaced_persistent_volume_claim(MODEL_CLAIM, namespace).status.phase == "Bound",
-             60, f"claim {MODEL_CLAIM} bound")
-    return f"pvc://{MODEL_CLAIM}"
+    wait_for(lambda: core.read_namespaced_persistent_volume_claim(claim, namespace).status.phase == "Bound",
+             60, f"claim {claim} bound")
+    return f"pvc://{claim}"
 
 
-def remove_model(api: client.ApiClient, namespace: str) -> None:
+def remove_model(api: client.ApiClient, namespace: str, claim: str = MODEL_CLAIM) -> None:
     try:
-        client.CoreV1Api(api).delete_persistent_volume(f"{MODEL_CLAIM}-{namespace}")
+        client.CoreV1Api(api).delete_persistent_volume(f"{claim}-{namespace}")
     except ApiException as e:
         if e.status != 404:
             raise
@@ -216,6 +221,14 @@ def serving(url: str, metrics_urls: list[str], prefill: int = 1, decode: int = 1
 PROMPT = "You are a careful assistant for a parser project. Answer in one short line. " * 3
 
 
+def nixl_bytes(metrics_url: str) -> float:
+    """Bytes NIXL has moved into the worker whose metrics are at ``metrics_url`` (vLLM's own counter)."""
+    from disagg.api import metrics as m
+    from disagg.workers.local import metric_sum, scrape
+
+    return metric_sum(scrape(metrics_url), m.VLLM_NIXL_BYTES_TRANSFERRED + "_sum")
+
+
 def served_on_the_remote_prefill_path(url: str, decode_metrics_url: str) -> list[dict]:
     """Chat and completions, streamed and not, through the router at ``url`` (…/v1) with the official
     client: every one on the remote_prefill path, and NIXL bytes counted on the decode worker whose
@@ -223,14 +236,10 @@ def served_on_the_remote_prefill_path(url: str, decode_metrics_url: str) -> list
     import openai
 
     from disagg.api import metrics as m
-    from disagg.workers.local import metric_sum, scrape
-
-    def nixl_bytes() -> float:
-        return metric_sum(scrape(decode_metrics_url), m.VLLM_NIXL_BYTES_TRANSFERRED + "_sum")
 
     def route(headers) -> dict[str, str]:
         return {k.lower(): v for k, v in headers.items() if k.lower().startswith("x-disagg-")}
-    before = nixl_bytes()
+    before = nixl_bytes(decode_metrics_url)
     oa = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=300)
     paths, routes = [], []
     raw = oa.chat.completions.with_raw_response.create(
@@ -256,7 +265,7 @@ def served_on_the_remote_prefill_path(url: str, decode_metrics_url: str) -> list
         routes.append(route(r.headers))
         assert [c for c in r.parse() if c.choices]
     assert paths == [m.PATH_REMOTE_PREFILL] * 4, paths
-    moved = wait_for(lambda: (v := nixl_bytes()) > before and v, 60, "NIXL bytes counted on the decode pod")
+    moved = wait_for(lambda: (v := nixl_bytes(decode_metrics_url)) > before and v, 60, "NIXL bytes counted on the decode pod")
     assert moved > before
     return routes
 
@@ -275,6 +284,6 @@ def chat(url: str, question: str) -> str:
             f"TTFT {1000 * (first - start):.0f} ms, {chunks} chunks in {end - start:.1f} s")
 
 
-__all__ = ["chat", "CHART", "helm", "MODEL_CLAIM", "SERVED_MODEL", "chart_values", "deployment", "install_model",
-           "metric", "placement", "pod_logs", "PROMPT", "ready_pods", "remove_model", "router_metrics_urls",
+__all__ = ["ADAPTER_CLAIM", "chat", "CHART", "helm", "MODEL_CLAIM", "SERVED_MODEL", "chart_values", "deployment", "install_model",
+           "metric", "nixl_bytes", "placement", "pod_logs", "PROMPT", "ready_pods", "remove_model", "router_metrics_urls",
            "router_url", "served_on_the_remote_prefill_path", "serving", "wait_serving"]

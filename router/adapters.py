@@ -24,6 +24,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 
+from disagg.api import metrics as m
 from disagg.api.names import local_model_path
 
 from .errors import NoWorkers, NotFound
@@ -47,6 +48,25 @@ def lora_affinity(adapter: str, active: set[str], waiting: set[str], max_loras: 
     if adapter in waiting:
         return SCORE_WAITING
     return SCORE_FULL
+
+
+def lora_requests(metrics_text: str) -> tuple[set[str], set[str]] | None:
+    """(running, waiting) adapters, as a vLLM worker's /metrics last reported them in vllm:lora_requests_info
+    (the lora_affinity scorer's input, as the Inference Extension reads it). vLLM keeps one sample per label set
+    it ever reported, each set to the time it last reported it, so the sample of the greatest value is the
+    engine's state now. None where the worker reports none (LoRA off, or no engine step yet)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    # only this metric's lines go to the parser: a worker's whole /metrics is tens of kB of histograms
+    lines = [ln for ln in metrics_text.splitlines() if ln.startswith(m.VLLM_LORA_REQUESTS_INFO + "{")]
+    samples = [s for f in text_string_to_metric_families("\n".join(lines) + "\n") for s in f.samples] if lines else []
+    if not samples:
+        return None
+    now = max(samples, key=lambda s: s.value).labels
+
+    def names(label: str) -> set[str]:
+        return {n for n in now.get(label, "").split(",") if n}
+    return names("running_lora_adapters"), names("waiting_lora_adapters")
 
 
 def root(adapter: str | None) -> int:

@@ -34,9 +34,9 @@ from .pool import Hold, Pool, Worker
 # the earlier one has computed those blocks into its prefix cache, or is computing them.
 MAX_PREDICTED_BLOCKS = 1_000_000
 # A worker counts an adapter as active (in its batch: lora_affinity's 1.0) for this long after the router last
-# sent it a request of that adapter. The router's own decisions stand in for vLLM's
-# vllm:lora_requests_info (running/waiting adapters), which only a /metrics scrape per worker would give;
-# a request of the tiny adapters served here lasts well under it, and a busy adapter is re-sent within it.
+# sent it a request of that adapter: the router's own decisions, joined with what the engine last reported in
+# vllm:lora_requests_info (Worker.lora_running/lora_waiting, read every adapter sync, a probe interval apart),
+# which alone would miss a request routed since; a busy adapter is re-sent within it.
 ADAPTER_ACTIVE_S = 10.0
 
 
@@ -134,8 +134,10 @@ class Decider:
         if not holding:
             return []
         now = time.monotonic()
-        scores = {w.name: lora.lora_affinity(adapter, self.active_adapters(w, now), set(), self.config.max_loras)
-                  for w in holding}
+        scores = {}
+        for w in holding:
+            active = self.active_adapters(w, now) | w.lora_running
+            scores[w.name] = lora.lora_affinity(adapter, active, w.lora_waiting - active, self.config.max_loras)
         best = max(scores.values())
         return [w for w in holding if scores[w.name] == best]
 

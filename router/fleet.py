@@ -21,6 +21,7 @@ import zmq.asyncio
 from disagg.api import metrics as m
 from disagg.api.names import ROLE_DECODE, ROLE_FLEX, ROLE_PREFILL
 
+from . import adapters as lora
 from .adapters import Declared, FileWatch
 from .calls import Calls, WorkerError, read
 from .config import MAX_ANSWER_BYTES, MAX_ERROR_BODY_BYTES, FlexEndpoint, RouterConfig
@@ -385,6 +386,23 @@ class Fleet:
                 want = dict(self.declared.paths)
                 if not await self._sync_once(w, want, timeout) or self.declared.paths == want:
                     break
+            if self.declared.paths:
+                await self._read_lora_requests(w, timeout)
+
+    async def _read_lora_requests(self, w: Worker, timeout: float) -> None:
+        """``w.lora_running`` and ``w.lora_waiting`` from its engine's /metrics (vLLM serves it on the API port,
+        which the router reaches under the deployment's NetworkPolicy); both emptied when it does not answer
+        or reports none, so a stale queue never keeps a worker in a lower tier."""
+        running, waiting = set(), set()
+        try:
+            async with self.calls.session.get(f"{w.url}/metrics", timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+                if r.status == 200:
+                    now = lora.lora_requests((await read(r, MAX_ANSWER_BYTES))[0].decode(errors="replace"))
+                    if now is not None:
+                        running, waiting = now
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            pass
+        w.lora_running, w.lora_waiting = running, waiting
 
     async def _sync_once(self, w: Worker, want: dict[str, str], timeout: float) -> bool:
         """One pass of :meth:`sync_adapters` towards ``want``; False when the worker did not answer."""

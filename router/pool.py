@@ -48,6 +48,11 @@ class Worker:
     # a request for an adapter goes only to a worker holding it
     adapters: set[str] = field(default_factory=set)
     adapter_errors: dict[str, str] = field(default_factory=dict)   # adapter -> why its load failed here
+    # the adapters with requests running, and waiting for an adapter slot, on it, as its engine last reported
+    # them (vllm:lora_requests_info, read with each adapter sync): lora_affinity's input beside the router's own
+    # decisions, which miss the other router replicas' requests and the queue
+    lora_running: set[str] = field(default_factory=set)
+    lora_waiting: set[str] = field(default_factory=set)
     _target: Target | None = field(default=None, repr=False, compare=False)
 
     @property

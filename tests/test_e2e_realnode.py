@@ -8,6 +8,10 @@ Dockerfile builds (BuildKit, no Docker daemon): what a user runs, nothing config
   probes, all as the operator renders them;
 - the official `openai` client through the deployment's Service: chat and completions, streamed and
   not, on the remote_prefill path, with NIXL bytes moved between the two pods;
+- LoRA adapters declared in that deployment's spec (a claim of adapter files, as the model's): the router pod
+  loads them into both worker pods and reports them in status.adapters, the client's answers with one differ
+  from the base model's on the same P/D path; one added to and removed from the live spec is served and then
+  refused (404) with no pod restarted;
 - the same through a gateway: the deployment runs its router in picker mode, the chart installed the
   InferencePool CRD, and an Envoy reads the operator's InferencePool as a gateway would, asks the router
   pod's endpoint picker for each request and carries the decode pod's stream itself;
@@ -22,6 +26,7 @@ Dockerfile builds (BuildKit, no Docker daemon): what a user runs, nothing config
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import os
 import threading
 import time
@@ -39,6 +44,7 @@ from disagg.e2e.localcluster.node import NODE_NAME
 from disagg.e2e.prometheus import LocalPrometheus
 from disagg.e2e.providers import CHART
 from disagg.e2e.testing import DD, wait_for
+from disagg.router import adapters as lora
 from disagg.workers.local import metric_sum, scrape
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(3000)]
@@ -65,6 +71,9 @@ NOT_HERE = {
                         "starts its router late (a join)",
 }
 PROMPT = realnode.PROMPT
+# LoRA adapters of the tiny model: LORA declared from the pd deployment's creation, LORA_LIVE added to and removed
+# from its live spec (tests below)
+LORA, LORA_LIVE = "tiny-lora", "tiny-lora-live"
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +138,22 @@ def serving_ns(api, release, real, tiny_model):
 
 
 @pytest.fixture(scope="module")
+def node_adapters(api, serving_ns, tiny_model, tmp_path_factory):
+    """Two LoRA adapters of the tiny model (workers/tinyadapter.py, different seeds) on the real node, reaching
+    the pods as the model does: a hostPath volume bound to the claim ADAPTER_CLAIM. Name -> pvc:// source."""
+    from disagg.workers.tinyadapter import make_adapter
+
+    # a folder of its own (mode 0755): the pods' non-root user lists it where it is mounted
+    root = tmp_path_factory.mktemp("node-adapters") / "adapters"
+    for sub, seed in (("one", 7), ("two", 11)):
+        make_adapter(Path(tiny_model), root / sub, seed=seed)
+    source = realnode.install_model(api, NS, root, claim=realnode.ADAPTER_CLAIM)
+    yield {LORA: f"{source}/one", LORA_LIVE: f"{source}/two"}
+    # the claim goes with the namespace (serving_ns); the volume's protection finalizer holds it until then
+    realnode.remove_model(api, NS, claim=realnode.ADAPTER_CLAIM)
+
+
+@pytest.fixture(scope="module")
 def node_jaeger(real, tmp_path_factory):
     """A real Jaeger on this host whose OTLP receivers listen on the real node's bridge address, where the
     pods reach the host (their NetworkPolicy leaves egress open); its query API on loopback."""
@@ -141,12 +166,18 @@ def node_jaeger(real, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def pd(api, serving_ns, images, node_jaeger):
+def pd(api, serving_ns, images, node_jaeger, node_adapters):
     """The P/D deployment, traced from its creation (spec.tracing, so no rollout later): sampling ratio 0, so
     the other tests' requests make no spans; a request whose client sends a sampled traceparent is traced
-    by the router and both engines (parent-based sampling)."""
+    by the router and both engines (parent-based sampling). LoRA on from its creation, with one adapter
+    declared (the adapters' claim mounted from the start, so the adapter tests roll nothing): the other
+    tests serve the base model through engines that can also serve adapters, as a user's would."""
+    from disagg.workers.tinyadapter import ADAPTER_RANK
+
     manifest = realnode.deployment(PD, serving_ns, images["worker-cpu"], router_mode="picker")
     manifest["spec"]["tracing"] = {"otlpEndpoint": node_jaeger.otlp_endpoint, "samplingRatio": 0.0}
+    manifest["spec"]["model"].update({"maxLoras": 2, "maxLoraRank": ADAPTER_RANK,
+                                      "adapters": [{"name": LORA, "source": node_adapters[LORA]}]})
     dd = DD(api, NS, manifest)
     try:
         dd.wait_phase("Ready", timeout=900)
@@ -208,11 +239,126 @@ def test_openai_client_chat_and_completions_take_the_remote_prefill_path(api, pd
     _served_on_the_remote_prefill_path(dd, url)
 
 
+def _nixl_bytes(decode: client.V1Pod) -> float:
+    return realnode.nixl_bytes(_pod_url(decode, contract.WORKER_METRICS_PORT))
+
+
 def _served_on_the_remote_prefill_path(dd: DD, url: str) -> list[dict]:
     """Chat and completions, streamed and not, through ``url``: every one on the remote_prefill path, with
     NIXL bytes counted on the decode pod (e2e/realnode.py, shared with the kind provider's suite)."""
     decode = dd.pods("decode")[0]
     return realnode.served_on_the_remote_prefill_path(url, _pod_url(decode, contract.WORKER_METRICS_PORT))
+
+
+# ---------------------------------------------------------------- LoRA adapters (spec.model.adapters)
+def _models(url: str) -> list[str]:
+    """The models a router or a worker lists on /v1/models (``url``: …/v1)."""
+    with urllib.request.urlopen(f"{url}/models", timeout=30) as r:
+        return [c["id"] for c in json.loads(r.read())["data"]]
+
+
+def _adapter_status(dd: DD, name: str) -> dict | None:
+    return next((a for a in dd.status().get("adapters") or [] if a["name"] == name), None)
+
+
+def _ready_on_both(dd: DD, name: str) -> bool:
+    """status.adapters counts ``name`` loaded and ready on the one prefill and the one decode worker."""
+    a = _adapter_status(dd, name)
+    return bool(a and a.get("ready") and (a.get("prefill"), a.get("decode")) == (1, 1) and not a.get("message"))
+
+
+def _observed(dd: DD) -> bool:
+    """The operator has reconciled the spec as it is now (a rollout it would start is under way by then)."""
+    obj = dd.get()
+    return (obj.get("status") or {}).get("observedGeneration") == obj["metadata"]["generation"]
+
+
+def _worker_urls(dd: DD) -> list[str]:
+    return [_pod_url(p) + "/v1" for role in ("prefill", "decode") for p in dd.pods(role)]
+
+
+def _complete(url: str, model: str, prompt: str) -> tuple[str, dict[str, str]]:
+    """A completion of 8 tokens at temperature 0 with the official client (EOS ignored): its text and route."""
+    import openai
+
+    oa = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=300)
+    raw = oa.completions.with_raw_response.create(model=model, prompt=prompt, max_tokens=8, temperature=0,
+                                                  extra_body={"ignore_eos": True})
+    return raw.parse().choices[0].text, _route(raw.headers)
+
+
+def _served_with_adapter(dd: DD, url: str, adapter: str, prompt: str) -> str:
+    """``adapter``'s completion of ``prompt`` through the deployment's Service: on the remote_prefill path between
+    the deployment's two worker pods with NIXL bytes moved, and different from the base model's. Its text."""
+    prefill, decode = dd.pods("prefill")[0], dd.pods("decode")[0]
+    before = _nixl_bytes(decode)
+    text, route = _complete(url, adapter, prompt)
+    assert route.get("x-disagg-path") == m.PATH_REMOTE_PREFILL and route.get("x-disagg-adapter") == adapter, route
+    assert (route["x-disagg-prefill"], route["x-disagg-decode"]) == (_pod_url(prefill), _pod_url(decode)), route
+    wait_for(lambda: _nixl_bytes(decode) > before, 60, "NIXL bytes counted on the decode pod")
+    base, route = _complete(url, realnode.SERVED_MODEL, prompt)
+    assert route.get("x-disagg-path") == m.PATH_REMOTE_PREFILL and "x-disagg-adapter" not in route, route
+    assert text != base, (text, base)
+    return text
+
+
+def test_an_adapter_declared_in_the_spec_is_loaded_into_both_pods_and_served_pd(api, pd):
+    """spec.model.adapters from the deployment's creation: the router pod loads the adapter into the prefill
+    and the decode pod (from the adapters' claim the operator mounted), status.adapters counts it ready on each
+    role, /v1/models lists it, and the official client at temperature 0 gets other tokens with it than without
+    it, on the remote_prefill path with NIXL bytes moved; the decode pod asked directly (one engine running the
+    prefill and the decode with the adapter) gives the same tokens as the pair, and its engine reports the
+    adapter in vllm:lora_requests_info, the router's lora_affinity input."""
+    dd, url = pd
+    wait_for(lambda: _ready_on_both(dd, LORA), 300, f"status.adapters: {LORA} ready on the prefill and the decode")
+    assert _models(url) == [realnode.SERVED_MODEL, LORA]
+    for worker in _worker_urls(dd):                 # loaded into each engine, as the engine itself lists it
+        assert LORA in _models(worker), worker
+    prompt = PROMPT + "adapter"
+    text = _served_with_adapter(dd, url, LORA, prompt)
+    decode = _pod_url(dd.pods("decode")[0])
+    alone, _ = _complete(decode + "/v1", LORA, prompt)
+    assert text == alone
+    # the engine reports its adapters' requests where the router reads its lora_affinity queue from
+    with urllib.request.urlopen(f"{decode}/metrics", timeout=30) as r:
+        reported = lora.lora_requests(r.read().decode())
+    assert reported is not None and reported[0] | reported[1] <= {LORA}, reported
+
+
+def test_an_adapter_added_live_serves_with_no_restart_and_removed_gets_a_404(api, pd, node_adapters):
+    """An adapter added to the live spec is loaded into the running pods (the same pod uids, no container
+    restarted, no rollout), status.adapters shows it ready per role and the client is served with it on the P/D
+    path; removed from the spec, it is unloaded from both engines, dropped from status.adapters and /v1/models,
+    and a request naming it gets an OpenAI-style 404, never the base model's answer."""
+    import openai
+
+    dd, url = pd
+
+    def pods() -> dict[str, int]:      # pod uid -> restarts of its containers, router included
+        return {p.metadata.uid: sum(c.restart_count for c in p.status.container_statuses or []) for p in dd.pods()}
+
+    before = pods()
+    oa = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=300)
+    prompt = PROMPT + "live adapter"
+    declared = [{"name": LORA, "source": node_adapters[LORA]}]
+    dd.patch_spec({"model": {"adapters": [*declared, {"name": LORA_LIVE, "source": node_adapters[LORA_LIVE]}]}})
+    wait_for(lambda: _ready_on_both(dd, LORA_LIVE), 120, f"status.adapters: {LORA_LIVE} ready on both roles")
+    assert _observed(dd) and pods() == before
+    assert _models(url) == [realnode.SERVED_MODEL, LORA, LORA_LIVE]
+    live = _served_with_adapter(dd, url, LORA_LIVE, prompt)
+    assert live != _complete(url, LORA, prompt)[0]          # its own weights, not the other adapter's
+
+    dd.patch_spec({"model": {"adapters": declared}})
+    wait_for(lambda: _adapter_status(dd, LORA_LIVE) is None and LORA_LIVE not in _models(url)
+             and all(LORA_LIVE not in _models(w) for w in _worker_urls(dd)), 120,
+             f"{LORA_LIVE} unloaded from both pods and gone from status.adapters and the router's /v1/models")
+    with pytest.raises(openai.NotFoundError) as e:
+        oa.completions.create(model=LORA_LIVE, prompt=prompt, max_tokens=8, temperature=0)
+    assert e.value.status_code == 404 and f"`{LORA_LIVE}`" in str(e.value), e.value
+    assert (e.value.body or {}).get("param") == "model", e.value.body
+    wait_for(lambda: _observed(dd), 60, "the operator observing the spec")
+    assert pods() == before
+    assert _ready_on_both(dd, LORA)                       # the other adapter untouched
 
 
 # the client's TTFT against the router's time to its first token (kube-proxy's hop and the client

@@ -281,3 +281,34 @@ def test_the_decision_prefers_the_adapter_active_then_a_free_slot():
     workers["http://d-full:8000"].active = 0
     workers["http://d-free:8000"].active = 3
     assert d.plan(PROMPT, adapter="sql").decode.name == "http://d-free:8000"
+
+
+def test_the_engines_reported_queue_is_the_queued_tier():
+    """vllm:lora_requests_info as vLLM writes it (one sample per label set it ever reported, each at the time it
+    last reported it: the greatest is now) gives each worker's running and waiting adapters (read by the fleet
+    at each adapter sync). With every slot taken (max_loras 2), a worker where sql waits for a slot (0.6) is
+    chosen over one full of other adapters (0); one running sql (1.0), even if only the engine knows it (another
+    router replica sent it), over both."""
+    from disagg.router.adapters import lora_requests
+
+    text = ('# HELP vllm:lora_requests_info Running stats on lora requests.\n'
+            '# TYPE vllm:lora_requests_info gauge\n'
+            'vllm:lora_requests_info{engine="0",max_lora="2",model_name="tiny",running_lora_adapters="sql",'
+            'waiting_lora_adapters=""} 1.7649e+09\n'
+            'vllm:lora_requests_info{engine="0",max_lora="2",model_name="tiny",running_lora_adapters="x,y",'
+            'waiting_lora_adapters="sql"} 1.76491e+09\n'
+            'vllm:num_requests_running{engine="0",model_name="tiny"} 2.0\n')
+    assert lora_requests(text) == ({"x", "y"}, {"sql"})
+    assert lora_requests('vllm:num_requests_running{engine="0",model_name="tiny"} 0.0\n') is None   # LoRA off
+
+    d = _lora_decider({"p": {"sql", "x", "y"}}, {n: {"sql", "x", "y"} for n in ("d-queued", "d-full", "d-run")},
+                      max_loras=2)
+    workers = d.pool.workers[ROLE_DECODE]
+    workers["http://d-queued:8000"].lora_running, workers["http://d-queued:8000"].lora_waiting = lora_requests(text)
+    workers["http://d-full:8000"].lora_running = {"x", "y"}
+    workers["http://d-run:8000"].lora_running = {"sql", "x"}
+    workers["http://d-run:8000"].active = 9                # the busiest, and still where sql runs
+    assert d.plan(PROMPT, adapter="sql").decode.name == "http://d-run:8000"
+    workers["http://d-run:8000"].healthy = False
+    for _ in range(3):
+        assert d.plan(PROMPT, adapter="sql").decode.name == "http://d-queued:8000"

@@ -121,6 +121,9 @@ VLLM_NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"            # gauge
 VLLM_KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"                   # gauge, 0..1
 VLLM_TTFT_SECONDS = "vllm:time_to_first_token_seconds"             # histogram (arrival at the engine to its first token)
 VLLM_ITL_SECONDS = "vllm:inter_token_latency_seconds"              # histogram (per gap)
+# gauge (LoRA on): one sample per label set ever reported, each set to the time it was last reported (the freshest is
+# now); labels max_lora, running_lora_adapters and waiting_lora_adapters (comma-separated adapter names)
+VLLM_LORA_REQUESTS_INFO = "vllm:lora_requests_info"
 
 # ---- planner (labels: deployment, namespace)
 PLANNER_DECISIONS = "disagg_planner_decisions_total"                # counter; labels: role, direction, reason
