@@ -194,7 +194,7 @@ def test_chart_installs_crd_rbac_monitors_and_dashboards(provider, kube, release
                                    f"{full}-view"]
     assert objs["ClusterRoleBinding"] == [f"{full}-operator", f"{full}-operator-cluster", f"{full}-planner"]
     assert objs["ValidatingAdmissionPolicy"] == objs["ValidatingAdmissionPolicyBinding"] == [
-        f"{full}-operator-writes", f"{full}-prometheus-endpoints"]
+        f"{full}-operator-writes", f"{full}-planner-writes", f"{full}-prometheus-endpoints"]
     assert objs["ConfigMap"] == sorted([f"{full}-dashboard-{d}" for d in
                                         ("overview", "planner", "prefill-decode", "router")]
                                        + ([] if provider.operator_in_process else [f"{full}-planner-prometheus"]))
