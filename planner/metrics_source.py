@@ -241,8 +241,9 @@ def _client(url: str, timeout: float, verify: bool | str = True):
         """prometheus-api-client whose instant query keeps Prometheus' error answer (its ``custom_query``
         folds every non-200 answer into one exception carrying the raw body)."""
 
-        def instant(self, promql: str) -> list[dict]:
-            response = self._session.request(method="GET", url=f"{self.url}/api/v1/query", params={"query": promql},
+        def instant(self, promql: str, at: float | None = None) -> list[dict]:
+            params = {"query": promql} if at is None else {"query": promql, "time": f"{at:.3f}"}
+            response = self._session.request(method="GET", url=f"{self.url}/api/v1/query", params=params,
                                              verify=self._session.verify, headers=self.headers, auth=self.auth,
                                              cert=self._session.cert, timeout=self._timeout)
             try:
@@ -287,8 +288,8 @@ class PrometheusSource:
     def close(self) -> None:
         self._client.close()
 
-    def _scalar(self, promql: str) -> float | None:
-        result = self._client.instant(promql)
+    def _scalar(self, promql: str, at: float | None = None) -> float | None:
+        result = self._client.instant(promql, at)
         if not result:
             return None
         value = float(result[0]["value"][1])
@@ -301,7 +302,7 @@ class PrometheusSource:
         try:
             for key, promql in queries(namespace, name, percentile, window_seconds, self.labels).items():
                 try:
-                    values[key] = self._scalar(promql)
+                    values[key] = self._scalar(promql, now)   # one instant for all (observe_queues says why)
                 except QueryRefused as e:
                     # the query is the planner's own text; Prometheus' message is not repeated
                     return Observation.unavailable(
@@ -367,8 +368,10 @@ class PrometheusSource:
         values: dict[str, float | None] = {}
         reads: list[tuple[str, str, float | None]] = []
         try:
+            # every query at the same instant: a scrape landing between two of them would otherwise pair a
+            # queue read before it with a growth read after it (a growing queue that is empty)
             for key, promql in queue_queries(namespace, name, window_seconds, self.labels).items():
-                values[key] = self._scalar(promql)
+                values[key] = self._scalar(promql, now)
                 reads.append((key, promql, values[key]))
         except QueryRefused as e:
             return Observation.unavailable(now, f"{self.what} refused a queue query ({e})", QUERY_ERROR)
