@@ -74,7 +74,9 @@ _PROPAGATOR = TraceContextTextMapPropagator()
 
 
 def wall_ns(monotonic_s: float) -> int:
-    """A time.monotonic() reading as the wall-clock nanoseconds OpenTelemetry timestamps spans with."""
+    """A time.monotonic() reading as the wall-clock nanoseconds OpenTelemetry timestamps spans with. Two
+    calls for one reading can differ by some nanoseconds (the two clocks are read one after the other),
+    so one trace converts through its anchor (:class:`Trace`), never twice through this."""
     return time.time_ns() - int((time.monotonic() - monotonic_s) * 1e9)
 
 
@@ -113,9 +115,12 @@ class Tracing:
         """A request's trace: its root span ``name``, from ``arrival`` (time.monotonic(); default now),
         a child of the ``traceparent`` in ``headers`` when one came."""
         parent = _PROPAGATOR.extract(headers) if headers is not None and "traceparent" in headers else None
+        if arrival is None:
+            arrival = time.monotonic()
+        anchor = (arrival, wall_ns(arrival))
         root = self.tracer.start_span(name, context=parent, kind=SpanKind.SERVER, attributes=attributes,
-                                      start_time=None if arrival is None else wall_ns(arrival))
-        return Trace(self.tracer, root)
+                                      start_time=anchor[1])
+        return Trace(self.tracer, root, anchor=anchor)
 
     def shutdown(self) -> None:
         """Exports what is left and stops the exporter's thread (at the router's close: an unreachable
@@ -127,12 +132,15 @@ class Trace:
     """One request's spans: its root, and the spans the router's parts open under it (:meth:`span`). A
     request that was not sampled has a non-recording root; its spans are that root again (no work), and
     its :meth:`headers` still carry the decision (flag 00) to the workers."""
-    __slots__ = ("tracer", "root", "parent", "recording", "_unsampled")
+    __slots__ = ("tracer", "root", "parent", "recording", "anchor", "_unsampled")
 
-    def __init__(self, tracer, root, parent=None) -> None:
+    def __init__(self, tracer, root, parent=None, anchor: tuple[float, int] | None = None) -> None:
         self.tracer = tracer
         self.root = root
         self.parent = root if parent is None else parent
+        # (monotonic, wall ns) of the root's start: every monotonic reading of this trace converts from
+        # it, so a child started "at arrival" starts exactly where its root does, not some ns before
+        self.anchor = (time.monotonic(), time.time_ns()) if anchor is None else anchor
         self.recording = root.is_recording()
         self._unsampled: dict[str, str] | None = None     # not recording: the one traceparent every leg gets
 
@@ -150,11 +158,15 @@ class Trace:
         if not self.recording:
             return self.root
         return self.tracer.start_span(name, context=set_span_in_context(parent or self.parent),
-                                      attributes=attributes, start_time=None if start is None else wall_ns(start))
+                                      attributes=attributes, start_time=None if start is None else self.wall_ns(start))
+
+    def wall_ns(self, monotonic_s: float) -> int:
+        """A time.monotonic() reading of this request as wall-clock ns, through the trace's anchor."""
+        return self.anchor[1] + round((monotonic_s - self.anchor[0]) * 1e9)
 
     def under(self, span) -> Trace:
         """This trace with ``span`` as the parent of the spans opened through it (a migration's legs)."""
-        return Trace(self.tracer, self.root, span)
+        return Trace(self.tracer, self.root, span, self.anchor)
 
     def headers(self, span=None) -> dict[str, str]:
         """The W3C ``traceparent`` of ``span`` (default: the root) for a worker's request: its own spans
