@@ -18,6 +18,8 @@ import subprocess
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -313,3 +315,18 @@ class MetricsExporter:
         self._stop.set()
         self._player.join()
         self.server.shutdown()
+
+
+@contextmanager
+def scraped_exporter(namespace: str, deployment: str, directory: Path) -> Iterator[tuple[MetricsExporter, LocalPrometheus]]:
+    """A :class:`MetricsExporter` for one deployment and a :class:`LocalPrometheus` (its data in ``directory``)
+    scraping it: the metrics world of the planner's tests on the local control plane."""
+    exporter = MetricsExporter(namespace, deployment)
+    try:
+        prom = LocalPrometheus(directory, [f"127.0.0.1:{exporter.port}"]).start()
+        try:
+            yield exporter, prom
+        finally:
+            prom.stop()
+    finally:
+        exporter.close()

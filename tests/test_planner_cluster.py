@@ -17,7 +17,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from disagg.api import metrics as m
 from disagg.api.names import GROUP
 from disagg.api.v1alpha1 import PLURAL, VERSION
-from disagg.e2e.prometheus import LocalPrometheus, MetricsExporter
+from disagg.e2e.prometheus import scraped_exporter
 from disagg.e2e.testing import wait_for
 from disagg.perf import model as perfmodel
 from disagg.planner import decide as dc
@@ -53,11 +53,8 @@ def manifest(namespace, image="disagg/worker:0.1.0"):
 
 @pytest.fixture
 def metrics_world(namespace, tmp_path):
-    exporter = MetricsExporter(namespace, NAME)
-    prom = LocalPrometheus(tmp_path / "prometheus", [f"127.0.0.1:{exporter.port}"]).start()
-    yield exporter, prom
-    prom.stop()
-    exporter.close()
+    with scraped_exporter(namespace, NAME, tmp_path / "prometheus") as world:
+        yield world
 
 
 def _get(api_client, namespace):

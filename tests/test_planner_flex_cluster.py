@@ -17,7 +17,7 @@ from disagg.api import metrics as m
 from disagg.api.names import (ANNOTATION_POD_DELETION_COST, ANNOTATION_SERVING_ROLE_SINCE, LABEL_DEPLOYMENT,
                               LABEL_ROLE, LABEL_SERVING_ROLE, ROLE_FLEX)
 from disagg.api.v1alpha1 import PLURAL, VERSION
-from disagg.e2e.prometheus import LocalPrometheus, MetricsExporter
+from disagg.e2e.prometheus import scraped_exporter
 from disagg.e2e.testing import GROUP, wait_for
 from disagg.planner import reasons
 from disagg.planner.apply import FIELD_MANAGER, REMOVE_COST, Executor, PlannerMetrics, owns_flex_replicas
@@ -44,11 +44,8 @@ def manifest(namespace):
 
 @pytest.fixture
 def world(namespace, tmp_path):
-    exporter = MetricsExporter(namespace, NAME)
-    prom = LocalPrometheus(tmp_path / "prometheus", [f"127.0.0.1:{exporter.port}"]).start()
-    yield exporter, prom
-    prom.stop()
-    exporter.close()
+    with scraped_exporter(namespace, NAME, tmp_path / "prometheus") as world:
+        yield world
 
 
 def flex_pods(core, namespace) -> dict[str, client.V1Pod]:

@@ -225,6 +225,21 @@ def planner_scenario(planner_api, api_client, namespace: str, namespaces: list[s
     assert labels.get(LABEL_SERVING_ROLE) in SERVING_ROLES, labels
 
 
+def refused_by_policy(attempts: dict, policy: str) -> dict[str, str]:
+    """Each attempt (what -> a call RBAC allows) refused by a ValidatingAdmissionPolicy: what -> the API
+    server's message. Waits on each: a policy's binding takes effect some seconds after it is created."""
+    out = {}
+    for what, attempt in attempts.items():
+        def refused() -> str | None:
+            try:
+                attempt()
+            except client.ApiException as e:
+                return e.body if e.status in (403, 422) and "ValidatingAdmissionPolicy" in (e.body or "") else None
+            raise AssertionError(f"{what}: admitted")
+        out[what] = wait_for(refused, 30, f"{what} refused by {policy}")
+    return out
+
+
 def planner_refusals(planner_api, namespace: str) -> dict[str, str]:
     """What the chart's planner-writes policy refuses the planner's account, each a patch RBAC allows it:
     kind -> the API server's message."""
@@ -239,16 +254,7 @@ def planner_refusals(planner_api, namespace: str) -> dict[str, str]:
         "a flex pod's pool label": lambda: core.patch_namespaced_pod(
             "planned-flex-0", namespace, {"metadata": {"labels": {LABEL_ROLE: "prefill"}}}),
     }
-    out = {}
-    for what, attempt in attempts.items():
-        def refused() -> str | None:
-            try:
-                attempt()
-            except client.ApiException as e:
-                return e.body if e.status in (403, 422) and "ValidatingAdmissionPolicy" in (e.body or "") else None
-            raise AssertionError(f"{what}: admitted")
-        out[what] = wait_for(refused, 30, f"{what} refused by the planner's write policy")
-    return out
+    return refused_by_policy(attempts, "the planner's write policy")
 
 
 ROUTED = "routed"    # the deployment whose router account is audited (in AUDITED_NAMESPACE)
@@ -325,16 +331,7 @@ def refusals(operator_api, namespace: str) -> dict[str, str]:
                 namespace, label_selector=f"{LABEL_DEPLOYMENT}=main,serving.disagg.dev/role=prefill").items[0].metadata.name,
             namespace, {"metadata": {"labels": {"serving.disagg.dev/serving-role": "decode"}}}),
     }
-    out = {}
-    for what, attempt in attempts.items():
-        def refused() -> str | None:
-            try:
-                attempt()
-            except client.ApiException as e:
-                return e.body if e.status in (403, 422) and "ValidatingAdmissionPolicy" in (e.body or "") else None
-            raise AssertionError(f"{what}: admitted")
-        out[what] = wait_for(refused, 30, f"{what} refused by the write policy")
-    return out
+    return refused_by_policy(attempts, "the write policy")
 
 
 @pytest.mark.parametrize("mode", ["all-namespaces", "watch-namespaces"])
