@@ -22,6 +22,16 @@ if [[ -f "$env/.complete" ]]; then
 fi
 
 log() { echo "[worker-env] $*" >&2; }
+# The environment is built in place (a venv cannot move), so a second build started meanwhile (a test's
+# fixture beside `make test`) would remove the first's half-made folder under it: the later one waits for
+# the first and reuses what it made.
+mkdir -p "$(dirname "$env")"
+exec 9>"$env.lock"
+flock 9
+if [[ -f "$env/.complete" ]]; then
+  echo "$env"
+  exit 0
+fi
 rm -rf "$env"
 mkdir -p "$(dirname "$env")"
 "$python" -m venv "$env"
