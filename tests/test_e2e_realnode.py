@@ -18,9 +18,13 @@ Dockerfile builds (BuildKit, no Docker daemon): what a user runs, nothing config
 - a real Prometheus discovers the pods through the chart's monitors (Kubernetes service discovery
   against this API server, relabelled as the Prometheus Operator would) and every dashboard panel
   has data;
-- an aggregated deployment (prefill 0): a decode container crashed (SIGKILL) under load is covered by the router's
-  decode retry (counted) and restarted; scaling 2 decodes to 1 with streams in flight fails nothing;
-- the P/D deployment scaled from 2 prefill + 2 decode to 1 + 1 under steady streaming load fails nothing.
+- the P/D deployment grown to two decodes: a decode container crashed (SIGKILL) under load is covered by the
+  router's decode retry (counted; the retry prefills locally) and restarted in place;
+- the P/D deployment scaled from 2 prefill + 2 decode to 1 + 1 under steady streaming load fails nothing: the
+  removed decode's streams in flight run to their length.
+
+The scenarios above share the one P/D deployment: each further deployment costs two or more CPU engine starts
+(the aggregated path, disaggregation "never", is served by real engines in tests/test_router_kv.py).
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(3000)]
 
 RELEASE, RELEASE_NS = "disagg", "disagg-system"
 NS = "serving"
-PD, AGG = "tiny-pd", "tiny-agg"
+PD = "tiny-pd"
 # Panels whose data needs an event this module does not make, each checked where it is made.
 _PLANNER = "the planner is off in this release; tests/test_dashboards.py checks it against the real planner"
 _OPERATOR = ("a gang placed and a hand edit reverted inside the window; tests/test_e2e_helm.py queries the "
@@ -652,6 +656,47 @@ def _unary(url: str, prompt: str, max_tokens: int) -> str:
     return raw.headers.get("x-disagg-decode", "")
 
 
+def _router_metric(dd: DD, name: str, **labels: str) -> float:
+    """From the router pod's own metrics port, as Prometheus scrapes it (the serving port has no /metrics)."""
+    return realnode.metric(_pod_url(dd.pods("router")[0], contract.ROUTER_METRICS_PORT), name, **labels)
+
+
+def _decode_restarts(api, name: str) -> int:
+    pod = client.CoreV1Api(api).read_namespaced_pod(name, NS)
+    return sum(c.restart_count for c in pod.status.container_statuses or [])
+
+
+def test_crashed_decode_is_covered_by_a_counted_retry_and_restarted(api, pd, real):
+    """The P/D deployment at two decodes (the scale-down test below needs them too): a decode container
+    SIGKILLed with requests decoding on it; each is retried on the other decode, which prefills it itself."""
+    dd, url = pd
+    dd.patch_spec({"decode": {"replicas": 2}})
+    wait_for(lambda: len(realnode.ready_pods(api, NS, f"{LABEL_DEPLOYMENT}={PD},{LABEL_ROLE}=decode")) == 2, 900,
+             "two ready decode pods")
+    realnode.wait_serving(api, NS, PD, prefill=1, decode=2, timeout=900)
+    victim = dd.pods("decode")[0]
+    restarts = _decode_restarts(api, victim.metadata.name)
+    retries = _router_metric(dd, m.ROUTER_FALLBACKS, reason=m.FALLBACK_DECODE_RETRY)
+    with cf.ThreadPoolExecutor(8) as pool:
+        # each request decodes 256 tokens (no early EOS), seconds of CPU: still running when the crash comes
+        futures = [pool.submit(_unary, url, f"{PROMPT} kill {i}", 256) for i in range(8)]
+        wait_for(lambda: _router_metric(dd, m.ROUTER_ACTIVE_REQUESTS, role="decode", worker=_pod_url(victim)) > 0,
+                 120, "requests in flight on the victim")
+        assert not any(f.done() for f in futures), "a request finished before the crash: nothing to retry"
+        real.node.crash_container(victim.status.container_statuses[0].container_id)
+        try:
+            served = [f.result() for f in futures]   # raises if any request failed
+        except Exception as e:
+            raise AssertionError(realnode.pod_logs(api, NS, f"{LABEL_DEPLOYMENT}={PD}")) from e
+    assert len(served) == 8
+    assert _router_metric(dd, m.ROUTER_FALLBACKS, reason=m.FALLBACK_DECODE_RETRY) > retries
+    # the kubelet restarts the crashed container in place; the router takes the worker back once it is healthy
+    wait_for(lambda: _decode_restarts(api, victim.metadata.name) > restarts
+             and len(realnode.ready_pods(api, NS, f"{LABEL_DEPLOYMENT}={PD},{LABEL_ROLE}=decode")) == 2,
+             600, "the crashed decode container restarted and Ready")
+    realnode.wait_serving(api, NS, PD, prefill=1, decode=2)
+
+
 def test_pd_scale_down_under_steady_load_fails_nothing(api, pd):
     """Prefill 2 -> 1 and decode 2 -> 1 at once, under steady streaming load with streams in flight on every
     decode: the terminating pods get no new requests, their streams run to their length, and no request fails
@@ -711,75 +756,6 @@ def test_pd_scale_down_under_steady_load_fails_nothing(api, pd):
     assert drained, "no stream in flight on the removed decode at the scale-down"
 
 
-@pytest.fixture(scope="module")
-def agg(api, serving_ns, images, pd):
-    # after the P/D deployment is gone: two CPU vLLMs at a time on this machine
-    _delete(api, pd[0])
-    dd = DD(api, NS, realnode.deployment(AGG, serving_ns, images["worker-cpu"], prefill=0, decode=2,
-                                         disaggregation="never"))
-    dd.wait_phase("Ready", timeout=900)
-    url = realnode.router_url(api, NS, AGG)
-    realnode.wait_serving(api, NS, AGG, prefill=0, decode=2)
-    return dd, url
-
-
-def _router_metric(dd: DD, name: str, **labels: str) -> float:
-    """From the router pod's own metrics port, as Prometheus scrapes it (the serving port has no /metrics)."""
-    return realnode.metric(_pod_url(dd.pods("router")[0], contract.ROUTER_METRICS_PORT), name, **labels)
-
-
-def _decode_restarts(api, name: str) -> int:
-    pod = client.CoreV1Api(api).read_namespaced_pod(name, NS)
-    return sum(c.restart_count for c in pod.status.container_statuses or [])
-
-
-def test_crashed_decode_is_covered_by_a_counted_retry_and_restarted(api, agg, real):
-    dd, url = agg
-    victim = dd.pods("decode")[0]
-    restarts = _decode_restarts(api, victim.metadata.name)
-    retries = _router_metric(dd, m.ROUTER_FALLBACKS, reason=m.FALLBACK_DECODE_RETRY)
-    with cf.ThreadPoolExecutor(8) as pool:
-        # each request decodes 256 tokens (no early EOS), seconds of CPU: still running when the crash comes
-        futures = [pool.submit(_unary, url, f"{PROMPT} kill {i}", 256) for i in range(8)]
-        wait_for(lambda: _router_metric(dd, m.ROUTER_ACTIVE_REQUESTS, role="decode", worker=_pod_url(victim)) > 0,
-                 120, "requests in flight on the victim")
-        assert not any(f.done() for f in futures), "a request finished before the crash: nothing to retry"
-        real.node.crash_container(victim.status.container_statuses[0].container_id)
-        try:
-            served = [f.result() for f in futures]   # raises if any request failed
-        except Exception as e:
-            raise AssertionError(realnode.pod_logs(api, NS, f"{LABEL_DEPLOYMENT}={AGG}")) from e
-    assert len(served) == 8
-    assert _router_metric(dd, m.ROUTER_FALLBACKS, reason=m.FALLBACK_DECODE_RETRY) > retries
-    # the kubelet restarts the crashed container in place; the router takes the worker back once it is healthy
-    wait_for(lambda: _decode_restarts(api, victim.metadata.name) > restarts
-             and len(realnode.ready_pods(api, NS, f"{LABEL_DEPLOYMENT}={AGG},{LABEL_ROLE}=decode")) == 2,
-             600, "the crashed decode container restarted and Ready")
-    realnode.wait_serving(api, NS, AGG, prefill=0, decode=2)
-
-
-def test_scale_down_with_streams_in_flight_fails_nothing(api, agg):
-    dd, url = agg
-    wait_for(lambda: len(realnode.ready_pods(api, NS, f"{LABEL_DEPLOYMENT}={AGG},{LABEL_ROLE}=decode")) == 2,
-             600, "two decode pods Ready")
-    with cf.ThreadPoolExecutor(8) as pool:
-        futures = [pool.submit(_stream, url, f"{PROMPT} scale {i}", 96) for i in range(8)]
-        # every stream open on a decode worker before the scale-down
-        wait_for(lambda: _router_metric(dd, m.ROUTER_ACTIVE_REQUESTS, role="decode") >= 8
-                 or any(f.done() for f in futures), 120, "the streams in flight")
-        dd.patch_spec({"decode": {"replicas": 1}})
-        try:
-            results = [f.result() for f in futures]   # raises if any stream failed
-        except Exception as e:
-            raise AssertionError(realnode.pod_logs(api, NS, f"{LABEL_DEPLOYMENT}={AGG}")) from e
-    # every stream ran to its length: none cut short by the scale-down (an aborted one ends "abort")
-    assert [(finish, tokens) for _, _, finish, tokens in results] == [("length", 96)] * 8, results
-    wait_for(lambda: len(dd.pods("decode")) == 1, 300, "one decode pod left")
-    # the survivor serves new requests
-    assert _unary(url, PROMPT + " after", 8)
-
-
-
 # ---------------------------------------------------------------- replicas larger than one pod
 WIDE = "tiny-wide"
 
@@ -790,8 +766,7 @@ def wide(api, serving_ns, images):
     its rank headless) and one decode pod at TP 1. After the other deployments are gone (the tests above
     are done with them): three CPU vLLM processes at a time on this machine. Returns (dd, url, seconds
     from apply to the first token)."""
-    for other in (AGG, PD):
-        _delete(api, DD(api, NS, other))
+    _delete(api, DD(api, NS, PD))
     start = time.monotonic()
     dd = DD(api, NS, realnode.deployment(WIDE, serving_ns, images["worker-cpu"], prefill_layout={
         "podsPerReplica": 2, "parallelism": {"tensor": 2}}))
