@@ -450,6 +450,27 @@ def set_role(router_url: str, roles: Path, flex_url: str, role: str, timeout: fl
         time.sleep(0.2)
 
 
+def router_switch(log: Path, since: float, frm: str = "prefill", to: str = "decode") -> tuple[float | None, float | None]:
+    """When the router (its log, to the ms) began the last drain of a flex worker from ``frm`` to ``to`` after
+    ``since`` (time.time()) and when it flipped it; None where the log has no such line."""
+    import datetime
+    import re
+
+    seen = flipped = None
+    for line in log.read_text(errors="replace").splitlines():
+        m = re.match(r'\{"ts":"([0-9-]+ [0-9:]+,[0-9]+)"', line)
+        if not m:
+            continue
+        t = datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        if t < since:
+            continue
+        if f"switching {frm} -> {to}, draining" in line:
+            seen, flipped = t, None
+        elif f"serves {to} (drained {frm}" in line and seen is not None:
+            flipped = t
+    return seen, flipped
+
+
 class ScheduledSwitch:
     """During a replay: at trace time ``at``, the flex worker's new role written to the router's roles file
     (the planner's decision, as it would land); then the router's metrics watched until it reports the
@@ -462,6 +483,7 @@ class ScheduledSwitch:
         self.thread: threading.Thread | None = None
 
     def start(self, t0: float) -> None:   # replay's on_start
+        self.t0_wall = time.time() - (time.perf_counter() - t0)   # the trace's time 0 on the wall clock
         self.thread = threading.Thread(target=self._run, args=(t0,), daemon=True)
         self.thread.start()
 
@@ -544,12 +566,15 @@ def main() -> int:
     load_before = os.getloadavg()
     try:
         print(f"starting prefill, decode{', flex' if flex else ''}, router (logs in {work}) ...", flush=True)
-        if flex:
-            flex.start()       # beside the pair (start_pd waits for both before the router starts)
-        start_pd(procs[:3], engine_timeout=900)
-        if flex:
-            flex.wait_ready(900)
+        if flex:   # the three engines at once, then the router (start_pd's order)
+            for p in (procs[0], procs[1], flex):
+                p.start()
+            for p in (procs[0], procs[1], flex):
+                p.wait_ready(900)
+            procs[2].start().wait_ready()
             set_role(procs[2].url, roles, flex.url, "prefill")
+        else:
+            start_pd(procs, engine_timeout=900)
         # warm the path (first NIXL handshake, compiled shapes, the engines' first minute) before anything
         # is timed through it: 40 requests, 16-800 tokens, over 20 s
         print("warming the path ...", flush=True)
@@ -640,13 +665,20 @@ def main() -> int:
                 d_sum, d_count = drain_totals(procs[2].url)
                 drained = ((d_sum - drains_before[0]) / (d_count - drains_before[1])
                            if d_count > drains_before[1] else None)
-                flex_real = {"written": switch.written, "flipped": switch.flipped, "drain": drained,
-                             # when the router saw the change: its drain's start
-                             "seen": switch.flipped - drained if switch.flipped is not None and drained is not None
-                             else None}
-                print(f"  switch prefill -> decode written at {switch.written:.2f} s (trace time), the router drained "
-                      f"{'-' if drained is None else f'{drained * 1000:.0f} ms'}, serving decode by "
-                      f"{'-' if switch.flipped is None else f'{switch.flipped:.2f} s'}", flush=True)
+                # when the router saw the change (its drain's start) and flipped, from its log to the ms
+                # (the metrics poll's flip, to 50 ms, less the measured drain, where the log has neither)
+                seen, flipped = router_switch(procs[2].log_path, switch.t0_wall)
+                if seen is not None and flipped is not None:
+                    seen, flipped = seen - switch.t0_wall, flipped - switch.t0_wall
+                else:
+                    flipped = switch.flipped
+                    seen = flipped - drained if flipped is not None and drained is not None else None
+                flex_real = {"written": switch.written, "flipped": flipped, "drain": drained, "seen": seen,
+                             "flipped_polled": switch.flipped}
+                print(f"  switch prefill -> decode written at {switch.written:.3f} s (trace time), seen by the router at "
+                      f"{'-' if seen is None else f'{seen:.3f} s'}, drained in "
+                      f"{'-' if drained is None else f'{drained * 1000:.0f} ms'}, serving decode at "
+                      f"{'-' if flipped is None else f'{flipped:.3f} s'}", flush=True)
             replays[mode] = (t_mode, real_ttft, real_itl, errors, arrivals, means, records, flex_real)
         # the same workers profiled again after the replays: this host's speed drifts within minutes (two
         # runs' profiles 2026-12-04: hand-off 5.8 and 41.4 ms, decode step 4.3 and 8.7 ms), so the

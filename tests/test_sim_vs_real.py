@@ -72,3 +72,20 @@ def test_the_simulated_side_switches_its_flex_worker_at_the_given_time_after_dra
     flipped = [itl for t, _, itl in records if t >= 20.0]
     unflipped = [itl for t, _, itl in late if t >= 20.0]
     assert max(flipped) < min(unflipped)
+
+
+def test_the_router_log_gives_the_last_switch_seen_and_flipped_after_a_moment(tmp_path):
+    log = tmp_path / "router.log"
+    line = '{{"ts":"2026-12-05 10:00:{}","level":"INFO","logger":"disagg.router.fleet","msg":"flex worker u: {}"}}'
+    log.write_text("\n".join([
+        line.format("00,000", "switching prefill -> decode, draining (1 in flight, 0 KV held)"),   # before: not this one
+        line.format("01,000", "serves decode (drained prefill in 0.10 s)"),
+        line.format("05,000", "switching decode -> prefill, draining (0 in flight, 0 KV held)"),
+        "a line from elsewhere",
+        line.format("10,250", "switching prefill -> decode, draining (2 in flight, 1 KV held)"),
+        line.format("10,400", "serves decode (drained prefill in 0.15 s)")]))
+    import datetime
+    at = datetime.datetime(2026, 12, 5, 10, 0, 3).timestamp()
+    seen, flipped = svr.router_switch(log, at)
+    assert seen - at == pytest.approx(7.25) and flipped - at == pytest.approx(7.4)
+    assert svr.router_switch(log, at + 60) == (None, None)
