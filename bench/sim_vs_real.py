@@ -50,7 +50,7 @@ the router drains the worker (its prefills in flight, the KV blocks it holds unt
 and flips it. The planner's ``react_flex`` does not decide the switch here: the check is the switch's
 execution and what it does to latency, at a time both sides share. The simulator gets one prefill, one
 decode and one flex worker serving prefill (``SimConfig.flex_switches``), switched to decode when the real
-router saw the switch (its flip time less its measured drain), its drain modelled as for the planner's
+router saw the switch (its log's time, to the ms), its drain modelled as for the planner's
 switches, its flip free (``switch_flip`` 0: the router flips in memory, the engine reloads nothing).
 Printed besides the table above: TTFT and ITL p50/p90 per phase, by arrival: 'before' (up to
 ``--drain-window`` s before the switch), 'drain' (from then to the later of the two flips: what is in flight
@@ -58,8 +58,9 @@ when the switch comes, and the drain), 'after'; and the drain, real (the router'
 ``disagg_router_switch_drain_seconds``: seen to flipped) against simulated, each with whether it is within
 20%. Three engines on two cores: the two prefill engines share core 0 in the prompt-heavy half (the
 simulator gives each replica its own hardware: where their work overlaps the real side is slower), the flex
-worker decodes on core 0 beside a lightly loaded prefill in the output-heavy half. The flex engine is not
-profiled: the simulator runs it on the role's profile.
+worker decodes on core 0 beside the prefill engine in the output-heavy half; ``--flex-cores 1`` trades that
+for two decode engines on core 1 (planner/README.md, Flex workers: three runs, what agrees and why). The flex
+engine is not profiled: the simulator runs it on the role's profile.
 
     flock /work/cpu-heavy.lock nice -n 19 .venv/bin/python bench/sim_vs_real.py --flex --minutes 2 --load 0.1 [--json out.json]
 
