@@ -59,7 +59,7 @@ when the switch comes, and the drain), 'after'; and the drain, real (the router'
 20%. Three engines on two cores: the two prefill engines share core 0 in the prompt-heavy half (the
 simulator gives each replica its own hardware: where their work overlaps the real side is slower), the flex
 worker decodes on core 0 beside the prefill engine in the output-heavy half; ``--flex-cores 1`` trades that
-for two decode engines on core 1 (planner/README.md, Flex workers: three runs, what agrees and why). The flex
+for two decode engines on core 1 (planner/README.md, Flex workers: four runs, what agrees and why). The flex
 engine is not profiled: the simulator runs it on the role's profile.
 
     flock /work/cpu-heavy.lock nice -n 19 .venv/bin/python bench/sim_vs_real.py --flex --minutes 2 --load 0.1 [--json out.json]
@@ -391,8 +391,10 @@ def ttft_totals(procs) -> dict[str, tuple[float, float]]:
     first token) and the decode worker's NIXL transfer times: differences over a phase split the
     client's TTFT by where it was spent."""
     out = {}
+    # --flex: the flex engine's own TTFT too (its prefills' and, after the switch, its decodes')
+    flex = (("flex engine", procs[3], VLLM_TTFT_SECONDS),) if len(procs) > 3 else ()
     for key, p, name in (("router", procs[2], ROUTER_TTFT_SECONDS), ("prefill engine", procs[0], VLLM_TTFT_SECONDS),
-                         ("decode engine", procs[1], VLLM_TTFT_SECONDS),
+                         ("decode engine", procs[1], VLLM_TTFT_SECONDS), *flex,
                          ("KV pull (NIXL)", procs[1], VLLM_NIXL_XFER_TIME_SECONDS)):
         m = scrape(p.url)
         out[key] = (metric_sum(m, name + "_sum"), metric_sum(m, name + "_count"))
