@@ -37,6 +37,33 @@ simulator's definitions).
 
     nice -n 19 .venv/bin/python bench/sim_vs_real.py [--minutes 3] [--load 0.5] [--json out.json]
 
+``--flex`` (issue 31's check: the simulator's role switch against the router's): a third engine, a flex
+worker (kv_role kv_both), on the prefill's core (``--flex-cores``), listed in the router's config as a flex
+worker serving prefill whose role the router reads from a roles file (``flex_roles_file``, re-read every
+``ROLES_POLL_S``; in Kubernetes the planner writes a pod label instead). The trace gets a load step: before
+``--switch-at`` prompts x2 and outputs /4 (prompt-heavy), from it prompts /4 and outputs x4 (output-heavy,
+outputs up to 256 tokens); the rate is set from the heavy side of each half (the prompt-heavy half's path,
+the output-heavy half's decode), one engine each. During the replay (by default with the trace's own
+bursts) the bench itself writes "decode" to the roles file at ``--switch-at`` (by default just after the
+first burst from mid-replay arrives, so the flex worker is prefilling its share when the router sees it);
+the router drains the worker (its prefills in flight, the KV blocks it holds until the decodes pull them)
+and flips it. The planner's ``react_flex`` does not decide the switch here: the check is the switch's
+execution and what it does to latency, at a time both sides share. The simulator gets one prefill, one
+decode and one flex worker serving prefill (``SimConfig.flex_switches``), switched to decode when the real
+router saw the switch (its log's time, to the ms), its drain modelled as for the planner's
+switches, its flip free (``switch_flip`` 0: the router flips in memory, the engine reloads nothing).
+Printed besides the table above: TTFT and ITL p50/p90 per phase, by arrival: 'before' (up to
+``--drain-window`` s before the switch), 'drain' (from then to the later of the two flips: what is in flight
+when the switch comes, and the drain), 'after'; and the drain, real (the router's
+``disagg_router_switch_drain_seconds``: seen to flipped) against simulated, each with whether it is within
+20%. Three engines on two cores: the two prefill engines share core 0 in the prompt-heavy half (the
+simulator gives each replica its own hardware: where their work overlaps the real side is slower), the flex
+worker decodes on core 0 beside the prefill engine in the output-heavy half; ``--flex-cores 1`` trades that
+for two decode engines on core 1 (planner/README.md, Flex workers: four runs, what agrees and why). The flex
+engine is not profiled: the simulator runs it on the role's profile.
+
+    flock /work/cpu-heavy.lock nice -n 19 .venv/bin/python bench/sim_vs_real.py --flex --minutes 2 --load 0.1 [--json out.json]
+
 CPU contention: the workers share this machine's cores with whatever else runs; the profile is
 measured minutes before the replay, so load that changes in between moves the real figures and not
 the simulated ones. The load average before and after is printed with the table.
@@ -65,8 +92,11 @@ from disagg.perf.profile import mean_itl, stream_tokens
 from disagg.simulator import traces
 from disagg.simulator.simulate import SimConfig, Simulation, StaticPolicy, _pct
 from disagg.workers.envpath import worker_python
-from disagg.api.metrics import ROUTER_TTFT_SECONDS, VLLM_NIXL_XFER_TIME_SECONDS, VLLM_TTFT_SECONDS
-from disagg.workers.local import free_port, metric_sum, pd_processes, scrape, start_pd, stop_all
+from disagg.api.contract import KV_LEASE_SECONDS
+from disagg.api.metrics import (ROUTER_FLEX_WORKERS, ROUTER_SWITCH_DRAIN_SECONDS, ROUTER_TTFT_SECONDS,
+                                VLLM_NIXL_XFER_TIME_SECONDS, VLLM_TTFT_SECONDS)
+from disagg.workers.local import (cpu_settings, free_port, metric_sum, pd_processes, scrape, start_pd, stop_all,
+                                  worker)
 from disagg.workers.tinymodel import ensure
 
 REPO = Path(__file__).resolve().parent.parent
@@ -107,6 +137,64 @@ def scaled_trace(minutes: float, in_scale: float, out_scale: float, start: float
         inp = min(max(round(r.input_tokens / in_scale), 8), MAX_MODEL_LEN - out - 8)
         reqs.append(traces.Request(r.t - start, inp, out, None, ()))
     return traces.Trace("mooncake-scaled", tuple(reqs))
+
+
+# --flex's load step: (prompt factor, output factor) before the switch (prompt-heavy) and from it (output-heavy)
+FLEX_MIX = ((2.0, 0.25), (0.25, 4.0))
+FLEX_MAX_OUTPUT = 256
+
+
+def load_step(trace: traces.Trace, at: float, mix: tuple[tuple[float, float], tuple[float, float]] = FLEX_MIX) -> traces.Trace:
+    """The trace with a change of mix at ``at`` s: each request's prompt and output lengths times
+    ``mix[0]`` before it, ``mix[1]`` from it; outputs within 2-``FLEX_MAX_OUTPUT``, prompts at least 8 tokens
+    and within the workers' context with their output."""
+    reqs = []
+    for r in trace.requests:
+        fi, fo = mix[r.t >= at]
+        out = min(max(round(r.output_tokens * fo), 2), FLEX_MAX_OUTPUT)
+        inp = min(max(round(r.input_tokens * fi), 8), MAX_MODEL_LEN - out - 8)
+        reqs.append(replace(r, input_tokens=inp, output_tokens=out))
+    return traces.Trace(trace.name + "-step", tuple(reqs))
+
+
+PHASES = ("before", "drain", "after")
+# --flex's default switch: this long after the first burst from mid-replay arrives, so that the flex worker
+# is prefilling its share of that burst when the router sees the switch (within ROLES_POLL_S): a drain with
+# something to wait for (an idle worker flips at once, in both)
+SWITCH_AFTER_BURST = 0.05
+
+
+def switch_time(trace: traces.Trace, at: float) -> float:
+    """Just after the first arrival at or after ``at`` s (the trace's last arrival if none)."""
+    later = [r.t for r in trace.requests if r.t >= at]
+    return (min(later) if later else trace.duration) + SWITCH_AFTER_BURST
+
+
+def phases(records: list[tuple[float, float, float | None]], start: float,
+           end: float) -> dict[str, dict[str, list[float]]]:
+    """Requests' TTFT and ITL by when they arrived: 'before' ``start``, 'drain' from it to ``end``, 'after';
+    (arrival, TTFT, ITL or None) each."""
+    out = {p: {"ttft": [], "itl": []} for p in PHASES}
+    for t, ttft, itl in records:
+        phase = out["before" if t < start else "drain" if t < end else "after"]
+        phase["ttft"].append(ttft)
+        if itl is not None:
+            phase["itl"].append(itl)
+    return out
+
+
+def phase_rows(real: dict[str, dict[str, list[float]]], sim: dict[str, dict[str, list[float]]]) -> list[dict]:
+    """:func:`table`'s rows for each phase both sides have requests in (a short drain may have none)."""
+    rows = []
+    for p in PHASES:
+        if all(real[p][k] and sim[p][k] for k in ("ttft", "itl")):
+            rows += [dict(r, phase=p, n=len(real[p]["ttft"])) for r in table(real[p], sim[p], f" {p}")]
+    return rows
+
+
+def within(real: float, sim: float) -> dict:
+    ratio = sim / real if real else math.nan
+    return {"real_ms": real * 1000, "sim_ms": sim * 1000, "ratio": ratio, "within": abs(ratio - 1) <= TOLERANCE}
 
 
 def with_rate(trace: traces.Trace, rate: float, seconds: float) -> traces.Trace:
@@ -151,26 +239,51 @@ def path_seconds(models: tuple[perfmodel.PerfModel, perfmodel.PerfModel], tokens
 
 
 class _Recording(Simulation):
-    """The simulator as it is, also keeping each request's TTFT by its arrival time (the burst table)."""
+    """The simulator as it is, also keeping each request's TTFT by its arrival time (the burst table) and
+    its ITL (the per-phase table of ``--flex``)."""
 
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
         self.by_arrival: list[tuple[float, float]] = []
+        self.records: dict[int, list] = {}      # id of the request's state -> [arrival, TTFT, ITL]
 
     def _ttft(self, a) -> None:
         super()._ttft(a)
         self.by_arrival.append((a.r.t, a.first - a.r.t))
+        self.records[id(a)] = [a.r.t, a.first - a.r.t, None]
+
+    def _finish(self, a, rep, now) -> None:
+        super()._finish(a, rep, now)
+        self.records[id(a)][2] = self.itl[-1]
+
+
+def sim_config(max_batch_tokens: int, **kw) -> ProfiledConfig:
+    return ProfiledConfig(model="tiny", gpu="L40S", ttft_target=1e9, itl_target=1e9, interval=60.0,
+                          startup=0.0, max_batch_tokens=max_batch_tokens, max_num_seqs=MAX_NUM_SEQS,
+                          drain_limit=3600.0, **kw)
 
 
 def simulate(trace: traces.Trace, models: tuple[perfmodel.PerfModel, perfmodel.PerfModel],
              max_batch_tokens: int) -> tuple[list[float], list[float], list[tuple[float, float]]]:
-    cfg = ProfiledConfig(model="tiny", gpu="L40S", ttft_target=1e9, itl_target=1e9, interval=60.0,
-                         startup=0.0, max_batch_tokens=max_batch_tokens, max_num_seqs=MAX_NUM_SEQS,
-                         drain_limit=3600.0)
+    cfg = sim_config(max_batch_tokens)
     cfg.with_models(*models)
     sim = _Recording(cfg, trace, StaticPolicy(1, 1))
     res = sim.run()
     return res.ttft, res.itl, sorted(sim.by_arrival)
+
+
+def simulate_flex(trace: traces.Trace, models: tuple[perfmodel.PerfModel, perfmodel.PerfModel],
+                  max_batch_tokens: int, switch_at: float) -> tuple[list[tuple[float, float, float | None]], list[float]]:
+    """One prefill, one decode and one flex worker serving prefill, switched to decode at ``switch_at`` s
+    (``SimConfig.flex_switches``: the simulator's own drain); its flip costs nothing beyond the drain
+    (``switch_flip`` 0: the local router flips the role in memory, the kv_both engine reloads nothing).
+    Returns each request's (arrival, TTFT, ITL) and the switch's drain(s), in seconds."""
+    cfg = sim_config(max_batch_tokens, initial_flex_prefill=1, flex_min=1, flex_max=1, switch_flip=0.0,
+                     kv_lease=float(KV_LEASE_SECONDS), flex_switches=((switch_at, "decode"),))
+    cfg.with_models(*models)
+    sim = _Recording(cfg, trace, StaticPolicy(1, 1))
+    res = sim.run()
+    return sorted((tuple(v) for v in sim.records.values()), key=lambda v: v[0]), res.switch_drains
 
 
 def spread(trace: traces.Trace) -> traces.Trace:
@@ -227,14 +340,19 @@ def unloaded(url: str, trace: traces.Trace, n: int, gap: float = 120.0) -> tuple
 
 
 def replay(url: str, trace: traces.Trace, seed: int = 0,
-           arrivals: list[tuple[float, float]] | None = None) -> tuple[list[float], list[float], int]:
+           arrivals: list[tuple[float, float]] | None = None,
+           records: list[tuple[float, float, float | None]] | None = None,
+           on_start=None) -> tuple[list[float], list[float], int]:
     """Open loop: each request at its arrival time; TTFT from the scheduled arrival (so a late send
-    counts against the real system, as a queue would)."""
+    counts against the real system, as a queue would). ``records``: each request's (arrival, TTFT, ITL or
+    None); ``on_start(t0)``: called with the ``time.perf_counter()`` that is the trace's time 0."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(10, 500) for _ in range(r.input_tokens)] for r in trace.requests]
     results: list = [None] * len(trace.requests)
     threads = []
     t0 = time.perf_counter() + 1.0
+    if on_start is not None:
+        on_start(t0)
     for i, r in enumerate(trace.requests):
         delay = t0 + r.t - time.perf_counter()
         if delay > 0:
@@ -256,6 +374,8 @@ def replay(url: str, trace: traces.Trace, seed: int = 0,
         if arrivals is not None:
             arrivals.append((r.t, ttft[-1]))
         v = mean_itl(times, tokens)
+        if records is not None:
+            records.append((r.t, ttft[-1], v))
         if v is None:
             # every token in one chunk (a lagging frontend merges them): its TTFT counts, its ITL is unknown
             one_chunk += 1
@@ -271,8 +391,10 @@ def ttft_totals(procs) -> dict[str, tuple[float, float]]:
     first token) and the decode worker's NIXL transfer times: differences over a phase split the
     client's TTFT by where it was spent."""
     out = {}
+    # --flex: the flex engine's own TTFT too (its prefills' and, after the switch, its decodes')
+    flex = (("flex engine", procs[3], VLLM_TTFT_SECONDS),) if len(procs) > 3 else ()
     for key, p, name in (("router", procs[2], ROUTER_TTFT_SECONDS), ("prefill engine", procs[0], VLLM_TTFT_SECONDS),
-                         ("decode engine", procs[1], VLLM_TTFT_SECONDS),
+                         ("decode engine", procs[1], VLLM_TTFT_SECONDS), *flex,
                          ("KV pull (NIXL)", procs[1], VLLM_NIXL_XFER_TIME_SECONDS)):
         m = scrape(p.url)
         out[key] = (metric_sum(m, name + "_sum"), metric_sum(m, name + "_count"))
@@ -284,6 +406,104 @@ def ttft_split(before: dict, after: dict, client: list[float]) -> tuple[dict[str
     text = ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in means.items())
     return means, (f"mean TTFT: client {sum(client) / max(len(client), 1) * 1000:.1f} ms; as each saw it: {text} "
                    f"(an engine's: arrival there to its first token; NIXL: per transfer)")
+
+
+# --flex: how often the router re-reads the roles file (its health_interval_s; 2 s by default): the switch
+# is seen within this of being written
+ROLES_POLL_S = 0.1
+
+
+def add_flex(model: str, python: str, work: Path, cores: str):
+    """A third engine, kv_role kv_both (a flex worker), on ``cores``, added to the router's config (not yet
+    started) as a flex worker serving prefill whose role is read from a roles file, as `disagg serve`'s
+    router does without Kubernetes (there, the planner writes a pod label). Returns (process, roles file)."""
+    path = work / "router.json"
+    config = json.loads(path.read_text())
+    s = cpu_settings("flex", model, cores)
+    url = f"http://127.0.0.1:{s.port}"
+    roles = work / "flex-roles.json"
+    roles.write_text(json.dumps({url: "prefill"}))
+    # the pair's KV revision: the router pairs a prefill and a decode of one revision only
+    config["flex"] = [{"url": url, "role": "prefill", "kv_events": f"tcp://127.0.0.1:{s.kv_events_port}",
+                       "kv_replay": f"tcp://127.0.0.1:{s.kv_replay_port}",
+                       "revision": config["prefill"][0].get("revision")}]
+    config["flex_roles_file"], config["health_interval_s"] = str(roles), ROLES_POLL_S
+    path.write_text(json.dumps(config))
+    return worker("flex", s, python, work), roles
+
+
+def flex_state(router_url: str, role: str, state: str = "serving") -> float:
+    return metric_sum(scrape(router_url), ROUTER_FLEX_WORKERS, role=role, state=state)
+
+
+def drain_totals(router_url: str) -> tuple[float, float]:
+    """(sum, count) of the router's completed switch drains (outcome switched)."""
+    m = scrape(router_url)
+    return (metric_sum(m, ROUTER_SWITCH_DRAIN_SECONDS + "_sum", outcome="switched"),
+            metric_sum(m, ROUTER_SWITCH_DRAIN_SECONDS + "_count", outcome="switched"))
+
+
+def set_role(router_url: str, roles: Path, flex_url: str, role: str, timeout: float = 300) -> None:
+    """The flex worker switched to ``role`` (if it is not serving it) and serving it."""
+    roles.write_text(json.dumps({flex_url: role}))
+    deadline = time.monotonic() + timeout
+    while flex_state(router_url, role) < 1:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the router does not report the flex worker serving {role} after {timeout:.0f} s")
+        time.sleep(0.2)
+
+
+def router_switch(log: Path, since: float, frm: str = "prefill", to: str = "decode") -> tuple[float | None, float | None]:
+    """When the router (its log, to the ms) began the last drain of a flex worker from ``frm`` to ``to`` after
+    ``since`` (time.time()) and when it flipped it; None where the log has no such line."""
+    import datetime
+    import re
+
+    seen = flipped = None
+    for line in log.read_text(errors="replace").splitlines():
+        m = re.match(r'\{"ts":"([0-9-]+ [0-9:]+,[0-9]+)"', line)
+        if not m:
+            continue
+        t = datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        if t < since:
+            continue
+        if f"switching {frm} -> {to}, draining" in line:
+            seen, flipped = t, None
+        elif f"serves {to} (drained {frm}" in line and seen is not None:
+            flipped = t
+    return seen, flipped
+
+
+class ScheduledSwitch:
+    """During a replay: at trace time ``at``, the flex worker's new role written to the router's roles file
+    (the planner's decision, as it would land); then the router's metrics watched until it reports the
+    worker serving that role. ``flipped``: that moment in trace time (to the poll's 50 ms)."""
+
+    def __init__(self, router_url: str, roles: Path, flex_url: str, at: float, to: str = "decode"):
+        self.router_url, self.roles, self.flex_url, self.at, self.to = router_url, roles, flex_url, at, to
+        self.written: float | None = None
+        self.flipped: float | None = None
+        self.thread: threading.Thread | None = None
+
+    def start(self, t0: float) -> None:   # replay's on_start
+        self.t0_wall = time.time() - (time.perf_counter() - t0)   # the trace's time 0 on the wall clock
+        self.thread = threading.Thread(target=self._run, args=(t0,), daemon=True)
+        self.thread.start()
+
+    def _run(self, t0: float) -> None:
+        time.sleep(max(t0 + self.at - time.perf_counter(), 0.0))
+        self.roles.write_text(json.dumps({self.flex_url: self.to}))
+        self.written = time.perf_counter() - t0
+        deadline = time.perf_counter() + 600
+        while time.perf_counter() < deadline:
+            if flex_state(self.router_url, self.to) >= 1:
+                self.flipped = time.perf_counter() - t0
+                return
+            time.sleep(0.05)
+
+    def join(self, timeout: float = 600) -> None:
+        if self.thread:
+            self.thread.join(timeout)
 
 
 def engine_max_batch_tokens(log: Path) -> int:
@@ -317,12 +537,24 @@ def main() -> int:
     ap.add_argument("--start", type=float, default=600.0, help="trace offset in seconds")
     ap.add_argument("--unloaded", type=int, default=8,
                     help="requests of the trace also sent one at a time (rows '... alone': no queueing)")
-    ap.add_argument("--arrivals", default="trace,spread",
+    ap.add_argument("--arrivals", default=None,
                     help="replays, in order: 'trace' (the trace's own arrival times: bursts of ~10 at one "
-                         "instant) and/or 'spread' (each burst spread evenly to the next)")
+                         "instant) and/or 'spread' (each burst spread evenly to the next); default "
+                         "'trace,spread', with --flex 'trace' (its switch lands in a burst)")
+    ap.add_argument("--flex", action="store_true",
+                    help="a third engine as a flex worker (kv_both) serving prefill, switched to decode at "
+                         "--switch-at; the trace prompt-heavy before it, output-heavy from it")
+    ap.add_argument("--switch-at", type=float,
+                    help="--flex: trace time of the switch and of the change of mix, s (default: just after "
+                         "the first burst from mid-replay arrives)")
+    ap.add_argument("--flex-cores", default="0", help="--flex: the flex engine's cores (the prefill's: 0)")
+    ap.add_argument("--drain-window", type=float, default=1.0,
+                    help="--flex: the 'drain' phase starts this long before the switch (s): the requests in "
+                         "flight when it comes (the burst it lands in)")
     ap.add_argument("--json", help="write the rows and settings here")
     ap.add_argument("--keep", help="keep logs and profiles in this directory")
     args = ap.parse_args()
+    arrival_modes = (args.arrivals or ("trace" if args.flex else "trace,spread")).split(",")
 
     python = worker_python()
     model = str(ensure(python))
@@ -330,37 +562,69 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     port = free_port()
     procs = pd_processes(model, port, python, work)
+    flex = roles = None
+    if args.flex:
+        flex, roles = add_flex(model, python, work, args.flex_cores)
+        procs.append(flex)     # procs[3]: the indices of the pair and the router stay
     load_before = os.getloadavg()
     try:
-        print(f"starting prefill, decode, router (logs in {work}) ...", flush=True)
-        start_pd(procs, engine_timeout=900)
+        print(f"starting prefill, decode{', flex' if flex else ''}, router (logs in {work}) ...", flush=True)
+        if flex:   # the three engines at once, then the router (start_pd's order)
+            for p in (procs[0], procs[1], flex):
+                p.start()
+            for p in (procs[0], procs[1], flex):
+                p.wait_ready(900)
+            procs[2].start().wait_ready()
+            set_role(procs[2].url, roles, flex.url, "prefill")
+        else:
+            start_pd(procs, engine_timeout=900)
         # warm the path (first NIXL handshake, compiled shapes, the engines' first minute) before anything
         # is timed through it: 40 requests, 16-800 tokens, over 20 s
         print("warming the path ...", flush=True)
         warm = traces.Trace("warm", tuple(traces.Request(i * 0.5, 16 + (i * 97) % 785, 8 + i % 24, None, ())
                                           for i in range(40)))
         replay(procs[2].url, warm, seed=1)
+        if flex:   # the flex engine's first decode (its first KV pull) before the replay: switch it there and back
+            set_role(procs[2].url, roles, flex.url, "decode")
+            replay(procs[2].url, traces.Trace("warm-flex", tuple(warm.requests[:10])), seed=2)
+            set_role(procs[2].url, roles, flex.url, "prefill")
         print("profiling the workers (disagg profile) ...", flush=True)
         pre = profile_worker(procs[0].url, work / "prefill-profile.yaml", "prefill", procs[2].url)
         dec = profile_worker(procs[1].url, work / "decode-profile.yaml", "decode")
         models = role_models(model, pre, dec)   # the rate is set from this one (the replays have not run)
 
         base = scaled_trace(args.minutes, args.in_scale, args.out_scale, args.start)
-        ins = [r.input_tokens for r in base.requests]
+        # --flex: the rate from each half's heavy side: the prompt-heavy half's path, the output-heavy half's
+        # decode (one engine each: the two prefill engines share a core, the output-heavy half's decode is
+        # held to one decode's --decode-concurrency)
+        path_reqs = load_step(base, math.inf).requests if flex else base.requests
+        dec_reqs = load_step(base, -math.inf).requests if flex else base.requests
+        ins = [r.input_tokens for r in path_reqs]
         # the whole path's capacity: a request's prefill, hand-off and first decode step as one server's
         mean_path = sum(path_seconds(models, n) for n in ins) / len(ins)
         # and at most --decode-concurrency requests decoding at once on average (Little's law at the
         # profile's step time for that batch): past its knee a one-core decode queues without bound
-        outs = [r.output_tokens for r in base.requests]
-        c, ctx = args.decode_concurrency, sum(ins) / len(ins) + sum(outs) / len(outs) / 2
+        outs = [r.output_tokens for r in dec_reqs]
+        c = args.decode_concurrency
+        ctx = sum(r.input_tokens for r in dec_reqs) / len(dec_reqs) + sum(outs) / len(outs) / 2
         decode_rate = c / (sum(outs) / len(outs) * dec.decode_seconds(c, c * ctx))
         rate = min(args.load / mean_path, decode_rate)
         trace = with_rate(base, rate, args.minutes * 60.0)
+        switch_at = None
+        if flex:
+            switch_at = args.switch_at if args.switch_at is not None else switch_time(trace, trace.duration / 2)
+            trace = load_step(trace, switch_at)
         n = len(trace.requests)
+        t_ins, t_outs = [r.input_tokens for r in trace.requests], [r.output_tokens for r in trace.requests]
         print(f"trace: {n} requests over {trace.duration:.0f} s ({n / trace.duration:.2f}/s; the path takes "
               f"{mean_path * 1000:.1f} ms a request, decode allows {decode_rate:.2f}/s), prompt "
-              f"p50/p90 {_pct(ins, 50):.0f}/{_pct(ins, 90):.0f} tokens, output p50 "
-              f"{_pct([r.output_tokens for r in trace.requests], 50):.0f}", flush=True)
+              f"p50/p90 {_pct(t_ins, 50):.0f}/{_pct(t_ins, 90):.0f} tokens, output p50 {_pct(t_outs, 50):.0f}",
+              flush=True)
+        if flex:
+            for label, part in (("before the switch", [r for r in trace.requests if r.t < switch_at]),
+                                ("from it", [r for r in trace.requests if r.t >= switch_at])):
+                print(f"  {label}: {len(part)} requests, prompt p50 {_pct([r.input_tokens for r in part], 50):.0f}, "
+                      f"output p50 {_pct([r.output_tokens for r in part], 50):.0f} tokens", flush=True)
 
         print("one request at a time ...", flush=True)
         before = ttft_totals(procs)
@@ -371,14 +635,25 @@ def main() -> int:
               f"(hand-off {1000 * sum(serving.kv_transfer_time(models[0], r.input_tokens) for r in alone.requests) / len(sim_alone):.1f} ms)",
               flush=True)
         replays = {}
-        for mode in args.arrivals.split(","):
+        for mode in arrival_modes:
             t_mode = spread(trace) if mode == "spread" else trace
+            switch = None
+            if flex:
+                set_role(procs[2].url, roles, flex.url, "prefill")
+                switch = ScheduledSwitch(procs[2].url, roles, flex.url, switch_at)
+                drains_before = drain_totals(procs[2].url)
             print(f"replaying through the router (arrivals: {mode}) ...", flush=True)
             t = time.perf_counter()
             before, cpu_before, own_before = ttft_totals(procs), cpu_times(procs), sum(os.times()[:2])
+            if flex:
+                cpu_before.update(cpu_times([flex]))
             arrivals: list[tuple[float, float]] = []
-            real_ttft, real_itl, errors = replay(procs[2].url, t_mode, arrivals=arrivals)
+            records: list[tuple[float, float, float | None]] = []
+            real_ttft, real_itl, errors = replay(procs[2].url, t_mode, arrivals=arrivals, records=records,
+                                                 on_start=switch.start if switch else None)
             after, cpu_after, own = ttft_totals(procs), cpu_times(procs), sum(os.times()[:2]) - own_before
+            if flex:
+                cpu_after.update(cpu_times([flex]))
             served = sum(cpu_after.values()) - sum(cpu_before.get(k, 0.0) for k in cpu_after)
             wall = time.perf_counter() - t
             print(f"  done in {wall:.0f} s, {errors} failed; CPU per request: {served / len(t_mode.requests) * 1000:.0f} ms "
@@ -387,7 +662,27 @@ def main() -> int:
                   f"cores over the replay)", flush=True)
             means, text = ttft_split(before, after, real_ttft)
             print(f"  {text}", flush=True)
-            replays[mode] = (t_mode, real_ttft, real_itl, errors, arrivals, means)
+            flex_real = None
+            if switch:
+                switch.join()
+                d_sum, d_count = drain_totals(procs[2].url)
+                drained = ((d_sum - drains_before[0]) / (d_count - drains_before[1])
+                           if d_count > drains_before[1] else None)
+                # when the router saw the change (its drain's start) and flipped, from its log to the ms
+                # (the metrics poll's flip, to 50 ms, less the measured drain, where the log has neither)
+                seen, flipped = router_switch(procs[2].log_path, switch.t0_wall)
+                if seen is not None and flipped is not None:
+                    seen, flipped = seen - switch.t0_wall, flipped - switch.t0_wall
+                else:
+                    flipped = switch.flipped
+                    seen = flipped - drained if flipped is not None and drained is not None else None
+                flex_real = {"written": switch.written, "flipped": flipped, "drain": drained, "seen": seen,
+                             "flipped_polled": switch.flipped}
+                print(f"  switch prefill -> decode written at {switch.written:.3f} s (trace time), seen by the router at "
+                      f"{'-' if seen is None else f'{seen:.3f} s'}, drained in "
+                      f"{'-' if drained is None else f'{drained * 1000:.0f} ms'}, serving decode at "
+                      f"{'-' if flipped is None else f'{flipped:.3f} s'}", flush=True)
+            replays[mode] = (t_mode, real_ttft, real_itl, errors, arrivals, means, records, flex_real)
         # the same workers profiled again after the replays: this host's speed drifts within minutes (two
         # runs' profiles 2026-12-04: hand-off 5.8 and 41.4 ms, decode step 4.3 and 8.7 ms), so the
         # simulator is driven by both profiles' points in one fit, and by each alone to show the drift
@@ -402,38 +697,82 @@ def main() -> int:
     models = role_models(model, *profiles["both"])
     load_after = os.getloadavg()
 
-    print(f"\nsimulator (profile of these workers, max_batch_tokens {mbt}) vs the real CPU P/D pair; "
-          f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after")
+    print(f"\nsimulator (profile of these workers, max_batch_tokens {mbt}) vs the real CPU P/D "
+          f"{'pair and flex worker' if flex else 'pair'}; load average {load_before[0]:.1f} before, "
+          f"{load_after[0]:.1f} after")
     a_ttft, a_itl, _ = simulate(alone, models, mbt)
     alone_rows = table({"ttft": alone_ttft, "itl": alone_itl}, {"ttft": a_ttft, "itl": a_itl}, " alone", (50,))
     report = {"requests": n, "rate": n / trace.duration, "max_batch_tokens": mbt, "alone_ttft_seen_by": alone_means,
-              "load_before": load_before, "load_after": load_after,
+              "load_before": load_before, "load_after": load_after, "flex": bool(flex), "switch_at": switch_at,
               "profiles": {k: {"prefill": p.to_dict(), "decode": d.to_dict()} for k, (p, d) in profiles.items()
                            if k != "both"},
               "handoff_ms": {k: p.handoff_base * 1000 for k, (p, _) in profiles.items() if p.handoff_base is not None},
               "replays": {}}
-    for mode, (t_mode, real_ttft, real_itl, errors, arrivals, means) in replays.items():
-        sim_ttft, sim_itl, sim_arrivals = simulate(t_mode, models, mbt)
+    for mode, (t_mode, real_ttft, real_itl, errors, arrivals, means, records, flex_real) in replays.items():
+        if flex:
+            # the simulator's switch when the real router saw it (written + up to ROLES_POLL_S)
+            sim_switch = flex_real["seen"] if flex_real["seen"] is not None else switch_at
+            sim_records, sim_drains = simulate_flex(t_mode, models, mbt, sim_switch)
+            sim_ttft = [v for _, v, _ in sim_records]
+            sim_itl = [v for _, _, v in sim_records if v is not None]
+            sim_arrivals = [(t, v) for t, v, _ in sim_records]
+        else:
+            sim_ttft, sim_itl, sim_arrivals = simulate(t_mode, models, mbt)
         rows = table({"ttft": real_ttft, "itl": real_itl}, {"ttft": sim_ttft, "itl": sim_itl})
-        if mode == "trace":
+        if mode == arrival_modes[0]:
             rows += alone_rows
         print(f"\narrivals: {mode}, {len(real_ttft)} requests")
         print(f"{'metric':<16}{'real ms':>10}{'sim ms':>10}{'sim/real':>10}  within 20%")
         for r in rows:
             print(f"{r['metric']:<16}{r['real_ms']:>10.1f}{r['sim_ms']:>10.1f}{r['ratio']:>10.2f}  "
                   f"{'yes' if r['within'] else 'NO'}")
-        drift = {}
-        for label in ("before", "after"):
-            d_ttft, d_itl, _ = simulate(t_mode, role_models(model, *profiles[label]), mbt)
-            drift[label] = {"ttft_p50": _pct(d_ttft, 50) / _pct(real_ttft, 50), "itl_p50": _pct(d_itl, 50) / _pct(real_itl, 50)}
-        print("  sim / real with one profile alone: " + "; ".join(
-            f"{k}: TTFT p50 {v['ttft_p50']:.2f}, ITL p50 {v['itl_p50']:.2f}" for k, v in drift.items()))
+        entry = {"rows": rows, "errors": errors, "mean_ttft_seen_by": means}
+        if flex:
+            sim_drain = sim_drains[0] if sim_drains else None
+            real_end = flex_real["flipped"] if flex_real["flipped"] is not None else switch_at
+            sim_end = sim_switch + (sim_drain or 0.0)
+            drain_start, drain_end = switch_at - args.drain_window, max(real_end, sim_end, switch_at)
+            real_ph, sim_ph = phases(records, drain_start, drain_end), phases(sim_records, drain_start, drain_end)
+            p_rows = phase_rows(real_ph, sim_ph)
+            print(f"\nflex worker prefill -> decode, the switch written at {switch_at:.2f} s; phases by arrival: "
+                  f"before {drain_start:.2f} s, 'drain' to {drain_end:.2f} s (what is in flight when the switch "
+                  f"comes, and the drain), after")
+            print(f"{'metric':<20}{'n':>5}{'real ms':>10}{'sim ms':>10}{'sim/real':>10}  within 20%")
+            for p in PHASES:
+                if not any(r["phase"] == p for r in p_rows):
+                    print(f"{p}: too few requests on one side (real {len(real_ph[p]['ttft'])}, "
+                          f"simulated {len(sim_ph[p]['ttft'])})")
+            for r in p_rows:
+                print(f"{r['metric']:<20}{r['n']:>5}{r['real_ms']:>10.1f}{r['sim_ms']:>10.1f}{r['ratio']:>10.2f}  "
+                      f"{'yes' if r['within'] else 'NO'}")
+            drain_row = None
+            if flex_real["drain"] is not None and sim_drain is not None:
+                drain_row = within(flex_real["drain"], sim_drain)
+                print(f"{'drain':<20}{'':>5}{drain_row['real_ms']:>10.1f}{drain_row['sim_ms']:>10.1f}"
+                      f"{drain_row['ratio']:>10.2f}  {'yes' if drain_row['within'] else 'NO'}")
+            else:
+                print(f"drain: real {flex_real['drain']}, simulated {sim_drain} (one side did not switch)")
+            print(f"  the router saw the switch at {sim_switch:.2f} s (written {flex_real['written']:.2f} s), served "
+                  f"decode by {real_end:.2f} s; the simulator switched at {sim_switch:.2f} s, served decode at "
+                  f"{sim_end:.2f} s")
+            entry.update(phase_rows=p_rows, switch={**flex_real, "sim_switch": sim_switch, "sim_drain": sim_drain,
+                                                    "drain_start": drain_start, "drain_end": drain_end,
+                                                    "drain_row": drain_row})
+        else:
+            drift = {}
+            for label in ("before", "after"):
+                d_ttft, d_itl, _ = simulate(t_mode, role_models(model, *profiles[label]), mbt)
+                drift[label] = {"ttft_p50": _pct(d_ttft, 50) / _pct(real_ttft, 50), "itl_p50": _pct(d_itl, 50) / _pct(real_itl, 50)}
+            print("  sim / real with one profile alone: " + "; ".join(
+                f"{k}: TTFT p50 {v['ttft_p50']:.2f}, ITL p50 {v['itl_p50']:.2f}" for k, v in drift.items()))
+            entry["one_profile"] = drift
         real_pos, sim_pos = by_position(arrivals), by_position(sim_arrivals)
-        print("TTFT p50 by position in its burst (requests that arrived at the same instant, fastest first), "
-              "real / sim ms: " + ", ".join(f"#{k} {real_pos[k] * 1000:.0f} / {sim_pos.get(k, math.nan) * 1000:.0f}"
-                                            for k in real_pos))
-        report["replays"][mode] = {"rows": rows, "errors": errors, "mean_ttft_seen_by": means, "one_profile": drift,
-                                   "ttft_by_position": {"real": real_pos, "sim": sim_pos}}
+        if mode == "trace":
+            print("TTFT p50 by position in its burst (requests that arrived at the same instant, fastest first), "
+                  "real / sim ms: " + ", ".join(f"#{k} {real_pos[k] * 1000:.0f} / {sim_pos.get(k, math.nan) * 1000:.0f}"
+                                                for k in real_pos))
+        entry["ttft_by_position"] = {"real": real_pos, "sim": sim_pos}
+        report["replays"][mode] = entry
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     if not args.keep:

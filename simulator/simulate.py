@@ -12,7 +12,8 @@ What it models (latencies from :mod:`disagg.perf.model`, optionally a
 * decode: continuous batching per replica (step time from the model for the batch
   and its context), admission bounded by KV memory and ``max_num_seqs`` (per data-parallel rank);
 * replicas start ``startup`` seconds after they are asked for; removed ones drain;
-* flex workers (``flex_max`` > 0, a policy with ``plan_flex``; :mod:`disagg.planner.flex`): replicas of the
+* flex workers (``flex_max`` > 0, a policy with ``plan_flex``, or switches at set times, ``flex_switches``;
+  :mod:`disagg.planner.flex`): replicas of the
   one shape both roles share that serve one role at a time. A switch drains the old role (no new work; a
   prefill's batch finishes and the KV blocks it holds for decodes wait until a decode admits the request, or
   until their lease, ``kv_lease``, expires, which it does only while no decode serves to extend it: then
@@ -111,6 +112,10 @@ class SimConfig:
     switch_flip: float = 1.0
     switch_drain_limit: float = 120.0
     kv_lease: float = 30.0
+    # role switches at set times, whatever the policy: (time, role), the first flex worker neither serving nor
+    # switching to ``role`` switches to it then (bench/sim_vs_real.py --flex replays the switch it wrote to the
+    # real router's roles file at that moment; a policy's own switches come through plan_flex/react_flex)
+    flex_switches: tuple[tuple[float, str], ...] = ()
 
     def with_flex(self, flex_max: int = 64, flex_min: int = 0, spare: int = 0) -> SimConfig:
         """The same deployment with a flex pool: the dedicated pools start at their floors and the rest of the
@@ -683,6 +688,12 @@ class Simulation:
         self.kv_leases_expired += 1
         self._release(req, now)
 
+    def _scheduled_switch(self, to: str, now: float) -> None:
+        other = "decode" if to == "prefill" else "prefill"
+        r = next((r for r in self._live(other) if r.flex and r.switching is None), None)
+        if r is not None:
+            self._switch(r, to, now)
+
     def _apply_flex(self, fd: FlexDecision, now: float) -> None:
         by_name = {str(r.id): r for role in ("prefill", "decode") for r in self._live(role) if r.flex}
         for name in fd.remove:
@@ -973,6 +984,8 @@ class Simulation:
                 self._add(role, 0.0, 0.0, flex=True)
         for r in self.trace.requests:
             self._at(r.t, "arrive", _Req(r))
+        for t, role in cfg.flex_switches:
+            self._at(t, "scheduled_switch", role)
         end_arrivals = self.trace.duration
         self._at(cfg.interval, "plan")
         stop = end_arrivals + cfg.drain_limit
@@ -1011,6 +1024,8 @@ class Simulation:
                 self._react(t)
             elif kind == "switch_limit":
                 self._switch_limit(payload[0], payload[1], t)
+            elif kind == "scheduled_switch":
+                self._scheduled_switch(payload[0], t)
             elif kind == "lease":
                 self._lease(payload[0], t)
         end = self.now

@@ -171,3 +171,20 @@ def test_a_serving_decode_extends_the_lease_of_the_blocks_it_will_pull():
     r = sm.Simulation(cfg, trace, Scripted({name: "decode"})).run()
     assert r.finished == r.arrived and r.kv_leases_expired == 0
     assert r.switch_drains[0] > 5.0 + cfg.switch_flip      # it waited for the pull, not for the lease
+
+
+def test_a_switch_set_for_a_time_drains_then_flips_whatever_the_policy():
+    # bench/sim_vs_real.py --flex: the switch it writes to the real router at 20 s, under a static policy (no
+    # plan_flex). Two long prompts just before it: the second, past the dedicated prefill's token budget, is
+    # computing on the flex worker at 20 s, so the flip waits for its prefill and for the decode to admit it
+    cfg = replace(SMALL, initial_prefill=1, initial_decode=1, initial_flex_prefill=1, switch_flip=0.0,
+                  ttft_target=60.0, flex_switches=((20.0, "decode"), (30.0, "decode")))
+    trace = _trace((1.0, 200, 20), (19.9, 12000, 20), (19.9, 12000, 20), *[(21.0 + i, 200, 200) for i in range(8)])
+    sim = sm.Simulation(cfg, trace, sm.StaticPolicy(1, 1))
+    r = sim.run()
+    assert r.finished == r.arrived == len(trace.requests)
+    # one switch: the second, to the role it already serves, is no switch
+    assert r.switches == 1 and r.switches_abandoned == 0 and len(r.switch_drains) == 1
+    worker = next(x for x in sim.replicas["decode"] if x.flex)
+    assert worker.since > 20.05 and r.switch_drains[0] == pytest.approx(worker.since - 20.0, abs=1e-6)
+    assert not any(x.flex for x in sim.replicas["prefill"])
