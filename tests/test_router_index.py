@@ -101,6 +101,19 @@ def test_kv_aware_prefers_overlap_then_load():
     assert p.choose(cands, Request(blocks=10)).worker == "b"
 
 
+def test_kv_aware_ties_take_turns_per_set_of_candidates():
+    """Each request picks its decode (one worker) and then its prefill (two idle ones): the prefill picks
+    alternate. One counter for both picks sent every request's prefill to the same worker
+    (bench/sim_vs_real.py --flex saw all lone requests on one prefill)."""
+    p = policies.create("kv-aware")
+    prefills = [Candidate("prefill-a", 0), Candidate("prefill-b", 0)]
+    picked = []
+    for _ in range(4):
+        assert p.choose([Candidate("decode", 0)], Request(blocks=4)).worker == "decode"
+        picked.append(p.choose(prefills, Request(blocks=4)).worker)
+    assert picked == ["prefill-a", "prefill-b", "prefill-a", "prefill-b"]
+
+
 def test_kv_aware_skew_bound_stops_a_shared_prefix_from_piling_up():
     p = policies.create("kv-aware", RouterSpec(overlap_weight=1.0, max_load_skew=2.0))
     load = {"a": 0, "b": 0}

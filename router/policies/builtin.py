@@ -23,7 +23,9 @@ class _Turns:
         self._turns: dict[tuple[str, ...], count] = {}
 
     def next(self, ordered: list[Candidate]) -> int:
-        key = tuple(c.name for c in ordered)
+        return self.next_of(tuple(c.name for c in ordered))
+
+    def next_of(self, key: tuple[str, ...]) -> int:
         turn = self._turns.get(key)
         if turn is None:
             if len(self._turns) > 1024:     # workers come and go: sets seen long ago are dropped
@@ -65,7 +67,7 @@ class KVAware:
     def __init__(self, spec: RouterSpec):
         self.overlap_weight = spec.overlap_weight
         self.max_load_skew = spec.max_load_skew
-        self._turn = count()
+        self._turns = _Turns()
 
     def choose(self, candidates: list[Candidate], request: Request) -> Decision:
         _require(candidates)
@@ -84,5 +86,7 @@ class KVAware:
                 best, tied = key, [c.name]
             elif key == best:
                 tied.append(c.name)
-        name = tied[next(self._turn) % len(tied)]
+        # a turn per tied set, as round-robin's: with one counter, a request's decode pick moved it between
+        # its prefill picks, and two idle prefill workers beside one decode always tied to the same prefill
+        name = tied[0] if len(tied) == 1 else tied[self._turns.next_of(tuple(tied)) % len(tied)]
         return Decision(name, overlap.get(name, 0), best[0], load_bounded=best_over is not None and best_over < best)
