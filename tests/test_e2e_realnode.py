@@ -671,20 +671,23 @@ def _decode_restarts(api, name: str) -> int:
 
 def test_crashed_decode_is_covered_by_a_counted_retry_and_restarted(api, pd, real):
     """The P/D deployment at two decodes (the scale-down test below needs them too): a decode container
-    SIGKILLed with requests decoding on it; each is retried on the other decode, which prefills it itself."""
+    SIGKILLed with requests decoding on it; each is retried on the other decode, which prefills it itself.
+    The victim is a decode with requests in flight: the KV-aware router may keep them all on the decode that
+    holds the prompts' shared prefix, and the one added here may get none."""
     dd, url = pd
     dd.patch_spec({"decode": {"replicas": 2}})
-    wait_for(lambda: len(realnode.ready_pods(api, NS, f"{LABEL_DEPLOYMENT}={PD},{LABEL_ROLE}=decode")) == 2, 900,
-             "two ready decode pods")
+    decode_pods = f"{LABEL_DEPLOYMENT}={PD},{LABEL_ROLE}=decode"
+    wait_for(lambda: len(realnode.ready_pods(api, NS, decode_pods)) == 2, 900, "two ready decode pods")
     realnode.wait_serving(api, NS, PD, prefill=1, decode=2, timeout=900)
-    victim = dd.pods("decode")[0]
-    restarts = _decode_restarts(api, victim.metadata.name)
+    decodes = realnode.ready_pods(api, NS, decode_pods)
     retries = _router_metric(dd, m.ROUTER_FALLBACKS, reason=m.FALLBACK_DECODE_RETRY)
     with cf.ThreadPoolExecutor(8) as pool:
         # each request decodes 256 tokens (no early EOS), seconds of CPU: still running when the crash comes
         futures = [pool.submit(_unary, url, f"{PROMPT} kill {i}", 256) for i in range(8)]
-        wait_for(lambda: _router_metric(dd, m.ROUTER_ACTIVE_REQUESTS, role="decode", worker=_pod_url(victim)) > 0,
-                 120, "requests in flight on the victim")
+        victim = wait_for(lambda: next((p for p in decodes if _router_metric(
+            dd, m.ROUTER_ACTIVE_REQUESTS, role="decode", worker=_pod_url(p)) > 0), None), 120,
+            "requests in flight on a decode")
+        restarts = _decode_restarts(api, victim.metadata.name)
         assert not any(f.done() for f in futures), "a request finished before the crash: nothing to retry"
         real.node.crash_container(victim.status.container_statuses[0].container_id)
         try:
@@ -695,7 +698,7 @@ def test_crashed_decode_is_covered_by_a_counted_retry_and_restarted(api, pd, rea
     assert _router_metric(dd, m.ROUTER_FALLBACKS, reason=m.FALLBACK_DECODE_RETRY) > retries
     # the kubelet restarts the crashed container in place; the router takes the worker back once it is healthy
     wait_for(lambda: _decode_restarts(api, victim.metadata.name) > restarts
-             and len(realnode.ready_pods(api, NS, f"{LABEL_DEPLOYMENT}={PD},{LABEL_ROLE}=decode")) == 2,
+             and len(realnode.ready_pods(api, NS, decode_pods)) == 2,
              600, "the crashed decode container restarted and Ready")
     realnode.wait_serving(api, NS, PD, prefill=1, decode=2)
 
