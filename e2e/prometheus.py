@@ -10,6 +10,7 @@ bring it back (the same data directory and port).
 from __future__ import annotations
 
 import datetime as dt
+import json
 import os
 import shutil
 import signal
@@ -106,6 +107,25 @@ class LocalPrometheus:
             config["rule_files"] = [str(rules)]
         path.write_text(yaml.safe_dump(config))
         return path
+
+    def file_sd(self, job: str, groups: list[dict], **extra) -> dict:
+        """A scrape job whose targets come from a file (file_sd), for `scrape_configs`: `groups` (each
+        {"targets": ["host:port"], "labels": {...}}) written now; :meth:`set_targets` rewrites them while
+        Prometheus runs (read again within a second), as a service discovery's relabelled targets change
+        under a running Prometheus. `extra`: more of the job's fields (metric_relabel_configs, ...)."""
+        self.set_targets(job, groups)
+        return {"job_name": job, "file_sd_configs": [{"files": [str(self._targets_path(job))],
+                                                      "refresh_interval": "1s"}], **extra}
+
+    def _targets_path(self, job: str) -> Path:
+        return self.dir / f"targets-{job}.json"
+
+    def set_targets(self, job: str, groups: list[dict]) -> None:
+        """The targets of a :meth:`file_sd` job, replaced whole (written aside and renamed: never half read)."""
+        path = self._targets_path(job)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(groups))
+        tmp.replace(path)
 
     @property
     def client(self) -> _Client:
@@ -231,6 +251,8 @@ class Traffic:
     # pod monitor labels them
     flex_draining: dict[str, float] = field(default_factory=dict)
     flex_pods: dict[str, tuple[str, float]] = field(default_factory=dict)
+    # the switches the routers carried out, (from role, to role) -> how many (after their drain)
+    flex_switched: dict[tuple[str, str], float] = field(default_factory=dict)
 
 
 class MetricsExporter:
@@ -262,6 +284,8 @@ class MetricsExporter:
         # (pod "" is no label at all: the role's series as before)
         self.running = Gauge(m.VLLM_NUM_REQUESTS_RUNNING, "running", labels + ["role", "pod"], registry=r)
         self.flex = Gauge(m.ROUTER_FLEX_WORKERS, "flex workers", labels + ["role", "state"], registry=r)
+        self.switches = Counter(m.ROUTER_ROLE_SWITCHES, "role switches", labels + ["from_role", "to_role", "outcome"],
+                                registry=r)
         self.kv = Gauge(m.VLLM_KV_CACHE_USAGE, "kv usage", labels + ["role"], registry=r)
         # what the engines served: prompt tokens (and prefix-cache hits) at prefill, generated tokens at decode
         self.engine_prompt = Counter(m.VLLM_PROMPT_TOKENS, "engine prompt tokens", labels + ["role"], registry=r)
@@ -270,6 +294,7 @@ class MetricsExporter:
         self.engine_generated = Counter(m.VLLM_GENERATION_TOKENS, "engine generated tokens", labels + ["role"],
                                         registry=r)
         self.traffic = Traffic()
+        self._switched: dict[tuple[str, str], float] = {}
         self.port = free_port()
         self.server, self._thread = start_http_server(self.port, addr="127.0.0.1", registry=r)
         self._stop = threading.Event()
@@ -308,6 +333,11 @@ class MetricsExporter:
                 self.flex.labels(**lab, role=role, state="draining").set(t.flex_draining.get(role, 0))
             for pod, (role, running) in t.flex_pods.items():
                 self.running.labels(**lab, role=role, pod=pod).set(running)
+            for (frm, to), n in t.flex_switched.items():
+                if n > self._switched.get((frm, to), 0):
+                    self.switches.labels(**lab, from_role=frm, to_role=to, outcome=m.SWITCH_SWITCHED).inc(
+                        n - self._switched.get((frm, to), 0))
+                    self._switched[(frm, to)] = n
 
     def close(self):
         self._stop.set()

@@ -212,11 +212,13 @@ def queue_queries(namespace: str, name: str, window_seconds: float, labels: Labe
 def flex_queries(namespace: str, name: str, labels: Labels = Labels()) -> dict[str, str]:
     """What the planner reads of a flex pool (spec.flex) beside its pods: the workers each role's routers
     have draining for a switch (a router process per series; each sees every worker, so the largest count
-    is the one furthest behind), and per pod the requests running and waiting on its engine (the chart's
-    pod monitor labels a flex worker's series with its serving role and its pod)."""
+    is the one furthest behind), the switches the routers carried out (their flips, by direction and
+    outcome, summed over the router processes), and per pod the requests running and waiting on its engine
+    (the chart's pod monitor labels a flex worker's series with its serving role and its pod)."""
     sel = f'{labels.namespace}="{namespace}",{labels.deployment}="{name}"'
     engine = "|".join(f"{n}|{n.replace(':', '_')}" for n in (m.VLLM_NUM_REQUESTS_RUNNING, m.VLLM_NUM_REQUESTS_WAITING))
     return {"draining": f'max by (role) ({m.ROUTER_FLEX_WORKERS}{{{sel},state="draining"}})',
+            "switches": f"sum by (from_role, to_role, outcome) ({m.ROUTER_ROLE_SWITCHES}{{{sel}}})",
             "load": f'sum by (pod) ({{__name__=~"{engine}",{sel},pod!=""}})'}
 
 
@@ -226,7 +228,18 @@ class FlexSignals:
 
     draining: dict[str, float] | None = None   # role -> workers draining out of it; None: not known
     load: dict[str, float] | None = None       # pod -> requests running and waiting on its engine
+    # (from role, to role, outcome) -> the routers' flips so far (disagg_router_role_switches_total); None:
+    # not known
+    switches: dict[tuple[str, str, str], float] | None = None
     error: str = ""
+
+    def flips(self, frm: str, to: str) -> tuple[float, float] | None:
+        """The routers' flips from ``frm`` to ``to`` so far: (after the drain, past its bound); None: not
+        known (a router that never flipped that way has no series: 0)."""
+        if self.switches is None:
+            return None
+        return (self.switches.get((frm, to, m.SWITCH_SWITCHED), 0.0),
+                self.switches.get((frm, to, m.SWITCH_ABANDONED), 0.0))
 
 
 # needed whenever there is traffic; the rest is used when present
@@ -351,12 +364,17 @@ class PrometheusSource:
         return {r["metric"].get(label, ""): float(r["value"][1]) for r in self._client.instant(promql)
                 if math.isfinite(float(r["value"][1]))}
 
+    def _vector_by(self, promql: str, *labels: str) -> dict[tuple[str, ...], float]:
+        return {tuple(r["metric"].get(k, "") for k in labels): float(r["value"][1])
+                for r in self._client.instant(promql) if math.isfinite(float(r["value"][1]))}
+
     def observe_flex(self, namespace: str, name: str) -> FlexSignals:
         """The flex pool's drains and per-pod load; on any failure, nothing known and why (the planner
         then treats a switch it asked for as draining until its bound, and every worker as idle)."""
         q = flex_queries(namespace, name, self.labels)
         try:
-            return FlexSignals(draining=self._vector(q["draining"], "role"), load=self._vector(q["load"], "pod"))
+            return FlexSignals(draining=self._vector(q["draining"], "role"), load=self._vector(q["load"], "pod"),
+                               switches=self._vector_by(q["switches"], "from_role", "to_role", "outcome"))
         except QueryRefused as e:
             return FlexSignals(error=f"{self.what} refused a flex query ({e})")
         except Exception as e:
