@@ -243,6 +243,11 @@ class Traffic:
     cached_fraction: float = 0.25
     prefill_waiting: float = 0.0
     decode_waiting: float = 0.0
+    # requests an engine holds blocked meanwhile (a decode's remote KV still loading), per role: counted in
+    # its waiting requests; with ``by_reason`` the engines also say which wait for a slot (vLLM's
+    # num_requests_waiting_by_reason: capacity = *_waiting, deferred = these)
+    waiting_deferred: dict[str, float] = field(default_factory=dict)
+    by_reason: bool = False
     streamed: float = 1.0       # share of requests streamed: the router sees TTFT and ITL of those only
     prefill_ttft: float = 0.25  # the workers' own vLLM TTFT (seconds), every request
     decode_ttft: float = 0.05
@@ -281,6 +286,8 @@ class MetricsExporter:
         self.engine_itl = Histogram(m.VLLM_ITL_SECONDS, "engine itl", labels + ["role"], registry=r,
                                     buckets=(0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.08, 0.16, 0.32))
         self.waiting = Gauge(m.VLLM_NUM_REQUESTS_WAITING, "waiting", labels + ["role"], registry=r)
+        self.waiting_by_reason = Gauge(m.VLLM_NUM_REQUESTS_WAITING_BY_REASON, "waiting by reason",
+                                       labels + ["role", "reason"], registry=r)
         # (pod "" is no label at all: the role's series as before)
         self.running = Gauge(m.VLLM_NUM_REQUESTS_RUNNING, "running", labels + ["role", "pod"], registry=r)
         self.flex = Gauge(m.ROUTER_FLEX_WORKERS, "flex workers", labels + ["role", "state"], registry=r)
@@ -327,7 +334,13 @@ class MetricsExporter:
                 self.engine_hits.labels(**lab, role="prefill").inc(t.input_tokens * t.cached_fraction)
                 self.engine_generated.labels(**lab, role="decode").inc(t.output_tokens)
             for role, waiting in (("prefill", t.prefill_waiting), ("decode", t.decode_waiting)):
-                self.waiting.labels(**lab, role=role).set(waiting)
+                deferred = t.waiting_deferred.get(role, 0.0)
+                self.waiting.labels(**lab, role=role).set(waiting + deferred)
+                if t.by_reason:
+                    self.waiting_by_reason.labels(**lab, role=role, reason=m.VLLM_WAITING_CAPACITY).set(waiting)
+                    self.waiting_by_reason.labels(**lab, role=role, reason="deferred").set(deferred)
+                else:
+                    self.waiting_by_reason.clear()
                 self.running.labels(**lab, role=role, pod="").set(1)
                 self.kv.labels(**lab, role=role).set(0.5)
                 self.flex.labels(**lab, role=role, state="draining").set(t.flex_draining.get(role, 0))
