@@ -1119,10 +1119,12 @@ def _planner_load_step(flex, api_client, namespace, planner_api, tmp_path) -> No
             wait_for(lambda: _switches(flex, "prefill", "decode") > flips_before, 180,
                      "the router's flip of the flex worker to decode", interval=0.2)
             flipped = time.time()
-            events = [e for e in core.list_namespaced_event(
+            # (its event comes after the label, the replicas and the status: the flip can come first)
+            events = wait_for(lambda: [e for e in core.list_namespaced_event(
                 namespace, field_selector=f"involvedObject.name={PLANNED}").items
-                if e.reason == reasons.ROLE_SWITCHED and e.source.component == FIELD_MANAGER]
-            assert events and "1 prefill->decode switched" in events[0].message, [e.message for e in events]
+                if e.reason == reasons.ROLE_SWITCHED and e.source.component == FIELD_MANAGER], 60,
+                "the planner's RoleSwitched event")
+            assert "1 prefill->decode switched" in events[0].message, [e.message for e in events]
             _say("the decision:", events[0].message)
             # the flex worker decodes; the planner counts the switch once the flip shows in Prometheus
             wait_for(lambda: any(r[2].get("x-disagg-decode") == flex_url for r in output_heavy.done), 180,
