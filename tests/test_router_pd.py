@@ -1119,6 +1119,9 @@ def _planner_load_step(flex, api_client, namespace, planner_api, tmp_path) -> No
             wait_for(lambda: _switches(flex, "prefill", "decode") > flips_before, 180,
                      "the router's flip of the flex worker to decode", interval=0.2)
             flipped = time.time()
+            # within seconds: the drain of what it prefilled (until their decodes, queued, pulled the KV), far
+            # inside the drain's bound (120 s), and generous for a loaded 2-core machine
+            assert flipped - seen_at < 60, (flipped - seen_at, bridge.seen)
             # (its event comes after the label, the replicas and the status: the flip can come first)
             events = wait_for(lambda: [e for e in core.list_namespaced_event(
                 namespace, field_selector=f"involvedObject.name={PLANNED}").items
@@ -1170,7 +1173,8 @@ def _planner_load_step(flex, api_client, namespace, planner_api, tmp_path) -> No
         **lab, "from_role": "prefill", "to_role": "decode", "outcome": m.SWITCH_ABANDONED}) is None
     _say(f"planner switch prefill -> decode: decided {decided - stepped:+.1f} s after the load step, the label "
           f"seen {seen_at - decided:.1f} s and the router's flip {flipped - decided:.1f} s after the decision "
-          f"(its clock, whole seconds); {len(through)} streams in flight on the flex worker through it, "
+          f"(its clock at the pass's start, whole seconds), the flip {flipped - seen_at:.1f} s after the label was "
+          f"seen; {len(through)} streams in flight on the flex worker through it, "
           f"{len(everything)} requests, none failed; setup {setup_s:.0f} s, load phases {step_s:.0f} s")
 
 
