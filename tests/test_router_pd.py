@@ -887,7 +887,7 @@ def test_a_load_step_switches_the_flex_worker_and_no_request_fails(flex):
 PLANNED = "flexpd"
 PLANNED_ENDPOINT = "cluster-prometheus"
 PROMPT_HEAVY_CLIENTS, OUTPUT_HEAVY_CLIENTS = 4, 80     # 80: more streams than the decode engine runs (64)
-PROMPT_HEAVY_TOKENS, OUTPUT_HEAVY_TOKENS = 2, 160
+PROMPT_HEAVY_TOKENS, OUTPUT_HEAVY_TOKENS = 2, 96
 PROMPT_HEAVY = "Summarise the following paragraph of text in detail please " * 20   # ~650 tokens
 
 
@@ -1088,7 +1088,7 @@ def _planner_load_step(flex, api_client, namespace, planner_api, tmp_path) -> No
             setup_s = time.monotonic() - setup_started
 
             # prompt-heavy: long prompts, two tokens each; the planner sees it and keeps the flex worker in prefill
-            step_started = time.monotonic()
+            step_started, prompt_started = time.monotonic(), time.time()
             prompt_heavy = _ClosedLoop(url, PROMPT_HEAVY_CLIENTS, lambda i, k: f"{i}.{k} {PROMPT_HEAVY}",
                                        PROMPT_HEAVY_TOKENS).start()
             wait_for(lambda: (lambda o: o.request_rate and (o.input_tokens_mean or 0) > 200)(
@@ -1132,11 +1132,16 @@ def _planner_load_step(flex, api_client, namespace, planner_api, tmp_path) -> No
             # the flex worker decodes; the planner counts the switch once the flip shows in Prometheus
             wait_for(lambda: any(r[2].get("x-disagg-decode") == flex_url for r in output_heavy.done), 180,
                      "a stream decoded on the flex worker")
+            decoded = time.time()
             wait_for(lambda: metrics.registry.get_sample_value(m.PLANNER_ROLE_SWITCHES, {
                 **lab, "from_role": "prefill", "to_role": "decode", "outcome": m.SWITCH_SWITCHED}) == 1, 60,
                 "the planner to count the switch")
+            counted = time.time()
             done = output_heavy.finish()
             step_s = time.monotonic() - step_started
+            phases = (f"prompt-heavy {stepped - prompt_started:.0f} s, step to flip {flipped - stepped:.0f} s, "
+                      f"a whole stream on the flex worker {decoded - flipped:.0f} s, the planner's count "
+                      f"{counted - decoded:.0f} s, the streams' end {time.time() - counted:.0f} s")
     finally:
         planner_stop.set()
         for load in (prompt_heavy, output_heavy):    # (after a failure: its streams end before the next test)
@@ -1175,7 +1180,7 @@ def _planner_load_step(flex, api_client, namespace, planner_api, tmp_path) -> No
           f"seen {seen_at - decided:.1f} s and the router's flip {flipped - decided:.1f} s after the decision "
           f"(its clock at the pass's start, whole seconds), the flip {flipped - seen_at:.1f} s after the label was "
           f"seen; {len(through)} streams in flight on the flex worker through it, "
-          f"{len(everything)} requests, none failed; setup {setup_s:.0f} s, load phases {step_s:.0f} s")
+          f"{len(everything)} requests, none failed; setup {setup_s:.0f} s, load phases {step_s:.0f} s ({phases})")
 
 
 @pytest.fixture(scope="module")
