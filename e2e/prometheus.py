@@ -10,6 +10,7 @@ bring it back (the same data directory and port).
 from __future__ import annotations
 
 import datetime as dt
+import json
 import os
 import shutil
 import signal
@@ -108,6 +109,25 @@ class LocalPrometheus:
             config["rule_files"] = [str(rules)]
         path.write_text(yaml.safe_dump(config))
         return path
+
+    def file_sd(self, job: str, groups: list[dict], **extra) -> dict:
+        """A scrape job whose targets come from a file (file_sd), for `scrape_configs`: `groups` (each
+        {"targets": ["host:port"], "labels": {...}}) written now; :meth:`set_targets` rewrites them while
+        Prometheus runs (read again within a second), as a service discovery's relabelled targets change
+        under a running Prometheus. `extra`: more of the job's fields (metric_relabel_configs, ...)."""
+        self.set_targets(job, groups)
+        return {"job_name": job, "file_sd_configs": [{"files": [str(self._targets_path(job))],
+                                                      "refresh_interval": "1s"}], **extra}
+
+    def _targets_path(self, job: str) -> Path:
+        return self.dir / f"targets-{job}.json"
+
+    def set_targets(self, job: str, groups: list[dict]) -> None:
+        """The targets of a :meth:`file_sd` job, replaced whole (written aside and renamed: never half read)."""
+        path = self._targets_path(job)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(groups))
+        tmp.replace(path)
 
     @property
     def client(self) -> _Client:
@@ -225,6 +245,11 @@ class Traffic:
     cached_fraction: float = 0.25
     prefill_waiting: float = 0.0
     decode_waiting: float = 0.0
+    # requests an engine holds blocked meanwhile (a decode's remote KV still loading), per role: counted in
+    # its waiting requests; with ``by_reason`` the engines also say which wait for a slot (vLLM's
+    # num_requests_waiting_by_reason: capacity = *_waiting, deferred = these)
+    waiting_deferred: dict[str, float] = field(default_factory=dict)
+    by_reason: bool = False
     streamed: float = 1.0       # share of requests streamed: the router sees TTFT and ITL of those only
     prefill_ttft: float = 0.25  # the workers' own vLLM TTFT (seconds), every request
     decode_ttft: float = 0.05
@@ -233,6 +258,8 @@ class Traffic:
     # pod monitor labels them
     flex_draining: dict[str, float] = field(default_factory=dict)
     flex_pods: dict[str, tuple[str, float]] = field(default_factory=dict)
+    # the switches the routers carried out, (from role, to role) -> how many (after their drain)
+    flex_switched: dict[tuple[str, str], float] = field(default_factory=dict)
 
 
 class MetricsExporter:
@@ -261,9 +288,13 @@ class MetricsExporter:
         self.engine_itl = Histogram(m.VLLM_ITL_SECONDS, "engine itl", labels + ["role"], registry=r,
                                     buckets=(0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.08, 0.16, 0.32))
         self.waiting = Gauge(m.VLLM_NUM_REQUESTS_WAITING, "waiting", labels + ["role"], registry=r)
+        self.waiting_by_reason = Gauge(m.VLLM_NUM_REQUESTS_WAITING_BY_REASON, "waiting by reason",
+                                       labels + ["role", "reason"], registry=r)
         # (pod "" is no label at all: the role's series as before)
         self.running = Gauge(m.VLLM_NUM_REQUESTS_RUNNING, "running", labels + ["role", "pod"], registry=r)
         self.flex = Gauge(m.ROUTER_FLEX_WORKERS, "flex workers", labels + ["role", "state"], registry=r)
+        self.switches = Counter(m.ROUTER_ROLE_SWITCHES, "role switches", labels + ["from_role", "to_role", "outcome"],
+                                registry=r)
         self.kv = Gauge(m.VLLM_KV_CACHE_USAGE, "kv usage", labels + ["role"], registry=r)
         # what the engines served: prompt tokens (and prefix-cache hits) at prefill, generated tokens at decode
         self.engine_prompt = Counter(m.VLLM_PROMPT_TOKENS, "engine prompt tokens", labels + ["role"], registry=r)
@@ -272,6 +303,7 @@ class MetricsExporter:
         self.engine_generated = Counter(m.VLLM_GENERATION_TOKENS, "engine generated tokens", labels + ["role"],
                                         registry=r)
         self.traffic = Traffic()
+        self._switched: dict[tuple[str, str], float] = {}
         self.port = free_port()
         self.server, self._thread = start_http_server(self.port, addr="127.0.0.1", registry=r)
         self._stop = threading.Event()
@@ -304,12 +336,23 @@ class MetricsExporter:
                 self.engine_hits.labels(**lab, role="prefill").inc(t.input_tokens * t.cached_fraction)
                 self.engine_generated.labels(**lab, role="decode").inc(t.output_tokens)
             for role, waiting in (("prefill", t.prefill_waiting), ("decode", t.decode_waiting)):
-                self.waiting.labels(**lab, role=role).set(waiting)
+                deferred = t.waiting_deferred.get(role, 0.0)
+                self.waiting.labels(**lab, role=role).set(waiting + deferred)
+                if t.by_reason:
+                    self.waiting_by_reason.labels(**lab, role=role, reason=m.VLLM_WAITING_CAPACITY).set(waiting)
+                    self.waiting_by_reason.labels(**lab, role=role, reason="deferred").set(deferred)
+                else:
+                    self.waiting_by_reason.clear()
                 self.running.labels(**lab, role=role, pod="").set(1)
                 self.kv.labels(**lab, role=role).set(0.5)
                 self.flex.labels(**lab, role=role, state="draining").set(t.flex_draining.get(role, 0))
             for pod, (role, running) in t.flex_pods.items():
                 self.running.labels(**lab, role=role, pod=pod).set(running)
+            for (frm, to), n in t.flex_switched.items():
+                if n > self._switched.get((frm, to), 0):
+                    self.switches.labels(**lab, from_role=frm, to_role=to, outcome=m.SWITCH_SWITCHED).inc(
+                        n - self._switched.get((frm, to), 0))
+                    self._switched[(frm, to)] = n
 
     def close(self):
         self._stop.set()

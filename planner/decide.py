@@ -544,8 +544,10 @@ def decide(obs: Observation, target: Target, memory: Memory, model: PerfModel | 
             return max(current, need, floor)
         return max(need, floor)
 
-    rp = replace(rp, keep=keep(target.prefill, need_p, target.floor_prefill, ttft_obs, target.ttft_target,
-                               memory.rise_prefill))
+    # (TTFT is prefill's only while nothing waits for decode admission, as for the breach above: requests
+    # queued at decode wait for their first token there, and prefill giving up a flex worker is what helps)
+    rp = replace(rp, keep=keep(target.prefill, need_p, target.floor_prefill, None if decode_waiting else ttft_obs,
+                               target.ttft_target, memory.rise_prefill))
     rd = replace(rd, keep=keep(target.decode, need_d, target.floor_decode, itl_obs, target.itl_target,
                                memory.rise_decode))
 

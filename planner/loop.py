@@ -164,6 +164,8 @@ class Switch:
     frm: str
     to: str
     asked: float     # time.monotonic() when the label was written (the drain's bound is wall time)
+    # the routers' flips frm -> to (after a drain, past its bound) when it was asked; None: not known then
+    flips: tuple[float, float] | None = None
 
 
 @dataclass
@@ -384,7 +386,7 @@ class PlannerLoop:
             if previous is not None and previous.frm == to:   # asked back before its drain ended
                 self._switch_outcome(meta, previous, m.SWITCH_CANCELLED)
             else:
-                state.switching[name] = Switch(frm, to, time.monotonic())
+                state.switching[name] = Switch(frm, to, time.monotonic(), pool.signals.flips(frm, to))
         state.last_flex = fd
         adding = [role for name, role in fd.roles if name not in pool.pods] + list(fd.add)
         if not state.adding or state.adding_at is None:
@@ -464,17 +466,28 @@ class PlannerLoop:
 
     def _settle_switches(self, meta: dict[str, Any], state: _State, pods: list[Any], signals: FlexSignals,
                          bound: float) -> None:
-        """Forget the switches that are over: counted ``switched`` once the routers report no worker draining
-        out of the old role (at least a scrape interval after the label was written, so the routers' view
-        had time to reach Prometheus), ``abandoned`` past the drain's bound (the routers flip anyway).
-        A switch whose pod is gone or relabelled by someone else is dropped uncounted."""
+        """Forget the switches that are over: once the routers flipped the worker (their
+        ``disagg_router_role_switches_total`` that way rose since the label was written) and none still
+        drains a worker out of the old role, counted ``switched`` (``abandoned`` where a router flipped
+        past its drain's bound); ``abandoned`` too past the drain's bound with no flip seen (the routers
+        flip anyway). The drain gauge alone does not say a switch is over: it reads 0 too before a router
+        has seen the new label, and a scrape can land in that gap. Where the flips were not known when
+        it was asked (Prometheus unreadable then), a drain seen over at least a scrape interval after the
+        label was written ends it. A switch whose pod is gone or relabelled by someone else is dropped
+        uncounted."""
         labels = {p.metadata.name: (p.metadata.labels or {}).get(LABEL_SERVING_ROLE) for p in pods}
         clock = time.monotonic()
         for name, sw in list(state.switching.items()):
+            drained = (signals.draining is not None and sw.frm in signals.draining and not signals.draining[sw.frm])
+            flips = signals.flips(sw.frm, sw.to)
             if labels.get(name) != sw.to:
                 del state.switching[name]
-            elif (signals.draining is not None and sw.frm in signals.draining and not signals.draining[sw.frm]
-                  and clock - sw.asked >= self.scrape_interval):   # (no series at all: no router says)
+            elif sw.flips is not None and flips is not None and sum(flips) > sum(sw.flips) and (
+                    not (signals.draining or {}).get(sw.frm)):
+                del state.switching[name]
+                self._switch_outcome(meta, sw, m.SWITCH_ABANDONED if flips[1] > sw.flips[1] else m.SWITCH_SWITCHED)
+            elif sw.flips is None and drained and clock - sw.asked >= self.scrape_interval:
+                # (no drain series at all: no router says)
                 del state.switching[name]
                 self._switch_outcome(meta, sw, m.SWITCH_SWITCHED)
             elif clock - sw.asked > bound:

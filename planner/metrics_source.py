@@ -29,7 +29,9 @@ replica whose ``num_requests_waiting`` stayed at 1 or more over the whole window
 flat out; the mean over those replicas of their uncached prompt tokens/s (prompt tokens less prefix-cache
 hits, prefill) or their generation tokens/s and running requests (decode) is what one replica really
 serves. The fast path (:meth:`PrometheusSource.observe_queues`) reads the waiting queues and their growth
-(``deriv``) over :data:`FAST_SCRAPES` scrape intervals.
+(``deriv``) over :data:`FAST_SCRAPES` scrape intervals. A queue is the requests waiting for a slot (vLLM's
+``num_requests_waiting_by_reason{reason="capacity"}``, where the engines export it), not those a decode
+engine holds while their KV is pulled from the prefill.
 """
 
 from __future__ import annotations
@@ -123,6 +125,19 @@ def _mean(metric: str, sel: str, window: str) -> str:
     return f"sum(rate({metric}_sum{{{sel}}}[{window}])) / sum(rate({metric}_count{{{sel}}}[{window}]))"
 
 
+def _waiting(sel: str, role: str, role_value: str, over: str = "") -> tuple[str, str]:
+    """A role's queue, per series, as two selectors (``over``: a range, ``[5s]``): the requests waiting for a
+    slot (vLLM's waiting by reason ``capacity``), where the engines say so; else all waiting. A decode engine
+    counts among its waiting requests those whose KV is still being pulled from the prefill (reason
+    ``deferred``): on a busy CPU, or a slow link, one or two at any time with no queue at all."""
+    def both(metric: str) -> str:
+        return f"{metric}|{metric.replace(':', '_')}"
+    by_reason = (f'{{__name__=~"{both(m.VLLM_NUM_REQUESTS_WAITING_BY_REASON)}",{sel},{role}="{role_value}",'
+                 f'reason="{m.VLLM_WAITING_CAPACITY}"}}{over}')
+    waiting = f'{{__name__=~"{both(m.VLLM_NUM_REQUESTS_WAITING)}",{sel},{role}="{role_value}"}}{over}'
+    return by_reason, waiting
+
+
 def queries(namespace: str, name: str, percentile: float, window_seconds: float,
             labels: Labels = Labels()) -> dict[str, str]:
     """The PromQL the planner runs, by Observation field."""
@@ -141,9 +156,15 @@ def queries(namespace: str, name: str, percentile: float, window_seconds: float,
         return (f"histogram_quantile({q}, sum by (le) (rate("
                 f"{vllm(metric + '_bucket', role_value)}[{w}])))")
 
+    def queue(role_value: str) -> str:
+        by_reason, waiting = _waiting(sel, role, role_value)
+        return f"(sum({by_reason}) or sum({waiting}))"
+
     def saturated(role_value: str) -> str:
         # the workers of the role whose queue never emptied over the window (one series each)
-        return f"(min by (instance) (min_over_time({vllm(m.VLLM_NUM_REQUESTS_WAITING, role_value)}[{w}])) >= 1)"
+        by_reason, waiting = _waiting(sel, role, role_value, f"[{w}]")
+        return (f"((min by (instance) (min_over_time({by_reason})) or min by (instance) (min_over_time({waiting})))"
+                " >= 1)")
 
     def per_saturated(expr: str, role_value: str) -> str:
         # the mean over saturated workers of a per-worker expression; empty when none was saturated
@@ -172,8 +193,8 @@ def queries(namespace: str, name: str, percentile: float, window_seconds: float,
         "output_tokens_p": _quantile(q, m.ROUTER_OUTPUT_TOKENS, sel, w),
         "prefix_hit_ratio": (f"sum(rate({m.ROUTER_CACHED_PROMPT_TOKENS}{{{sel}}}[{w}])) / "
                              f"sum(rate({m.ROUTER_PROMPT_TOKENS}{{{sel}}}[{w}]))"),
-        "prefill_queue": f"sum({vllm(m.VLLM_NUM_REQUESTS_WAITING, 'prefill')})",
-        "decode_queue": f"sum({vllm(m.VLLM_NUM_REQUESTS_WAITING, 'decode')})",
+        "prefill_queue": queue("prefill"),
+        "decode_queue": queue("decode"),
         "prefill_running": f"sum({vllm(m.VLLM_NUM_REQUESTS_RUNNING, 'prefill')})",
         "decode_running": f"sum({vllm(m.VLLM_NUM_REQUESTS_RUNNING, 'decode')})",
         "decode_kv_usage": f"avg({vllm(m.VLLM_KV_CACHE_USAGE, 'decode')})",
@@ -199,12 +220,11 @@ def queue_queries(namespace: str, name: str, window_seconds: float, labels: Labe
     w = f"{max(int(round(window_seconds)), 1)}s"
     out = {}
     for role_value in ("prefill", "decode"):
-        both = f"{m.VLLM_NUM_REQUESTS_WAITING}|{m.VLLM_NUM_REQUESTS_WAITING.replace(':', '_')}"
-        waiting = f'{{__name__=~"{both}",{sel},{labels.role}="{role_value}"}}'
+        by_reason, waiting = _waiting(sel, labels.role, role_value)
         running = (f'{{__name__=~"{m.VLLM_NUM_REQUESTS_RUNNING}|{m.VLLM_NUM_REQUESTS_RUNNING.replace(":", "_")}",'
                    f'{sel},{labels.role}="{role_value}"}}')
-        out[f"{role_value}_queue"] = f"sum({waiting})"
-        out[f"{role_value}_queue_growth"] = f"sum(deriv({waiting}[{w}]))"
+        out[f"{role_value}_queue"] = f"(sum({by_reason}) or sum({waiting}))"
+        out[f"{role_value}_queue_growth"] = f"(sum(deriv({by_reason}[{w}])) or sum(deriv({waiting}[{w}])))"
         out[f"{role_value}_ready"] = f"count(sum by (instance) ({running}))"
     return out
 
@@ -212,11 +232,13 @@ def queue_queries(namespace: str, name: str, window_seconds: float, labels: Labe
 def flex_queries(namespace: str, name: str, labels: Labels = Labels()) -> dict[str, str]:
     """What the planner reads of a flex pool (spec.flex) beside its pods: the workers each role's routers
     have draining for a switch (a router process per series; each sees every worker, so the largest count
-    is the one furthest behind), and per pod the requests running and waiting on its engine (the chart's
-    pod monitor labels a flex worker's series with its serving role and its pod)."""
+    is the one furthest behind), the switches the routers carried out (their flips, by direction and
+    outcome, summed over the router processes), and per pod the requests running and waiting on its engine
+    (the chart's pod monitor labels a flex worker's series with its serving role and its pod)."""
     sel = f'{labels.namespace}="{namespace}",{labels.deployment}="{name}"'
     engine = "|".join(f"{n}|{n.replace(':', '_')}" for n in (m.VLLM_NUM_REQUESTS_RUNNING, m.VLLM_NUM_REQUESTS_WAITING))
     return {"draining": f'max by (role) ({m.ROUTER_FLEX_WORKERS}{{{sel},state="draining"}})',
+            "switches": f"sum by (from_role, to_role, outcome) ({m.ROUTER_ROLE_SWITCHES}{{{sel}}})",
             "load": f'sum by (pod) ({{__name__=~"{engine}",{sel},pod!=""}})'}
 
 
@@ -226,7 +248,18 @@ class FlexSignals:
 
     draining: dict[str, float] | None = None   # role -> workers draining out of it; None: not known
     load: dict[str, float] | None = None       # pod -> requests running and waiting on its engine
+    # (from role, to role, outcome) -> the routers' flips so far (disagg_router_role_switches_total); None:
+    # not known
+    switches: dict[tuple[str, str, str], float] | None = None
     error: str = ""
+
+    def flips(self, frm: str, to: str) -> tuple[float, float] | None:
+        """The routers' flips from ``frm`` to ``to`` so far: (after the drain, past its bound); None: not
+        known (a router that never flipped that way has no series: 0)."""
+        if self.switches is None:
+            return None
+        return (self.switches.get((frm, to, m.SWITCH_SWITCHED), 0.0),
+                self.switches.get((frm, to, m.SWITCH_ABANDONED), 0.0))
 
 
 # needed whenever there is traffic; the rest is used when present
@@ -351,12 +384,17 @@ class PrometheusSource:
         return {r["metric"].get(label, ""): float(r["value"][1]) for r in self._client.instant(promql)
                 if math.isfinite(float(r["value"][1]))}
 
+    def _vector_by(self, promql: str, *labels: str) -> dict[tuple[str, ...], float]:
+        return {tuple(r["metric"].get(k, "") for k in labels): float(r["value"][1])
+                for r in self._client.instant(promql) if math.isfinite(float(r["value"][1]))}
+
     def observe_flex(self, namespace: str, name: str) -> FlexSignals:
         """The flex pool's drains and per-pod load; on any failure, nothing known and why (the planner
         then treats a switch it asked for as draining until its bound, and every worker as idle)."""
         q = flex_queries(namespace, name, self.labels)
         try:
-            return FlexSignals(draining=self._vector(q["draining"], "role"), load=self._vector(q["load"], "pod"))
+            return FlexSignals(draining=self._vector(q["draining"], "role"), load=self._vector(q["load"], "pod"),
+                               switches=self._vector_by(q["switches"], "from_role", "to_role", "outcome"))
         except QueryRefused as e:
             return FlexSignals(error=f"{self.what} refused a flex query ({e})")
         except Exception as e:

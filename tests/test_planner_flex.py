@@ -200,3 +200,19 @@ def test_a_donor_whose_own_work_rises_above_its_forecast_keeps_its_workers():
     fd, after = fx.decide_flex(steady, t, memory, MODEL, NOW)
     assert after.planner.rise_prefill <= dc.RISE_KEEPS
     assert fd.decision.prefill.keep == max(fd.decision.prefill.needed, 1) < 3
+
+
+def test_requests_waiting_for_decode_take_a_prefill_flex_worker_whatever_the_ttft_they_cause():
+    # streams queued at decode admission wait for their first token there: the TTFT percentile climbs with
+    # prefill idle. That TTFT is decode's (as for decide's prefill breach), so prefill keeps what the model
+    # asks and its flex worker switches to decode; seen on real engines (tests/test_router_pd.py)
+    t = target(prefill=1, decode=1, workers=[worker("f1", "prefill")], ttft_target=10.0, itl_target=2.0)
+    waiting = _obs(request_rate=5.0, ttft=9.0, itl=0.05, input_tokens_mean=20, input_tokens_p=22,
+                   output_tokens_mean=160, output_tokens_p=160, decode_queue=16.0, prefill_ready=2.0,
+                   decode_ready=1.0)
+    fd, _ = fx.decide_flex(waiting, t, fx.FlexMemory(), MODEL, NOW)
+    assert fd.decision.prefill.keep == max(fd.decision.prefill.needed, 1) < 2
+    assert fd.switches == (("f1", "prefill", "decode"),) and fd.reason == reasons.ROLE_SWITCHED
+    # nothing waiting at decode: the same TTFT is prefill's, and prefill keeps its worker
+    fd, _ = fx.decide_flex(replace(waiting, decode_queue=0.0), t, fx.FlexMemory(), MODEL, NOW)
+    assert fd.decision.prefill.keep == 2 and fd.switches == ()

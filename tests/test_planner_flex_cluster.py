@@ -118,7 +118,8 @@ def test_the_planner_switches_flex_workers_before_it_scales_grows_and_shrinks_th
                          for e in core.list_namespaced_event(namespace).items), 60, "the operator's RoleSwitched")
     wait_for(lambda: ((get().get("status") or {}).get("flex") or {}).get("prefill") == 2, 60, "status.flex")
 
-    # 2. while its routers drain it, the worker is switching; once they report no drain, the switch is counted
+    # 2. while its routers drain it, the worker is switching; a drain gauge at 0 is not the end (it reads 0
+    # before a router has seen the label too): once they report no drain and their flip, the switch is counted
     exporter.traffic = replace(exporter.traffic, flex_draining={"decode": 1})
     wait_for(lambda: source.observe_flex(namespace, NAME).draining.get("decode") == 1, 30, "the drain in Prometheus",
              interval=0.5)
@@ -129,6 +130,11 @@ def test_the_planner_switches_flex_workers_before_it_scales_grows_and_shrinks_th
     exporter.traffic = replace(exporter.traffic, flex_draining={})
     wait_for(lambda: not source.observe_flex(namespace, NAME).draining.get("decode"), 30, "the drain over",
              interval=0.5)
+    pool = loop.flex_pool(get(), spec_now, target_now, state, 1003.0)
+    assert {w.name: w.state for w in pool.target.workers}[decode_worker] == SWITCHING
+    exporter.traffic = replace(exporter.traffic, flex_switched={("decode", "prefill"): 1})
+    wait_for(lambda: source.observe_flex(namespace, NAME).flips("decode", "prefill") == (1, 0), 30,
+             "the routers' flip in Prometheus", interval=0.5)
     pool = loop.flex_pool(get(), spec_now, target_now, state, 1003.0)
     assert {w.name: w.state for w in pool.target.workers}[decode_worker] == SERVING
     assert metrics.registry.get_sample_value(m.PLANNER_ROLE_SWITCHES, {

@@ -297,6 +297,22 @@ def test_capacity_of_saturated_workers_and_the_fast_paths_queue_growth(exporter,
     assert q.decode_queue == 0 and (q.decode_queue_growth or 0.0) <= 0  # emptied, never grew
 
 
+def test_a_queue_is_the_requests_waiting_for_a_slot_not_those_whose_kv_is_still_loading(exporter, source,
+                                                                                        prometheus):
+    # a decode engine counts among its waiting requests those whose KV it still pulls from the prefill; where
+    # it says why (vLLM's waiting by reason), those are no queue: the decode has room (real engines on a busy
+    # CPU: one or two at any time made the planner take a prefill flex worker for a queue that was not there)
+    window = 3 * parse_duration(prometheus.scrape_interval)
+    o = settle(exporter, source, lambda o: o.decode_queue == 0 and o.prefill_queue == 0 and o.decode_running == 1,
+               "KV loads only", by_reason=True, prefill_waiting=0, decode_waiting=0, waiting_deferred={"decode": 3})
+    assert o.error is None and source.observe_queues(NS, NAME, window).decode_queue == 0
+    # requests waiting for a slot are the queue, those loading their KV still not
+    o = settle(exporter, source, lambda o: o.decode_queue == 4, "a queue beside the KV loads", decode_waiting=4)
+    # engines that do not say why: every waiting request counts
+    o = settle(exporter, source, lambda o: o.decode_queue == 7, "engines that do not say why", by_reason=False)
+    exporter.traffic = replace(exporter.traffic, decode_waiting=0, waiting_deferred={})
+
+
 def test_a_decision_is_a_span_with_the_promql_it_read_and_the_values(exporter, source):
     """A traced decision (planner/tracing.py, SDK's in-memory exporter): one span naming the deployment, the
     reason and the sizes before and after, and one event per query the observation ran, with its exact

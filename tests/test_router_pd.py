@@ -30,6 +30,7 @@ import json
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 import urllib.error
@@ -621,9 +622,9 @@ class _DecodeProxy(_Proxy):
 # decode-b is the flex worker here (kv_both): a third router uses the prefill, the decode (through a
 # _GateProxy, which can keep one decode from pulling its KV) and decode-b (through a _PauseProxy, which can
 # keep its streams in flight) in the role a roles file gives it,
-# as a pod's serving-role label gives it in Kubernetes. The test writes that file where the planner would
-# write the label: this router runs without Kubernetes (the planner process writing the label is
-# tests/test_planner_flex_cluster.py's).
+# as a pod's serving-role label gives it in Kubernetes. The first two tests write that file where the planner
+# would write the label; the third has the planner decide, on the local control plane, from these engines'
+# metrics in a real Prometheus (test_the_planner_switches_the_flex_worker_on_a_load_step_from_real_metrics).
 FLEX_LONG_TOKENS, FLEX_SHORT_TOKENS = 48, 2
 
 
@@ -875,6 +876,311 @@ def test_a_load_step_switches_the_flex_worker_and_no_request_fails(flex):
     assert _switches(flex, "prefill", "decode", m.SWITCH_ABANDONED) == 0
     print(f"flex switches under load: decode -> prefill {to_prefill:.1f} s (its streams held by the test), "
           f"prefill -> decode {to_decode:.1f} s from the decision")
+
+
+# ---------------------------------------------------------------- the planner deciding a flex worker's switch
+# The same three engines and flex router, now as a DisaggDeployment's workers: on the local control plane the
+# operator renders the deployment (kwok pods: one prefill, one decode, one flex worker, a router), a real
+# Prometheus scrapes the real engines and the flex router under the labels the chart's pod monitors give the
+# pods' series, and the planner loop (its own process's loop, here in a thread, under the planner's role)
+# decides the flex worker's role from them and writes it on the flex pod.
+PLANNED = "flexpd"
+PLANNED_ENDPOINT = "cluster-prometheus"
+PROMPT_HEAVY_CLIENTS, OUTPUT_HEAVY_CLIENTS = 4, 80     # 80: more streams than the decode engine runs (64)
+PROMPT_HEAVY_TOKENS, OUTPUT_HEAVY_TOKENS = 2, 96
+PROMPT_HEAVY = "Summarise the following paragraph of text in detail please " * 20   # ~650 tokens
+
+
+def _planned_manifest(namespace: str) -> dict:
+    from disagg.api.v1alpha1 import VERSION
+    from disagg.e2e.testing import GROUP
+    from disagg.planner.loop import GPU_ANNOTATION
+
+    # The planner sizes with its performance model, which knows GPU models only: named here is one it knows,
+    # and its figures (an H100's) say one replica of each role has room to spare for anything these CPU
+    # engines serve. What the decision follows is what the engines report: requests waiting at decode (more
+    # streams than the decode engine runs) ask decode for one more replica, which the flex worker is. The
+    # SLO is loose for the same reason: the CPU engines' latencies alone breach nothing.
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "DisaggDeployment",
+            "metadata": {"name": PLANNED, "namespace": namespace, "annotations": {GPU_ANNOTATION: "H100-SXM"}},
+            "spec": {"model": {"name": "llama-3.1-8b", "source": "hf://meta-llama/Llama-3.1-8B-Instruct"},
+                     "prefill": {"replicas": 1, "maxReplicas": 1}, "decode": {"replicas": 1, "maxReplicas": 1},
+                     # one flex worker, no more, no fewer: the planner can switch it, not grow or shrink the pool
+                     "flex": {"replicas": 1, "minReplicas": 1, "maxReplicas": 1},
+                     "slo": {"ttftMs": 30000, "itlMs": 2000, "percentile": 90},
+                     "planner": {"enabled": True, "intervalSeconds": 5, "gpuBudget": 8,
+                                 "prometheus": PLANNED_ENDPOINT}}}
+
+
+def _say(*args) -> None:
+    """print, past the operator fixture: kopf's test runner (click's) holds sys.stdout while it runs."""
+    print(*args, file=sys.__stdout__, flush=True)
+
+
+class _RoleBridge:
+    """What the router's and Prometheus' pod discovery do in a cluster, for engines that run outside it:
+    the flex pod's serving-role label (the planner's decision) becomes the flex router's roles file (a
+    router in a cluster watches the pod) and the `role` of the flex engine's scrape target (the chart's pod
+    monitor relabels it from the pod's label). Polls the pod; each change is recorded with when it was
+    seen."""
+
+    def __init__(self, core, namespace: str, pod: str, write):
+        self.core, self.namespace, self.pod, self.write = core, namespace, pod, write
+        self.seen: list[tuple[str, float, str | None]] = []     # (role, wall time seen, since annotation)
+        self.errors: list[BaseException] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        from disagg.api.names import ANNOTATION_SERVING_ROLE_SINCE, LABEL_SERVING_ROLE
+
+        role = None
+        while not self.stop.wait(0.2):
+            try:
+                meta = self.core.read_namespaced_pod(self.pod, self.namespace, _request_timeout=10).metadata
+            except Exception as e:      # (the API server slow under load: the next poll)
+                self.errors.append(e)
+                continue
+            now = (meta.labels or {}).get(LABEL_SERVING_ROLE)
+            if now in ("prefill", "decode") and now != role:
+                self.write(now)
+                role = now
+                self.seen.append((now, time.time(), (meta.annotations or {}).get(ANNOTATION_SERVING_ROLE_SINCE)))
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+
+
+class _ClosedLoop:
+    """``clients`` threads, each sending one streamed completion after another (``_flex_request``) until
+    stopped: (start, end, route headers, text, usage, error) per request."""
+
+    def __init__(self, url: str, clients: int, prompt, max_tokens: int):
+        self.url, self.prompt, self.max_tokens = url, prompt, max_tokens
+        self.done: list[tuple] = []
+        self.stopping = threading.Event()
+        self.threads = [threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(clients)]
+
+    def _client(self, i: int) -> None:
+        k = 0
+        while not self.stopping.is_set():
+            start = time.time()
+            try:
+                route, text, usage = _flex_request(self.url, self.prompt(i, k), self.max_tokens)
+                self.done.append((start, time.time(), route, text, usage, None))
+            except Exception as e:
+                self.done.append((start, time.time(), {}, "", {}, e))
+            k += 1
+
+    def start(self) -> _ClosedLoop:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def finish(self, timeout: float = 300) -> list[tuple]:
+        """Stops sending; every request in flight ends (its stream read to the end) before this returns."""
+        self.stopping.set()
+        deadline = time.monotonic() + timeout
+        for t in self.threads:
+            t.join(max(deadline - time.monotonic(), 0))
+        assert not any(t.is_alive() for t in self.threads), "streams still running past the wait"
+        return self.done
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(FIRST_FAILURE_TEST_TIMEOUT)     # run alone (-k), its setup starts the engines
+def test_the_planner_switches_the_flex_worker_on_a_load_step_from_real_metrics(
+        flex, cluster, api_client, crd_installed, namespace, operator_kubeconfig, planner_api, tmp_path):
+    """Issue 31's acceptance on real engines: a deployment of one prefill, one decode and one flex worker
+    (the flex router's engines, under kwok pods the operator renders). Prompt-heavy traffic, the flex
+    worker serving prefill: the planner keeps it there. The step to output-heavy traffic (more streams than
+    the decode engine runs, so requests wait for decode): from the engines' and the router's metrics in
+    Prometheus the planner decides to switch the flex worker to decode and writes it on the pod; the router
+    drains it (the prefills it did, until their decodes pulled the KV) and flips within seconds of that
+    decision; the planner counts the switch once the router's flip shows in Prometheus. Zero failed
+    requests, no fallback, no drain given up, and every stream in flight through the switch finishes whole.
+
+    A stand-in (_RoleBridge): the engines run outside the cluster, so the pod's label reaches the router as
+    its roles file and Prometheus as the flex engine's target label, written by the test on each change of
+    the label, where the router's and Prometheus' pod discovery would carry it in a cluster."""
+    from disagg.e2e.operator_fixture import running_operator
+
+    # the operator for this test alone (not the module's fixture): the failure tests after it run without it
+    with running_operator(operator_kubeconfig):
+        _planner_load_step(flex, api_client, namespace, planner_api, tmp_path)
+
+
+def _planner_load_step(flex, api_client, namespace, planner_api, tmp_path) -> None:
+    from kubernetes import client
+
+    from disagg.api.names import ANNOTATION_SERVING_ROLE_SINCE, LABEL_DEPLOYMENT, LABEL_ROLE, LABEL_SERVING_ROLE
+    from disagg.api.v1alpha1 import PLURAL, VERSION
+    from disagg.e2e.prometheus import LocalPrometheus
+    from disagg.e2e.testing import GROUP
+    from disagg.planner import reasons
+    from disagg.planner.apply import FIELD_MANAGER, Executor, PlannerMetrics
+    from disagg.planner.endpoints import Allowlist, Endpoint
+    from disagg.planner.loop import PlannerLoop
+    from disagg.planner.metrics_source import PrometheusSource
+
+    setup_started = time.monotonic()
+    core, custom = client.CoreV1Api(api_client), client.CustomObjectsApi(api_client)
+    url, flex_url = flex["router"].url, flex["url"]
+    custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, _planned_manifest(namespace))
+    get = lambda: custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, PLANNED)  # noqa: E731
+
+    def pods() -> dict[str, list]:
+        out: dict[str, list] = {}
+        for p in core.list_namespaced_pod(namespace, label_selector=f"{LABEL_DEPLOYMENT}={PLANNED}").items:
+            if p.metadata.deletion_timestamp is None:
+                out.setdefault((p.metadata.labels or {}).get(LABEL_ROLE), []).append(p)
+        return out
+
+    wait_for(lambda: (lambda ps: all(len(ps.get(r, [])) == 1 for r in ("prefill", "decode", "flex", "router"))
+                      and (ps["flex"][0].metadata.labels or {}).get(LABEL_SERVING_ROLE))(pods()),
+             120, "the operator's pods, the flex worker given a role")
+    wait_for(lambda: (get().get("status") or {}).get("phase") == "Ready", 120, "the deployment Ready")
+    named = {role: ps[0].metadata.name for role, ps in pods().items()}
+    # where the step starts: the flex worker serving prefill (the operator gave it decode, the role the tie
+    # goes to; a decision for the prompt-heavy traffic before would have made it prefill)
+    core.patch_namespaced_pod(named["flex"], namespace, {"metadata": {"labels": {LABEL_SERVING_ROLE: "prefill"}}})
+
+    # the targets as the chart's pod monitors label them (namespace, pod, deployment; a worker's role, a flex
+    # worker's its serving role), the vLLM names as its metric relabelling stores them
+    def target(u: str, role: str | None, pod: str) -> dict:
+        labels = {"namespace": namespace, "pod": pod, "deployment": PLANNED, **({"role": role} if role else {})}
+        return {"targets": [u.removeprefix("http://")], "labels": labels}
+
+    def workers(flex_role: str) -> list[dict]:
+        return [target(flex["prefill"].url, "prefill", named["prefill"]),
+                target(flex["decode"].url, "decode", named["decode"]),
+                target(flex["worker"].url, flex_role, named["flex"])]
+
+    prom = LocalPrometheus(tmp_path / "prometheus", [])
+    vllm_names = [{"action": "replace", "source_labels": ["__name__"], "regex": "vllm_(.+)",
+                   "target_label": "__name__", "replacement": "vllm:${1}"}]
+    prom.scrape_configs = [prom.file_sd("workers", workers("prefill"), metric_relabel_configs=vllm_names),
+                           prom.file_sd("routers", [target(url, None, named["router"])])]
+
+    def write_role(role: str) -> None:
+        flex["roles"].write_text(json.dumps({flex_url: role}))
+        prom.set_targets("workers", workers(role))
+
+    source = PrometheusSource.for_endpoint(Endpoint(PLANNED_ENDPOINT, prom.url), timeout=10)
+    metrics = PlannerMetrics()
+    loop = PlannerLoop(planner_api, Executor(planner_api, metrics), lambda endpoint: source,
+                       Allowlist({PLANNED_ENDPOINT: Endpoint(PLANNED_ENDPOINT, prom.url)}), namespace=namespace,
+                       scrape_interval=1.0)
+    lab = {"namespace": namespace, "deployment": PLANNED}
+    planner_stop = threading.Event()
+    planner = threading.Thread(target=loop.run, args=(planner_stop, 0.5), daemon=True)
+    prompt_heavy = output_heavy = None
+    prom.start()
+    try:
+        with _RoleBridge(core, namespace, named["flex"], write_role) as bridge:
+            wait_for(lambda: _serving(flex, "prefill") == 1, 60, "the router to serve prefill on the flex worker")
+            flips_before = _switches(flex, "prefill", "decode")
+            setup_s = time.monotonic() - setup_started
+
+            # prompt-heavy: long prompts, two tokens each; the planner sees it and keeps the flex worker in prefill
+            step_started, prompt_started = time.monotonic(), time.time()
+            prompt_heavy = _ClosedLoop(url, PROMPT_HEAVY_CLIENTS, lambda i, k: f"{i}.{k} {PROMPT_HEAVY}",
+                                       PROMPT_HEAVY_TOKENS).start()
+            wait_for(lambda: (lambda o: o.request_rate and (o.input_tokens_mean or 0) > 200)(
+                source.observe(namespace, PLANNED, 90, 5)), 180, "prompt-heavy traffic in Prometheus", interval=1)
+            planner.start()
+
+            def planned_prompt_heavy():
+                p = (get().get("status") or {}).get("planner") or {}
+                return p if (p.get("inputs") or {}).get("inputTokensMean", 0) > 200 else None
+
+            seen = wait_for(planned_prompt_heavy, 120, "a decision on the prompt-heavy traffic", interval=1)
+            _say("prompt-heavy decision:", seen["reason"], seen["message"])
+            # no switch for prompt-heavy traffic
+            assert [r for r, *_ in bridge.seen] == ["prefill"], (bridge.seen, get()["status"]["planner"])
+            assert not metrics.registry.get_sample_value(m.PLANNER_DECISIONS, {
+                **lab, "role": "decode", "direction": "up", "reason": reasons.ROLE_SWITCHED})
+
+            # the step: output-heavy traffic, short prompts and long answers, more streams than decode runs
+            prompt_heavy.finish()
+            output_heavy = _ClosedLoop(url, OUTPUT_HEAVY_CLIENTS, lambda i, k: f"Story {i}.{k}: once upon a time",
+                                       OUTPUT_HEAVY_TOKENS).start()
+            stepped = time.time()
+            wait_for(lambda: len(bridge.seen) > 1, 300, "the planner's decision to switch the flex worker",
+                     interval=0.5)
+            role, seen_at, since = bridge.seen[1]
+            assert role == "decode" and since, bridge.seen
+            decided = float(since)              # the planner's clock at its decision (whole seconds)
+            wait_for(lambda: _switches(flex, "prefill", "decode") > flips_before, 180,
+                     "the router's flip of the flex worker to decode", interval=0.2)
+            flipped = time.time()
+            # within seconds: the drain of what it prefilled (until their decodes, queued, pulled the KV), far
+            # inside the drain's bound (120 s), and generous for a loaded 2-core machine
+            assert flipped - seen_at < 60, (flipped - seen_at, bridge.seen)
+            # (its event comes after the label, the replicas and the status: the flip can come first)
+            events = wait_for(lambda: [e for e in core.list_namespaced_event(
+                namespace, field_selector=f"involvedObject.name={PLANNED}").items
+                if e.reason == reasons.ROLE_SWITCHED and e.source.component == FIELD_MANAGER], 60,
+                "the planner's RoleSwitched event")
+            assert "1 prefill->decode switched" in events[0].message, [e.message for e in events]
+            _say("the decision:", events[0].message)
+            # the flex worker decodes; the planner counts the switch once the flip shows in Prometheus
+            wait_for(lambda: any(r[2].get("x-disagg-decode") == flex_url for r in output_heavy.done), 180,
+                     "a stream decoded on the flex worker")
+            decoded = time.time()
+            wait_for(lambda: metrics.registry.get_sample_value(m.PLANNER_ROLE_SWITCHES, {
+                **lab, "from_role": "prefill", "to_role": "decode", "outcome": m.SWITCH_SWITCHED}) == 1, 60,
+                "the planner to count the switch")
+            counted = time.time()
+            done = output_heavy.finish()
+            step_s = time.monotonic() - step_started
+            phases = (f"prompt-heavy {stepped - prompt_started:.0f} s, step to flip {flipped - stepped:.0f} s, "
+                      f"a whole stream on the flex worker {decoded - flipped:.0f} s, the planner's count "
+                      f"{counted - decoded:.0f} s, the streams' end {time.time() - counted:.0f} s")
+    finally:
+        planner_stop.set()
+        for load in (prompt_heavy, output_heavy):    # (after a failure: its streams end before the next test)
+            if load is not None:
+                load.stopping.set()
+                for t in load.threads:
+                    t.join(300)
+        if planner.is_alive():
+            planner.join(30)
+        prom.stop()
+        source.close()
+
+    assert metrics.registry.get_sample_value(m.PLANNER_DECISIONS, {
+        **lab, "role": "decode", "direction": "up", "reason": reasons.ROLE_SWITCHED}) == 1
+    flex_pod = core.read_namespaced_pod(named["flex"], namespace)
+    assert flex_pod.metadata.labels[LABEL_SERVING_ROLE] == "decode"
+    assert flex_pod.metadata.annotations[ANNOTATION_SERVING_ROLE_SINCE] == since
+    everything = prompt_heavy.done + done
+    errors = [r[5] for r in everything if r[5] is not None]
+    assert not errors, errors[:5]
+    assert all(r[4]["completion_tokens"] == PROMPT_HEAVY_TOKENS for r in prompt_heavy.done)
+    assert all(r[4]["completion_tokens"] == OUTPUT_HEAVY_TOKENS for r in done)
+    # the streams in flight on the flex worker through the switch (it prefilled them; they ended after the
+    # decision) finished whole
+    through = [r for r in done if r[2].get("x-disagg-prefill") == flex_url and r[1] > decided]
+    assert through and all(r[4]["completion_tokens"] == OUTPUT_HEAVY_TOKENS for r in through)
+    routed = scrape(url)
+    failed = {k: v for k, v in routed.items() if k.startswith(m.ROUTER_REQUESTS) and v
+              and f'outcome="{m.OUTCOME_SUCCESS}"' not in k}
+    assert failed == {}, failed
+    assert metric_sum(routed, m.ROUTER_FALLBACKS) == 0
+    assert _switches(flex, "prefill", "decode", m.SWITCH_ABANDONED) == 0
+    assert metrics.registry.get_sample_value(m.PLANNER_ROLE_SWITCHES, {
+        **lab, "from_role": "prefill", "to_role": "decode", "outcome": m.SWITCH_ABANDONED}) is None
+    _say(f"planner switch prefill -> decode: decided {decided - stepped:+.1f} s after the load step, the label "
+          f"seen {seen_at - decided:.1f} s and the router's flip {flipped - decided:.1f} s after the decision "
+          f"(its clock at the pass's start, whole seconds), the flip {flipped - seen_at:.1f} s after the label was "
+          f"seen; {len(through)} streams in flight on the flex worker through it, "
+          f"{len(everything)} requests, none failed; setup {setup_s:.0f} s, load phases {step_s:.0f} s ({phases})")
 
 
 @pytest.fixture(scope="module")

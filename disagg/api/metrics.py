@@ -118,6 +118,10 @@ VLLM_PROMPT_TOKENS = "vllm:prompt_tokens"                          # counter
 VLLM_GENERATION_TOKENS = "vllm:generation_tokens"                  # counter
 VLLM_NUM_REQUESTS_RUNNING = "vllm:num_requests_running"            # gauge
 VLLM_NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"            # gauge
+# gauge; label reason: capacity (waiting for a slot: a batch or KV memory), deferred (blocked meanwhile: a
+# remote prefill's KV still loading, a LoRA budget); the two add up to VLLM_NUM_REQUESTS_WAITING
+VLLM_NUM_REQUESTS_WAITING_BY_REASON = "vllm:num_requests_waiting_by_reason"
+VLLM_WAITING_CAPACITY = "capacity"
 VLLM_KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"                   # gauge, 0..1
 VLLM_TTFT_SECONDS = "vllm:time_to_first_token_seconds"             # histogram (arrival at the engine to its first token)
 VLLM_ITL_SECONDS = "vllm:inter_token_latency_seconds"              # histogram (per gap)
