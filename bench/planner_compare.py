@@ -65,8 +65,8 @@ SYN = sm.SimConfig(ttft_target=1.0, itl_target=0.04)
 REAL = sm.SimConfig(ttft_target=4.0, itl_target=0.05)
 WORKLOADS = ("mooncake", "step", "diurnal", "bursty", "step-slow", "step-fast", "heavy-lognormal", "heavy-pareto",
              "tenants", "flash")
-POLICIES = ("planner", "planner-flex", "static-peak", "reactive", "dynamo", "oracle")
-DEFAULT_POLICIES = POLICIES[:-1]   # the oracle reads the future: a bound, run only when asked for
+POLICIES = ("planner", "planner-flex", "static-peak", "reactive", "dynamo", "oracle", "oracle-instant")
+DEFAULT_POLICIES = POLICIES[:-2]   # the oracles read the future: bounds, run only when asked for
 FLEX_MAX = 64           # the flex pool's maximum (the roles' own maximum: 64 each)
 FLEX_SPARE = 0          # flex workers kept beyond both roles' need (--flex-spare)
 SHORT, LONG = 1200.0, 7200.0
@@ -121,8 +121,8 @@ class LookaheadOracle:
 
     name = "oracle"
 
-    def __init__(self, config: sm.SimConfig, trace: traces.Trace):
-        self.cfg, self.trace = config, trace
+    def __init__(self, config: sm.SimConfig, trace: traces.Trace, name: str = "oracle"):
+        self.cfg, self.trace, self.name = config, trace, name
         self.requests = tuple(sorted(trace.requests, key=lambda r: r.t))
         self.times = [r.t for r in self.requests]
         self.ahead = config.startup + 2 * config.interval
@@ -153,6 +153,12 @@ def run_row(args: tuple) -> list[dict]:
             pol, c = peak, replace(cfg, initial_prefill=peak.size[0], initial_decode=peak.size[1])
         elif policy == "oracle":
             pol, c = LookaheadOracle(cfg, trace), dyn
+        elif policy == "oracle-instant":
+            # the look-ahead oracle whose replicas serve the moment they are asked for: what sizing by this
+            # serving model reaches when capacity, not only the ratio, moves in seconds (the bound on any planner
+            # with flex workers, which move the ratio alone)
+            c = replace(dyn, startup=0.0, pod_startup_spread=0.0)
+            pol = LookaheadOracle(c, trace, name="oracle-instant")
         elif policy == "planner-flex":
             c = dyn.with_flex(FLEX_MAX, spare=spare)
             pol = sm.make_policy(policy, c, trace, season)
@@ -232,7 +238,7 @@ def markdown(table: list[dict], goal: dict) -> str:
             f"| {e['workload']} | {e['horizon_s'] / 60:.0f} min x{e['seeds']} | {three(e, 'planner')} | "
             f"{three(e, 'planner-flex')} | {three(e, 'dynamo')} | {re} | {e['static-peak']['attainment_min']:.1%} |")
     lines.append("")
-    for p in ("planner", "planner-flex", "dynamo", "reactive", "oracle"):
+    for p in ("planner", "planner-flex", "dynamo", "reactive", "oracle", "oracle-instant"):
         if p not in goal:
             continue
         g = goal[p]
@@ -256,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="planner-flex: flex workers kept beyond both roles' need (a pooled headroom)")
     p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
                    help="policies to run (static-peak always runs: it is every ratio's baseline); 'oracle' adds "
-                        "the look-ahead bound (LookaheadOracle: it reads the trace's future)")
+                        "the look-ahead bound (LookaheadOracle: it reads the trace's future), 'oracle-instant' the same with "
+                        "replicas that serve the moment they are asked for")
     p.add_argument("--jobs", type=int, default=1, help="rows simulated in parallel (processes)")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--traces", action="store_true",

@@ -553,7 +553,8 @@ def refresh(clients: children.Clients, namespace: str, name: str, pods: list[sta
         retry_pool(clients, dd, obj["metadata"]["uid"], pool)
     switches = 0
     if any(p.role == ROLE_FLEX for p in pods):
-        pods, flex_events, switches = flex.run(clients.core, namespace, name, pods, state.flex_written)
+        pods, flex_events, switches = flex.run(clients.core, namespace, name, pods, state.flex_written,
+                                               flex.planned_split(obj, dd.spec.planner.enabled))
         events += flex_events
     obs = statuses.Observed(pods=pods, deployments={role: view for role, view in deps},
                             group_pods_scheduled=scheduled, group_restarts=restarts, inference_pool=pool,

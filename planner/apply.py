@@ -37,7 +37,7 @@ from disagg.api.v1alpha1 import API_VERSION, KIND, PLURAL, VERSION, ConditionTyp
 from .decide import Decision, Target
 from .flex import FlexDecision, FlexTarget
 from .metrics_source import FlexSignals
-from .reasons import METRICS_OK, UNKNOWN_GPU, UNKNOWN_MODEL
+from .reasons import METRICS_OK, ROLE_SWITCHED, UNKNOWN_GPU, UNKNOWN_MODEL
 from .slo import Verdict
 
 FIELD_MANAGER = "disagg-planner"
@@ -190,83 +190,104 @@ class Executor:
         With a ``verdict``, status.latency and SLOMet are written in the same status apply. With ``flex``
         (a flex pool's decision and the pool it was made on; ``decision`` then carries its reason and
         message, ``target`` is the dedicated roles'), the pods' roles first, the replicas after;
-        ``now``: the planner's clock, recorded on each pod it gives a role."""
+        ``now``: the planner's clock, recorded on each pod it gives a role. A decision that grows the flex
+        pool writes its status (the pool's split, which the operator gives new pods their roles by) before
+        the replicas, so no new pod is seen before the split it is to follow."""
         meta = obj["metadata"]
         ns, name = meta["namespace"], meta["name"]
         owner = replicas_owner(obj)
         sizes = {"prefill": {"replicas": decision.prefill.replicas}, "decode": {"replicas": decision.decode.replicas}}
         changes = decision.changes(target)
+        switched: list[str] = []
+        fd = None
         if flex is not None:
             fd, pool = flex
-            self._flex_pods(ns, fd, pool, now)
+            switched = self._flex_pods(ns, fd, pool, now)
+            if switched:
+                # the labels are the switch (the routers act on them): its event goes with them, so a spec
+                # or status write failing below cannot lose it (the next pass sees the roles already given)
+                self._event(obj, "Normal", ROLE_SWITCHED, f"{', '.join(switched)}: {decision.message}")
             sizes = {"prefill": {"replicas": fd.prefill}, "decode": {"replicas": fd.decode},
                      "flex": {"replicas": fd.flex}}
             changes = (fd.prefill, fd.decode, fd.flex) != (target.prefill, target.decode, pool.replicas)
-        if changes or owner != FIELD_MANAGER or (flex is not None and not owns_flex_replicas(obj)):
+        previous = _find(obj, ConditionType.PLANNER_ACTIVE)
+        before = obj
+        write_spec = changes or owner != FIELD_MANAGER or (flex is not None and not owns_flex_replicas(obj))
+        if write_spec and fd is not None and fd.add:
+            # (a forced apply makes the planner the replicas' owner: the status says so before it lands)
+            obj = self._status(obj, decision, sizes, FIELD_MANAGER, verdict, fd)
+        if write_spec:
             # always every role: a field left out of an apply is a field given up
             body = {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name, "namespace": ns},
                     "spec": sizes}
             obj = self.custom.patch_namespaced_custom_object(
                 GROUP, VERSION, ns, PLURAL, name, body, field_manager=FIELD_MANAGER, force=True,
                 _content_type=APPLY, _request_timeout=self.request_timeout)
-            owner = replicas_owner(obj)
-        previous = next((c for c in (obj.get("status") or {}).get("conditions") or []
-                         if c.get("type") == ConditionType.PLANNER_ACTIVE), None)
-        status = "True" if decision.metrics_ok else "False"
-        reason = METRICS_OK if decision.metrics_ok else decision.reason
-        condition = {"type": ConditionType.PLANNER_ACTIVE.value, "status": status, "reason": reason,
-                     "message": decision.message[:32768],
-                     "lastTransitionTime": previous["lastTransitionTime"]
-                     if previous and previous.get("status") == status else _now(),
-                     "observedGeneration": obj["metadata"].get("generation")}
-        planner = {"replicasManagedBy": owner, "lastDecisionTime": _now(),
-                   "prefillReplicas": sizes["prefill"]["replicas"], "decodeReplicas": sizes["decode"]["replicas"],
-                   "reason": decision.reason, "message": decision.message[:32768],
-                   "inputs": decision.inputs, "prediction": decision.prediction}
-        if flex is not None:
-            planner.update(flexReplicas=fd.flex, flexPrefill=fd.total(ROLE_PREFILL) - fd.prefill,
-                           flexDecode=fd.total(ROLE_DECODE) - fd.decode)
-        planner = {k: v for k, v in planner.items() if v != {}}  # (an empty map would be sent as null)
-        written: dict[str, Any] = {"planner": planner, "conditions": [condition]}
-        before = obj
-        if verdict is not None:
-            written["latency"] = verdict.latency
-            written["conditions"].append(_condition(obj, ConditionType.SLO_MET, *verdict.condition()))
-        body = {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name, "namespace": ns},
-                "status": written}
-        obj = self.custom.patch_namespaced_custom_object_status(
-            GROUP, VERSION, ns, PLURAL, name, body, field_manager=FIELD_MANAGER, force=True, _content_type=APPLY,
-            _request_timeout=self.request_timeout)
+        if not (write_spec and fd is not None and fd.add) or replicas_owner(obj) != FIELD_MANAGER:
+            obj = self._status(obj, decision, sizes, replicas_owner(obj), verdict, fd)
         if verdict is not None:
             self._slo_event(before, obj, verdict)
-        if changes or (flex is not None and fd.switches):
+        status = "True" if decision.metrics_ok else "False"
+        if changes and not (switched and decision.reason == ROLE_SWITCHED):
             self._event(obj, "Normal", decision.reason, decision.message)
-        elif previous is None or previous.get("status") != status:
-            self._event(obj, "Normal" if decision.metrics_ok else "Warning", reason, decision.message)
+        elif not changes and (previous is None or previous.get("status") != status):
+            self._event(obj, "Normal" if decision.metrics_ok else "Warning",
+                        METRICS_OK if decision.metrics_ok else decision.reason, decision.message)
         if self.metrics:
             self.metrics.record(ns, name, decision, target, (fd, pool.target) if flex is not None else None)
         log.info('{"deployment": "%s/%s", "prefill": %d, "decode": %d%s, "reason": "%s"}', ns, name,
                  sizes["prefill"]["replicas"], sizes["decode"]["replicas"],
-                 f', "flex": {fd.flex}, "switches": {len(fd.switches)}' if flex is not None else "", decision.reason)
+                 f', "flex": {fd.flex}, "switches": {len(fd.switches)}' if fd is not None else "", decision.reason)
         return obj
 
-    def _flex_pods(self, namespace: str, fd: FlexDecision, pool: FlexPool, now: float | None) -> None:
+    def _status(self, obj: dict[str, Any], decision: Decision, sizes: dict[str, dict[str, int]], owner: str,
+                verdict: Verdict | None, fd: FlexDecision | None) -> dict[str, Any]:
+        """status.planner, PlannerActive (and with a ``verdict`` status.latency and SLOMet) in one apply;
+        returns the object after it."""
+        meta = obj["metadata"]
+        status = "True" if decision.metrics_ok else "False"
+        reason = METRICS_OK if decision.metrics_ok else decision.reason
+        planner = {"replicasManagedBy": owner, "lastDecisionTime": _now(),
+                   "prefillReplicas": sizes["prefill"]["replicas"], "decodeReplicas": sizes["decode"]["replicas"],
+                   "reason": decision.reason, "message": decision.message[:32768],
+                   "inputs": decision.inputs, "prediction": decision.prediction}
+        if fd is not None:
+            planner.update(flexReplicas=fd.flex, flexPrefill=fd.total(ROLE_PREFILL) - fd.prefill,
+                           flexDecode=fd.total(ROLE_DECODE) - fd.decode)
+        planner = {k: v for k, v in planner.items() if v != {}}  # (an empty map would be sent as null)
+        written: dict[str, Any] = {"planner": planner, "conditions": [
+            _condition(obj, ConditionType.PLANNER_ACTIVE, status, reason, decision.message)]}
+        if verdict is not None:
+            written["latency"] = verdict.latency
+            written["conditions"].append(_condition(obj, ConditionType.SLO_MET, *verdict.condition()))
+        body = {"apiVersion": API_VERSION, "kind": KIND,
+                "metadata": {"name": meta["name"], "namespace": meta["namespace"]}, "status": written}
+        return self.custom.patch_namespaced_custom_object_status(
+            GROUP, VERSION, meta["namespace"], PLURAL, meta["name"], body, field_manager=FIELD_MANAGER, force=True,
+            _content_type=APPLY, _request_timeout=self.request_timeout)
+
+    def _flex_pods(self, namespace: str, fd: FlexDecision, pool: FlexPool, now: float | None) -> list[str]:
         """The pods' side of a flex decision: the serving-role label of every kept worker whose pod has
         another (a switch) or none yet, and the lowest deletion cost on each worker to remove. Metadata only,
         on flex pods only: a planner role that patches pods is admitted no other change (the chart's
-        planner-writes policy)."""
+        planner-writes policy). Returns the switches written, as ``pod: from -> to``."""
+        switched = []
         since = f"{now if now is not None else dt.datetime.now(dt.timezone.utc).timestamp():.0f}"
         for pod_name, role in fd.roles:
             pod = pool.pods.get(pod_name)
-            if pod is None or (pod.metadata.labels or {}).get(LABEL_SERVING_ROLE) == role:
+            old = (pod.metadata.labels or {}).get(LABEL_SERVING_ROLE) if pod is not None else None
+            if pod is None or old == role:
                 continue
             self.core.patch_namespaced_pod(pod_name, namespace, {"metadata": {
                 "labels": {LABEL_SERVING_ROLE: role}, "annotations": {ANNOTATION_SERVING_ROLE_SINCE: since}}},
                 _request_timeout=self.request_timeout)
+            if old in SERVING_ROLES:
+                switched.append(f"{pod_name}: {old} -> {role}")
         for pod_name in fd.remove:
             if pod_name in pool.pods:
                 self.core.patch_namespaced_pod(pod_name, namespace, {"metadata": {
                     "annotations": {ANNOTATION_POD_DELETION_COST: REMOVE_COST}}}, _request_timeout=self.request_timeout)
+        return switched
 
     def report(self, obj: dict[str, Any], verdict: Verdict) -> dict[str, Any]:
         """status.latency and SLOMet alone (a deployment with spec.slo and no planner)."""

@@ -180,9 +180,13 @@ class _State:
     switching: dict[str, Switch] = field(default_factory=dict)   # flex pod -> the switch it drains for
     last_flex: FlexDecision | None = None
     # the roles of the flex workers the planner asked for that have no pod yet, in order: a new pod takes
-    # the next one (the operator's own pick for a new pod, the role fewer serve, is not the planner's)
+    # the next one (the operator follows the planner's split, status.planner, but a pod it labelled before
+    # that split was written, or by the role fewer serve, is relabelled)
     adding: list[str] = field(default_factory=list)
     adding_at: Any = None    # when they were asked for (a pod created before is not one of them)
+    # the flex pods of the last decision carried out: a pod among them took its role then, and is never
+    # taken for a later ask (its label, the operator's or the planner's, is its role)
+    known: frozenset[str] = frozenset()
 
 
 def _since(value: str | None) -> float:
@@ -388,6 +392,7 @@ class PlannerLoop:
             else:
                 state.switching[name] = Switch(frm, to, time.monotonic(), pool.signals.flips(frm, to))
         state.last_flex = fd
+        state.known = frozenset(pool.pods)
         adding = [role for name, role in fd.roles if name not in pool.pods] + list(fd.add)
         if not state.adding or state.adding_at is None:
             # (creation timestamps are whole seconds)
@@ -429,7 +434,8 @@ class PlannerLoop:
                                              p.metadata.name)):
             labels, notes = p.metadata.labels or {}, p.metadata.annotations or {}
             role = labels.get(LABEL_SERVING_ROLE)
-            if (adding and ANNOTATION_SERVING_ROLE_SINCE not in notes and state.adding_at is not None
+            if (adding and ANNOTATION_SERVING_ROLE_SINCE not in notes and p.metadata.name not in state.known
+                    and state.adding_at is not None
                     and p.metadata.creation_timestamp is not None and p.metadata.creation_timestamp >= state.adding_at):
                 # a pod the planner asked for whose role is not the planner's yet: the one it was asked for
                 # (the executor labels it; a pod already serving the operator's pick drains it first)

@@ -99,3 +99,25 @@ def test_picker_mode_says_whether_its_inference_pool_exists():
                                                                       inference_pool=statuses.PoolState("s")), "e")
     assert "InferencePoolApplied" not in {c["type"] for c in proxy["conditions"]}
     assert "inferencePool" not in proxy["router"] and statuses.changed(status2, proxy)
+
+
+def test_a_new_flex_pod_takes_the_role_the_planners_split_is_short_of_and_waits_while_the_split_lags():
+    from disagg.operator import flex
+
+    def pod(name, serving=None, ready=False):
+        return statuses.PodView(name, "flex", None, ready, "Running", serving_role=serving)
+
+    pool = [pod("a", "prefill", True), pod("b", "prefill", True), pod("c")]
+    obj = {"status": {"planner": {"flexPrefill": 3, "flexDecode": 0, "flexReplicas": 3}}}
+    split = flex.planned_split(obj, planner_enabled=True)
+    # the planner grew the pool for prefill: the new pod takes prefill, where the even split would say decode
+    assert flex.initial_role(pool, split) == ("prefill", "the planner's split of the pool")
+    assert flex.initial_role(pool, None) == ("decode", "the role fewer flex workers serve")
+    # a split the pool already has (or a planner since disabled) leaves the even split
+    assert flex.initial_role(pool, flex.Split(2, 0, 3))[0] == "decode"
+    assert flex.planned_split(obj, planner_enabled=False) is None
+    assert flex.planned_split({"status": {"planner": {"reason": "Steady"}}}, planner_enabled=True) is None
+    # decode first where both are short alike
+    assert flex.initial_role([pod("c")], flex.Split(1, 1, 2))[0] == "decode"
+    # a fourth pod, before the planner's status for it: the split lags the pool
+    assert not flex.split_lags(pool, split) and flex.split_lags([*pool, pod("d")], split)

@@ -153,12 +153,20 @@ def test_the_planner_switches_flex_workers_before_it_scales_grows_and_shrinks_th
     n3 = get()["spec"]["flex"]["replicas"]
     assert fast.reason == reasons.FLEX_GROWN and f"new {n3 - 2} prefill)" in fast.message and n3 > 2, fast.message
     assert roles(core, namespace)[decode_worker] == "prefill"
-    wait_for(lambda: len(flex_pods(core, namespace)) == n3, 120, "the new flex pods")
+    wait_for(lambda: len(flex_pods(core, namespace)) == n3 and all(roles(core, namespace).values()), 120,
+             "the new flex pods, each given a role")
+    # the operator gave each new pod the role the planner asked for (its split in status.planner), so the
+    # planner has none to relabel: no pod it grew the pool by drains before it serves
+    grown = {n: p for n, p in flex_pods(core, namespace).items() if n not in before}
+    assert len(grown) == n3 - 2 and {roles(core, namespace)[n] for n in grown} == {"prefill"}
+    assert not any(ANNOTATION_SERVING_ROLE_SINCE in (p.metadata.annotations or {}) for p in grown.values())
+    wait_for(lambda: all(any(n in e.message and "the planner's split of the pool" in e.message
+                             for e in core.list_namespaced_event(namespace).items if e.reason == "FlexRoleAssigned")
+                         for n in grown), 30, "the operator's FlexRoleAssigned events, by the planner's split")
     exporter.traffic = replace(exporter.traffic, prefill_waiting=0)
 
     # 4. both roles busy: no flex worker to spare (decode has none; the one that just switched does not switch
-    # back within its dwell, prefill keeps all it has): the pool grows, for decode. The pods the fast path asked
-    # for prefill serve prefill, whatever the operator gave them when they were created
+    # back within its dwell, prefill keeps all it has): the pool grows, for decode, and the new pods start in it
     exporter.traffic = replace(exporter.traffic, itl=0.2, output_tokens=400)
     wait_for(lambda: (lambda o: o.itl and o.itl > 0.1 and o.output_tokens_mean > 390)(
         source.observe(namespace, NAME, 90, 5)), 60,
@@ -174,6 +182,12 @@ def test_the_planner_switches_flex_workers_before_it_scales_grows_and_shrinks_th
     # (ready: a ReplicaSet removes a pod that is not before any other, whatever its deletion cost)
     wait_for(lambda: len(flex_pods(core, namespace)) == n4 and all(roles(core, namespace).values())
              and all(ready(p) for p in flex_pods(core, namespace).values()), 120, "the new flex pods, ready")
+    grown4 = {n: p for n, p in flex_pods(core, namespace).items() if n not in before and n not in grown}
+    assert {roles(core, namespace)[n] for n in grown4} == {"decode"}
+    assert not any(ANNOTATION_SERVING_ROLE_SINCE in (p.metadata.annotations or {}) for p in grown4.values())
+    # nor did the planner's pass relabel them, or the fast path's
+    assert not any(ANNOTATION_SERVING_ROLE_SINCE in (p.metadata.annotations or {})
+                   for n, p in flex_pods(core, namespace).items() if n not in before)
 
     # 5. Prometheus gone: the planner holds (no switch, no size change) and says so
     labelled = roles(core, namespace)
@@ -221,3 +235,73 @@ def _spec_and_target(obj):
     spec = DisaggDeploymentSpec.model_validate(obj["spec"])
     is_ready, rolling = readiness(obj)
     return spec, Target.from_spec(spec, ready=is_ready, rolling=rolling)
+
+
+def test_a_switch_keeps_its_event_when_the_status_write_after_its_label_fails(api_client, crd_installed, namespace,
+                                                                               planner_api):
+    """The labels are the switch (the routers act on them): when the planner's status write after them fails,
+    the switch's RoleSwitched event is there all the same, and the next pass, seeing the roles already given,
+    has nothing left to report it by. The failure is real: a ValidatingAdmissionPolicy refuses the planner's
+    status writes to this namespace. No operator runs: the flex pods are made by hand (kwok nodes, no engine)."""
+    from disagg.planner.decide import Decision, RoleDecision, Target
+    from disagg.planner.flex import FlexDecision, FlexTarget, FlexWorker
+    from disagg.planner.apply import FlexPool
+    from disagg.planner.metrics_source import FlexSignals
+    from disagg.e2e.operator_fixture import NAMESPACE, PLANNER_ACCOUNT
+
+    core, custom = client.CoreV1Api(api_client), client.CustomObjectsApi(api_client)
+    admission = client.AdmissionregistrationV1Api(api_client)
+    body = manifest(namespace)
+    body["metadata"]["name"] = "eventful"
+    obj = custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, body)
+    for i, role in enumerate(("decode", "prefill")):
+        core.create_namespaced_pod(namespace, {"metadata": {"name": f"eventful-flex-{i}", "labels": {
+            LABEL_DEPLOYMENT: "eventful", LABEL_ROLE: ROLE_FLEX, LABEL_SERVING_ROLE: role}},
+            "spec": {"schedulerName": "none", "containers": [{"name": "engine", "image": "engine"}]}})
+    pods = {p.metadata.name: p for p in core.list_namespaced_pod(namespace).items}
+    planner_user = f"system:serviceaccount:{NAMESPACE}:{PLANNER_ACCOUNT}"
+    policy = f"deny-planner-status-{namespace[-6:]}"   # (the namespace's name ends in its test's digest)
+    admission.create_validating_admission_policy({"metadata": {"name": policy}, "spec": {
+        "failurePolicy": "Fail",
+        "matchConstraints": {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}},
+                             "resourceRules": [{"apiGroups": [GROUP], "apiVersions": ["*"], "operations": ["UPDATE"],
+                                                "resources": ["disaggdeployments/status"]}]},
+        "validations": [{"expression": f"request.userInfo.username != '{planner_user}'",
+                         "message": "this test refuses the planner's status writes"}]}})
+    admission.create_validating_admission_policy_binding({"metadata": {"name": policy}, "spec": {
+        "policyName": policy, "validationActions": ["Deny"]}})
+    try:
+        planner_custom = client.CustomObjectsApi(planner_api)
+        probe = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "DisaggDeployment",
+                 "metadata": {"name": "eventful", "namespace": namespace}, "status": {"planner": {"reason": "Probe"}}}
+
+        def refused():
+            try:
+                planner_custom.patch_namespaced_custom_object_status(
+                    GROUP, VERSION, namespace, PLURAL, "eventful", probe, field_manager=FIELD_MANAGER, force=True,
+                    _content_type="application/apply-patch+yaml")
+            except client.ApiException as e:
+                return e.status in (403, 422) and "ValidatingAdmissionPolicy" in (e.body or "")
+            return False
+
+        wait_for(refused, 30, "the planner's status writes refused")
+        steady = RoleDecision(1, 1, reasons.STEADY)
+        decision = Decision(steady, steady, reasons.ROLE_SWITCHED, "1 decode->prefill switched", True)
+        target = Target(prefill=1, decode=1, ttft_target=1.0, itl_target=0.05)
+        fd = FlexDecision(decision, 1, 1, roles=(("eventful-flex-0", "prefill"), ("eventful-flex-1", "prefill")),
+                          switches=(("eventful-flex-0", "decode", "prefill"),), reason=reasons.ROLE_SWITCHED,
+                          message=decision.message)
+        workers = (FlexWorker("eventful-flex-0", "decode"), FlexWorker("eventful-flex-1", "prefill"))
+        pool = FlexPool(FlexTarget(target, workers, 1, 6), pods, FlexSignals(), 2)
+        obj = custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "eventful")
+        with pytest.raises(client.ApiException) as refusal:
+            Executor(planner_api).apply(obj, decision, target, flex=(fd, pool), now=1000.0)
+        assert "this test refuses" in refusal.value.body
+        assert (core.read_namespaced_pod("eventful-flex-0", namespace).metadata.labels[LABEL_SERVING_ROLE]
+                == "prefill")
+        events = [e for e in core.list_namespaced_event(namespace, field_selector="involvedObject.name=eventful").items
+                  if e.reason == reasons.ROLE_SWITCHED and e.source.component == FIELD_MANAGER]
+        assert len(events) == 1 and "eventful-flex-0: decode -> prefill" in events[0].message, events
+    finally:
+        admission.delete_validating_admission_policy_binding(policy)
+        admission.delete_validating_admission_policy(policy)
