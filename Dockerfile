@@ -19,7 +19,7 @@ FROM ${PYTHON_IMAGE} AS wheel
 # folder named like the standard library's `operator`.
 RUN python3 -m venv /opt/build
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml ./
 COPY disagg disagg
 COPY operator operator
 COPY perf perf
