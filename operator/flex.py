@@ -3,7 +3,8 @@
 A flex pod's role is its LABEL_SERVING_ROLE label. The planner owns it where it runs (its decision, written
 on the pod, disagg.planner.apply); the operator writes it only on a pod that has none yet, and never changes
 a role someone set. A new flex worker takes the role the planner asked new workers for: its split of the
-pool (status.planner.flexPrefill/flexDecode, written in the same pass as spec.flex.replicas) less the
+pool (status.planner.flexPrefill/flexDecode, which the planner writes before the spec.flex.replicas that grow
+the pool) less the
 workers already in each role. So a pod the planner grew the pool by starts in its role, and never drains
 to take it at the planner's next pass. With no planner (or a split the pool already has), the role fewer
 flex workers serve (decode on a tie: decode's KV memory is what a burst of long answers runs out of first),
@@ -60,8 +61,9 @@ def initial_role(pods: list[statuses.PodView], planned: Split | None = None) -> 
 
 
 def split_lags(pods: list[statuses.PodView], planned: Split | None) -> bool:
-    """Whether the pool has more live workers than the planner's split was made for: the planner writes
-    spec.flex.replicas, then its status, so a pod it grew the pool by can be seen between the two."""
+    """Whether the pool has more live workers than the planner's split was made for: spec.flex.replicas
+    raised by someone else, or a status write of the planner's that failed or came from an older planner,
+    which wrote its status after the replicas."""
     return planned is not None and sum(p.role == ROLE_FLEX and not p.terminating for p in pods) > planned.replicas
 
 
@@ -91,9 +93,10 @@ def run(core, namespace: str, name: str, pods: list[statuses.PodView], written: 
                 p = out[i] = replace(p, observed_role=mine)
         patch: dict[str, Any] = {}
         if p.serving_role not in SERVING_ROLES:
-            if not p.ready and split_lags(out, planned):
+            lags = split_lags(out, planned)
+            if lags and not p.ready:
                 continue
-            role, why = initial_role(out, planned if not split_lags(out, planned) else None)
+            role, why = initial_role(out, None if lags else planned)
             patch = {"labels": {LABEL_SERVING_ROLE: role}, "annotations": {ANNOTATION_OBSERVED_SERVING_ROLE: role}}
             events.append(("Normal", "FlexRoleAssigned", f"flex worker {p.name} serves {role} (no role set: "
                                                          f"{why})"))

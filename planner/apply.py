@@ -213,7 +213,8 @@ class Executor:
         previous = _find(obj, ConditionType.PLANNER_ACTIVE)
         before = obj
         write_spec = changes or owner != FIELD_MANAGER or (flex is not None and not owns_flex_replicas(obj))
-        if write_spec and fd is not None and fd.add:
+        split_first = write_spec and fd is not None and bool(fd.add)
+        if split_first:
             # (a forced apply makes the planner the replicas' owner: the status says so before it lands)
             obj = self._status(obj, decision, sizes, FIELD_MANAGER, verdict, fd)
         if write_spec:
@@ -223,7 +224,7 @@ class Executor:
             obj = self.custom.patch_namespaced_custom_object(
                 GROUP, VERSION, ns, PLURAL, name, body, field_manager=FIELD_MANAGER, force=True,
                 _content_type=APPLY, _request_timeout=self.request_timeout)
-        if not (write_spec and fd is not None and fd.add) or replicas_owner(obj) != FIELD_MANAGER:
+        if not split_first or replicas_owner(obj) != FIELD_MANAGER:
             obj = self._status(obj, decision, sizes, replicas_owner(obj), verdict, fd)
         if verdict is not None:
             self._slo_event(before, obj, verdict)
